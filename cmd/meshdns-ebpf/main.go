@@ -1,0 +1,185 @@
+// Command meshdns-ebpf is the node DNS interceptor for service meshes: `run` is the
+// agent (resolver plus capture datapath); `stats`, `status` and `cleanup` inspect and
+// repair a node; `version` prints the build.
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"log/slog"
+	"os"
+	"os/signal"
+	"syscall"
+
+	"github.com/meshdns/meshdns-ebpf/internal/agent"
+	"github.com/meshdns/meshdns-ebpf/internal/redirect"
+	"github.com/meshdns/meshdns-ebpf/internal/version"
+)
+
+const usage = `meshdns-ebpf: DNS capture for service meshes, at the socket.
+
+Usage:
+  meshdns-ebpf run [flags]       run the agent (resolver + capture); -h lists the flags
+  meshdns-ebpf stats [flags]     datapath counters per hook, in total and per cgroup
+  meshdns-ebpf status [flags]    what is attached where, mode, resolver, readiness, conntrack
+  meshdns-ebpf cleanup [flags]   remove what a crashed agent left (pins, links, rules, addresses)
+  meshdns-ebpf version
+`
+
+func main() {
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
+	err := run(ctx, os.Args[1:], os.Stdout, os.Stderr)
+	stop()
+	if err != nil {
+		if !errors.Is(err, flag.ErrHelp) {
+			fmt.Fprintln(os.Stderr, "meshdns-ebpf:", err)
+		}
+		os.Exit(1)
+	}
+}
+
+func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	if len(args) == 0 {
+		fmt.Fprint(stderr, usage)
+		return errors.New("a command is required")
+	}
+	cmd, args := args[0], args[1:]
+	switch cmd {
+	case "run":
+		return runAgent(ctx, args, stderr)
+	case "stats":
+		return runStats(args, stdout, stderr)
+	case "status":
+		return runStatus(args, stdout, stderr)
+	case "cleanup":
+		return runCleanup(args, stdout, stderr)
+	case "version":
+		fmt.Fprintln(stdout, "meshdns-ebpf", version.String())
+		return nil
+	case "help", "-h", "--help":
+		fmt.Fprint(stdout, usage)
+		return nil
+	default:
+		fmt.Fprint(stderr, usage)
+		return fmt.Errorf("unknown command %q", cmd)
+	}
+}
+
+func newFlagSet(name string, stderr io.Writer) *flag.FlagSet {
+	fs := flag.NewFlagSet("meshdns-ebpf "+name, flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	return fs
+}
+
+func parse(fs *flag.FlagSet, args []string) error {
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	if fs.NArg() > 0 {
+		return fmt.Errorf("%s: unexpected argument %q", fs.Name(), fs.Arg(0))
+	}
+	return nil
+}
+
+func runAgent(ctx context.Context, args []string, stderr io.Writer) error {
+	var cfg agent.Config
+	fs := newFlagSet("run", stderr)
+	cfg.RegisterFlags(fs)
+	if err := parse(fs, args); err != nil {
+		return err
+	}
+	log, err := newLogger(cfg.LogLevel, cfg.LogFormat, stderr)
+	if err != nil {
+		return err
+	}
+	return agent.Run(ctx, cfg, log)
+}
+
+func newLogger(level, format string, w io.Writer) (*slog.Logger, error) {
+	var lv slog.Level
+	if err := lv.UnmarshalText([]byte(level)); err != nil {
+		return nil, fmt.Errorf("--log-level %q: want debug, info, warn or error", level)
+	}
+	opts := &slog.HandlerOptions{Level: lv}
+	if format == "json" {
+		return slog.New(slog.NewJSONHandler(w, opts)), nil
+	}
+	return slog.New(slog.NewTextHandler(w, opts)), nil
+}
+
+// outputFlag registers -o table|json.
+func outputFlag(fs *flag.FlagSet) *string {
+	return fs.String("o", "table", "output format: table or json")
+}
+
+func checkOutput(o string) error {
+	if o != "table" && o != "json" {
+		return fmt.Errorf("-o %q: want table or json", o)
+	}
+	return nil
+}
+
+func writeJSON(w io.Writer, v any) error {
+	enc := json.NewEncoder(w)
+	enc.SetIndent("", "  ")
+	return enc.Encode(v)
+}
+
+func runStats(args []string, stdout, stderr io.Writer) error {
+	fs := newFlagSet("stats", stderr)
+	bpffs := fs.String("bpffs", "/sys/fs/bpf/meshdns", "directory where the agent pinned its maps")
+	out := outputFlag(fs)
+	if err := parse(fs, args); err != nil {
+		return err
+	}
+	if err := checkOutput(*out); err != nil {
+		return err
+	}
+	s, err := redirect.ReadStats(*bpffs)
+	if err != nil {
+		return err
+	}
+	if *out == "json" {
+		return writeJSON(stdout, s)
+	}
+	return s.WriteTable(stdout)
+}
+
+func runStatus(args []string, stdout, stderr io.Writer) error {
+	fs := newFlagSet("status", stderr)
+	bpffs := fs.String("bpffs", "/sys/fs/bpf/meshdns", "directory where the agent pinned its links and maps")
+	stateDir := fs.String("state-dir", agent.DefaultStateDir, "the agent's state directory")
+	out := outputFlag(fs)
+	if err := parse(fs, args); err != nil {
+		return err
+	}
+	if err := checkOutput(*out); err != nil {
+		return err
+	}
+	st := agent.ReadStatus(*stateDir, *bpffs)
+	if *out == "json" {
+		return writeJSON(stdout, st)
+	}
+	return st.WriteTable(stdout)
+}
+
+func runCleanup(args []string, stdout, stderr io.Writer) error {
+	fs := newFlagSet("cleanup", stderr)
+	bpffs := fs.String("bpffs", "/sys/fs/bpf/meshdns", "directory where the agent pinned its links and maps")
+	stateDir := fs.String("state-dir", agent.DefaultStateDir, "the agent's state directory")
+	if err := parse(fs, args); err != nil {
+		return err
+	}
+	removed, err := agent.Cleanup(*stateDir, *bpffs, slog.New(slog.NewTextHandler(stderr, nil)))
+	for _, r := range removed {
+		fmt.Fprintln(stdout, "removed", r)
+	}
+	if len(removed) == 0 && err == nil {
+		fmt.Fprintln(stdout, "nothing to clean up")
+	}
+	return err
+}

@@ -1,0 +1,92 @@
+package agent
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"runtime"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+
+	"github.com/meshdns/meshdns-ebpf/internal/redirect"
+	"github.com/meshdns/meshdns-ebpf/internal/version"
+)
+
+// readiness is what /readyz asks.
+type readiness interface{ Ready() error }
+
+// serveAdmin serves /healthz, /readyz and /metrics on addr and returns its stop func.
+func serveAdmin(addr string, reg *prometheus.Registry, r readiness, log *slog.Logger) (func(), error) {
+	mux := http.NewServeMux()
+	mux.HandleFunc("/healthz", func(w http.ResponseWriter, _ *http.Request) {
+		fmt.Fprintln(w, "ok")
+	})
+	mux.HandleFunc("/readyz", func(w http.ResponseWriter, _ *http.Request) {
+		if err := r.Ready(); err != nil {
+			http.Error(w, "not ready: "+err.Error(), http.StatusServiceUnavailable)
+			return
+		}
+		fmt.Fprintln(w, "ok")
+	})
+	mux.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{Registry: reg}))
+	l, err := net.Listen("tcp", addr)
+	if err != nil {
+		return nil, fmt.Errorf("admin listen %s: %w", addr, err)
+	}
+	hs := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
+	go func() {
+		if err := hs.Serve(l); err != nil && !errors.Is(err, http.ErrServerClosed) {
+			log.Error("admin server", "err", err)
+		}
+	}()
+	return func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+		defer cancel()
+		_ = hs.Shutdown(ctx)
+	}, nil
+}
+
+func newBuildInfo() prometheus.Collector {
+	g := prometheus.NewGaugeVec(prometheus.GaugeOpts{
+		Name: "meshdns_build_info",
+		Help: "Build information: version and Go version.",
+	}, []string{"version", "goversion"})
+	g.WithLabelValues(version.Version, runtime.Version()).Set(1)
+	return g
+}
+
+// datapathCollector exports the BPF counters, read from the pinned maps at scrape
+// time: the datapath's hot path pays nothing for them.
+type datapathCollector struct {
+	pinDir string
+	desc   *prometheus.Desc
+}
+
+func newDatapathCollector(pinDir string) *datapathCollector {
+	return &datapathCollector{
+		pinDir: pinDir,
+		desc: prometheus.NewDesc("meshdns_datapath_events_total",
+			"eBPF datapath decisions per hook and counter, summed over CPUs.",
+			[]string{"hook", "counter"}, nil),
+	}
+}
+
+func (c *datapathCollector) Describe(ch chan<- *prometheus.Desc) { ch <- c.desc }
+
+func (c *datapathCollector) Collect(ch chan<- prometheus.Metric) {
+	s, err := redirect.ReadStats(c.pinDir)
+	if err != nil {
+		ch <- prometheus.NewInvalidMetric(c.desc, err)
+		return
+	}
+	for _, h := range s.Hooks {
+		for _, cv := range h.Counters() {
+			ch <- prometheus.MustNewConstMetric(c.desc, prometheus.CounterValue, float64(cv.Value), h.Hook, cv.Name)
+		}
+	}
+}

@@ -1,0 +1,200 @@
+// Package agent runs meshdns-ebpf on a node: it validates the configuration, picks
+// the capture mode (eBPF, or iptables with conntrack zones as the fallback), puts the
+// resolver's node-local address in place, starts the resolver, installs the capture
+// datapath, serves /healthz, /readyz and /metrics, and takes all of it down again on
+// stop — capture first, so no query is sent to a resolver that is going away.
+package agent
+
+import (
+	"flag"
+	"fmt"
+	"net/netip"
+	"strconv"
+	"strings"
+	"time"
+)
+
+// Capture modes.
+const (
+	ModeAuto     = "auto"
+	ModeEBPF     = "ebpf"
+	ModeIptables = "iptables"
+	ModeOff      = "off" // resolver only, no capture
+)
+
+// Config is the agent's configuration; the flag names are a contract (docs,
+// manifests and scripts rely on them).
+type Config struct {
+	Mode            string
+	Cgroup          string           // "" = the cgroup2 root
+	Listen          []netip.AddrPort // resolver addresses; at most one per family
+	Nameservers     []netip.Addr     // nil = the nameservers of ResolvConf
+	CaptureAll      bool
+	CaptureLoopback bool
+	ProxyUIDs       []uint32
+	ProxyGIDs       []uint32
+	NamesFile       string // "" = the embedded default table
+	Upstreams       []netip.AddrPort
+	Admin           string
+	BPFFS           string
+	StateDir        string
+	Persist         bool
+	UpstreamMark    uint32
+	ResolvConf      string
+	TTL             time.Duration
+	ClusterDomain   string
+	Authoritative   bool
+	LinkName        string
+	LogLevel        string
+	LogFormat       string
+
+	// forceNoEBPF makes auto mode behave as if the kernel probe failed (tests).
+	forceNoEBPF string
+}
+
+// DefaultListen is the node-local address every pod of the node can reach.
+const DefaultListen = "169.254.20.53:53"
+
+// RegisterFlags defines the `run` flags on fs, storing into c.
+func (c *Config) RegisterFlags(fs *flag.FlagSet) {
+	fs.StringVar(&c.Mode, "mode", ModeAuto, "capture mode: auto (eBPF when the kernel can, else iptables), ebpf, iptables, or off (resolver only)")
+	fs.StringVar(&c.Cgroup, "cgroup", "", "cgroup v2 directory whose processes are captured (default: the cgroup2 root)")
+	fs.Func("listen", "resolver address(es) ADDR:PORT, one per family, comma-separated (default "+DefaultListen+")", func(s string) error {
+		v, err := parseAddrPorts(s, 0)
+		c.Listen = v
+		return err
+	})
+	fs.Func("nameservers", "captured nameserver IPs, comma-separated (default: the nameservers of --resolv-conf)", func(s string) error {
+		v, err := parseAddrs(s)
+		c.Nameservers = v
+		return err
+	})
+	fs.BoolVar(&c.CaptureAll, "capture-all", false, "capture every port-53 destination, not only the nameservers")
+	fs.BoolVar(&c.CaptureLoopback, "capture-loopback", false, "also capture nameservers on loopback addresses (127.0.0.53, 127.0.0.11, ::1)")
+	fs.Func("proxy-uid", "UIDs whose DNS is never captured (e.g. 1337 for Istio's proxy), comma-separated", func(s string) error {
+		v, err := parseUints(s)
+		c.ProxyUIDs = v
+		return err
+	})
+	fs.Func("proxy-gid", "GIDs whose DNS is never captured (iptables mode), comma-separated", func(s string) error {
+		v, err := parseUints(s)
+		c.ProxyGIDs = v
+		return err
+	})
+	fs.StringVar(&c.NamesFile, "names", "", "name table file, JSON or YAML, reloaded live (default: the embedded demo table)")
+	fs.Func("upstream", "upstream nameservers ADDR[:PORT], comma-separated (default: the nameservers of --resolv-conf)", func(s string) error {
+		v, err := parseAddrPorts(s, 53)
+		c.Upstreams = v
+		return err
+	})
+	fs.StringVar(&c.Admin, "admin", "127.0.0.1:9153", "admin HTTP address for /healthz, /readyz and /metrics (empty disables)")
+	fs.StringVar(&c.BPFFS, "bpffs", "/sys/fs/bpf/meshdns", "directory on a bpffs where links and maps are pinned")
+	fs.StringVar(&c.StateDir, "state-dir", DefaultStateDir, "directory for the agent's state file (read by status and cleanup)")
+	fs.BoolVar(&c.Persist, "persist", false, "keep programs attached and pinned after a clean stop (capture stays off until the next start)")
+	fs.Func("upstream-mark", "SO_MARK of the resolver's own upstream sockets, never captured (default 0x3f53)", func(s string) error {
+		v, err := strconv.ParseUint(s, 0, 32)
+		if err != nil || v == 0 {
+			return fmt.Errorf("want a non-zero 32-bit number, got %q", s)
+		}
+		c.UpstreamMark = uint32(v)
+		return nil
+	})
+	c.UpstreamMark = 0x3f53
+	fs.StringVar(&c.ResolvConf, "resolv-conf", "/etc/resolv.conf", "resolv.conf to read nameservers and upstreams from (read before capture starts)")
+	fs.DurationVar(&c.TTL, "ttl", 30*time.Second, "TTL of answers from the name table")
+	fs.StringVar(&c.ClusterDomain, "cluster-domain", "cluster.local", "Kubernetes cluster domain")
+	fs.BoolVar(&c.Authoritative, "authoritative", false, "answer NXDOMAIN locally for unknown names under the cluster domain")
+	fs.StringVar(&c.LinkName, "link", DefaultLinkName, "dummy link that carries the node-local listen address")
+	fs.StringVar(&c.LogLevel, "log-level", "info", "debug, info, warn or error")
+	fs.StringVar(&c.LogFormat, "log-format", "text", "text or json")
+	fs.StringVar(&c.forceNoEBPF, "x-force-no-ebpf", "", "testing only: make auto mode behave as if the eBPF probe failed with this reason")
+}
+
+// Validate checks what can be checked without touching the system.
+func (c *Config) Validate() error {
+	switch c.Mode {
+	case ModeAuto, ModeEBPF, ModeIptables, ModeOff:
+	default:
+		return fmt.Errorf("--mode %q: want auto, ebpf, iptables or off", c.Mode)
+	}
+	if len(c.Listen) == 0 {
+		c.Listen = []netip.AddrPort{netip.MustParseAddrPort(DefaultListen)}
+	}
+	var v4, v6 int
+	for _, l := range c.Listen {
+		if l.Port() == 0 {
+			return fmt.Errorf("--listen %s: a port is required", l)
+		}
+		if l.Addr().Is4() {
+			v4++
+		} else {
+			v6++
+		}
+	}
+	if v4 > 1 || v6 > 1 {
+		return fmt.Errorf("--listen: at most one IPv4 and one IPv6 address")
+	}
+	switch c.LogFormat {
+	case "text", "json":
+	default:
+		return fmt.Errorf("--log-format %q: want text or json", c.LogFormat)
+	}
+	if c.UpstreamMark == 0 {
+		return fmt.Errorf("--upstream-mark must be non-zero")
+	}
+	return nil
+}
+
+func splitList(s string) []string {
+	var out []string
+	for _, f := range strings.FieldsFunc(s, func(r rune) bool { return r == ',' || r == ' ' }) {
+		if f != "" {
+			out = append(out, f)
+		}
+	}
+	return out
+}
+
+func parseAddrs(s string) ([]netip.Addr, error) {
+	var out []netip.Addr
+	for _, f := range splitList(s) {
+		a, err := netip.ParseAddr(f)
+		if err != nil {
+			return nil, fmt.Errorf("%q is not an IP address", f)
+		}
+		out = append(out, a.Unmap())
+	}
+	return out, nil
+}
+
+// parseAddrPorts parses "ip", "ip:port", "[v6]:port"; defPort 0 makes the port required.
+func parseAddrPorts(s string, defPort uint16) ([]netip.AddrPort, error) {
+	var out []netip.AddrPort
+	for _, f := range splitList(s) {
+		if ap, err := netip.ParseAddrPort(f); err == nil {
+			out = append(out, netip.AddrPortFrom(ap.Addr().Unmap(), ap.Port()))
+			continue
+		}
+		a, err := netip.ParseAddr(strings.Trim(f, "[]"))
+		if err != nil || defPort == 0 {
+			if defPort == 0 {
+				return nil, fmt.Errorf("%q: want ADDR:PORT (IPv6 as [ADDR]:PORT)", f)
+			}
+			return nil, fmt.Errorf("%q: want ADDR[:PORT]", f)
+		}
+		out = append(out, netip.AddrPortFrom(a.Unmap(), defPort))
+	}
+	return out, nil
+}
+
+func parseUints(s string) ([]uint32, error) {
+	var out []uint32
+	for _, f := range splitList(s) {
+		v, err := strconv.ParseUint(f, 10, 32)
+		if err != nil {
+			return nil, fmt.Errorf("%q is not a numeric id", f)
+		}
+		out = append(out, uint32(v))
+	}
+	return out, nil
+}

@@ -1,0 +1,151 @@
+package agent
+
+import (
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/netip"
+
+	"github.com/vishvananda/netlink"
+	"golang.org/x/sys/unix"
+)
+
+// DefaultLinkName is the dummy link that carries the node-local resolver address.
+const DefaultLinkName = "meshdns0"
+
+// NodeAddr records a resolver address the agent added to this network namespace, so
+// stop and `cleanup` remove exactly that and nothing else.
+type NodeAddr struct {
+	Link        string `json:"link"`         // link the address was added to
+	Addr        string `json:"addr"`         // CIDR, e.g. 169.254.20.53/32
+	CreatedLink bool   `json:"created_link"` // the agent created Link (and deletes it)
+}
+
+// ensureNodeAddrs makes every non-loopback listen address local to this namespace.
+// Addresses already present are left alone (and not recorded). New ones go on a
+// dummy link named linkName; where the kernel has no dummy link type they go on lo
+// instead, and a log line says so.
+func ensureNodeAddrs(addrs []netip.Addr, linkName string, log *slog.Logger) ([]NodeAddr, error) {
+	var added []NodeAddr
+	undo := func() { removeNodeAddrs(added, log) }
+	for _, a := range addrs {
+		if a.IsLoopback() || a.IsUnspecified() {
+			continue
+		}
+		local, err := isLocalAddr(a)
+		if err != nil {
+			undo()
+			return nil, err
+		}
+		if local {
+			log.Info("listen address already present on this node", "addr", a)
+			continue
+		}
+		link, created, err := resolverLink(linkName, log)
+		if err != nil {
+			undo()
+			return nil, err
+		}
+		if created {
+			// Record the link on its own, so that undo removes it even if the
+			// address cannot be added.
+			added = append(added, NodeAddr{Link: link.Attrs().Name, CreatedLink: true})
+		}
+		bits := 32
+		if a.Is6() {
+			bits = 128
+		}
+		prefix := netip.PrefixFrom(a, bits)
+		nlAddr, err := netlink.ParseAddr(prefix.String())
+		if err != nil {
+			undo()
+			return nil, fmt.Errorf("parse listen address %s: %w", prefix, err)
+		}
+		if a.Is6() {
+			nlAddr.Flags = unix.IFA_F_NODAD
+		}
+		if err := netlink.AddrAdd(link, nlAddr); err != nil {
+			undo()
+			return nil, fmt.Errorf("add %s to %s: %w", prefix, link.Attrs().Name, err)
+		}
+		added = append(added, NodeAddr{Link: link.Attrs().Name, Addr: prefix.String()})
+		log.Info("added node-local resolver address", "addr", prefix, "link", link.Attrs().Name)
+	}
+	return added, nil
+}
+
+// resolverLink returns the dummy link, creating it, or lo when dummy links are not
+// supported by this kernel.
+func resolverLink(name string, log *slog.Logger) (netlink.Link, bool, error) {
+	if l, err := netlink.LinkByName(name); err == nil {
+		return l, false, nil
+	}
+	d := &netlink.Dummy{LinkAttrs: netlink.LinkAttrs{Name: name}}
+	err := netlink.LinkAdd(d)
+	if err == nil {
+		l, err := netlink.LinkByName(name)
+		if err != nil {
+			return nil, false, fmt.Errorf("find created link %s: %w", name, err)
+		}
+		if err := netlink.LinkSetUp(l); err != nil {
+			_ = netlink.LinkDel(l)
+			return nil, false, fmt.Errorf("set %s up: %w", name, err)
+		}
+		return l, true, nil
+	}
+	if !errors.Is(err, unix.EOPNOTSUPP) && !errors.Is(err, unix.ENOENT) && !errors.Is(err, unix.EINVAL) {
+		return nil, false, fmt.Errorf("create dummy link %s: %w", name, err)
+	}
+	log.Warn("this kernel has no dummy link type; putting the resolver address on lo instead", "link", name, "err", err)
+	lo, lerr := netlink.LinkByName("lo")
+	if lerr != nil {
+		return nil, false, fmt.Errorf("find lo: %w", lerr)
+	}
+	return lo, false, nil
+}
+
+// removeNodeAddrs removes what ensureNodeAddrs added, in reverse order.
+func removeNodeAddrs(added []NodeAddr, log *slog.Logger) error {
+	var errs []error
+	for i := len(added) - 1; i >= 0; i-- {
+		na := added[i]
+		link, err := netlink.LinkByName(na.Link)
+		if err != nil {
+			continue // already gone
+		}
+		if na.CreatedLink {
+			if err := netlink.LinkDel(link); err != nil {
+				errs = append(errs, fmt.Errorf("delete link %s: %w", na.Link, err))
+			}
+			continue
+		}
+		addr, err := netlink.ParseAddr(na.Addr)
+		if err != nil {
+			errs = append(errs, fmt.Errorf("parse %s: %w", na.Addr, err))
+			continue
+		}
+		if err := netlink.AddrDel(link, addr); err != nil && !errors.Is(err, unix.EADDRNOTAVAIL) {
+			errs = append(errs, fmt.Errorf("remove %s from %s: %w", na.Addr, na.Link, err))
+			continue
+		}
+		log.Info("removed node-local resolver address", "addr", na.Addr, "link", na.Link)
+	}
+	return errors.Join(errs...)
+}
+
+// isLocalAddr reports whether a is assigned to an interface of this namespace.
+func isLocalAddr(a netip.Addr) (bool, error) {
+	ifaddrs, err := net.InterfaceAddrs()
+	if err != nil {
+		return false, fmt.Errorf("list addresses: %w", err)
+	}
+	for _, ia := range ifaddrs {
+		if n, ok := ia.(*net.IPNet); ok {
+			if ip, ok := netip.AddrFromSlice(n.IP); ok && ip.Unmap() == a.Unmap() {
+				return true, nil
+			}
+		}
+	}
+	return false, nil
+}

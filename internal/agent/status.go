@@ -1,0 +1,166 @@
+package agent
+
+import (
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/http"
+	"os"
+	"strings"
+	"text/tabwriter"
+	"time"
+
+	"github.com/meshdns/meshdns-ebpf/internal/ctzone"
+	"github.com/meshdns/meshdns-ebpf/internal/redirect"
+)
+
+// Status is what `meshdns-ebpf status` shows: the agent's own account (state file),
+// whether it is alive and ready, what the kernel has attached, and conntrack.
+type Status struct {
+	Agent     *State                  `json:"agent,omitempty"`
+	Running   bool                    `json:"running"`
+	Ready     string                  `json:"ready"` // "yes", or why not
+	Datapath  *redirect.Status        `json:"datapath,omitempty"`
+	Conntrack *ctzone.ConntrackStatus `json:"conntrack,omitempty"`
+	Errors    []string                `json:"errors,omitempty"`
+}
+
+// ReadStatus gathers the status; what cannot be read is reported in Errors.
+func ReadStatus(stateDir, pinDir string) *Status {
+	s := &Status{Ready: "no agent state"}
+	st, err := ReadState(stateDir)
+	switch {
+	case err == nil:
+		s.Agent = st
+		s.Running = st.Alive()
+		s.Ready = probeReady(st)
+		if st.BPFFS != "" {
+			pinDir = st.BPFFS
+		}
+	case errors.Is(err, os.ErrNotExist):
+		s.Errors = append(s.Errors, fmt.Sprintf("no agent state in %s: the agent is not running (or stopped cleanly)", stateDir))
+	default:
+		s.Errors = append(s.Errors, err.Error())
+	}
+	if ds, err := redirect.ReadStatus(pinDir); err == nil {
+		s.Datapath = ds
+	} else if s.Agent == nil || s.Agent.Mode == ModeEBPF {
+		s.Errors = append(s.Errors, err.Error())
+	}
+	if ct, err := ctzone.ReadConntrackStatus(); err == nil {
+		s.Conntrack = ct
+	} else {
+		s.Errors = append(s.Errors, "conntrack: "+err.Error())
+	}
+	return s
+}
+
+func probeReady(st *State) string {
+	if !st.Alive() {
+		return fmt.Sprintf("no: agent pid %d is not running", st.PID)
+	}
+	if st.Admin == "" {
+		return "unknown: admin endpoint disabled"
+	}
+	c := http.Client{Timeout: time.Second}
+	resp, err := c.Get("http://" + st.Admin + "/readyz")
+	if err != nil {
+		return "unknown: " + err.Error()
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(io.LimitReader(resp.Body, 512))
+	if resp.StatusCode == http.StatusOK {
+		return "yes"
+	}
+	return "no: " + strings.TrimSpace(string(b))
+}
+
+// WriteTable prints the status for people.
+func (s *Status) WriteTable(w io.Writer) error {
+	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
+	if a := s.Agent; a != nil {
+		fmt.Fprintln(tw, "AGENT\tVALUE")
+		fmt.Fprintf(tw, "pid\t%d (running: %v)\n", a.PID, s.Running)
+		fmt.Fprintf(tw, "mode\t%s (%s)\n", a.Mode, a.ModeReason)
+		fmt.Fprintf(tw, "ready\t%s\n", s.Ready)
+		fmt.Fprintf(tw, "resolver\t%s\n", strings.Join(a.Listen, ", "))
+		fmt.Fprintf(tw, "nameservers\t%s (capture-all: %v)\n", strings.Join(a.Nameservers, ", "), a.CaptureAll)
+		fmt.Fprintf(tw, "upstreams\t%s\n", strings.Join(a.Upstreams, ", "))
+		if a.Cgroup != "" {
+			fmt.Fprintf(tw, "cgroup\t%s\n", a.Cgroup)
+		}
+		if a.Backend != "" {
+			fmt.Fprintf(tw, "iptables backend\t%s\n", a.Backend)
+		}
+		fmt.Fprintf(tw, "admin\t%s\n", a.Admin)
+		fmt.Fprintf(tw, "started\t%s\n", a.Started.Format(time.RFC3339))
+		fmt.Fprintln(tw)
+	}
+	if err := tw.Flush(); err != nil {
+		return err
+	}
+	if s.Datapath != nil {
+		if err := s.Datapath.WriteTable(w); err != nil {
+			return err
+		}
+		fmt.Fprintln(w)
+	}
+	if s.Conntrack != nil {
+		if err := s.Conntrack.WriteTable(w); err != nil {
+			return err
+		}
+	}
+	for _, e := range s.Errors {
+		fmt.Fprintln(w, "note:", e)
+	}
+	return nil
+}
+
+// Cleanup removes what a crashed agent left: pinned links and maps (which detaches
+// the programs), iptables chains and rules, the node address it added, and its
+// state file. It is safe to run on a clean node.
+func Cleanup(stateDir, pinDir string, log *slog.Logger) ([]string, error) {
+	var removed []string
+	var errs []error
+	st, err := ReadState(stateDir)
+	if err == nil && st.Alive() && st.PID != os.Getpid() {
+		return nil, fmt.Errorf("the agent (pid %d) is still running: stop it first", st.PID)
+	}
+	if err == nil && st.BPFFS != "" {
+		pinDir = st.BPFFS
+	}
+	r, err := redirect.Cleanup(pinDir)
+	removed = append(removed, r...)
+	if err != nil {
+		errs = append(errs, err)
+	}
+	backend := ""
+	if st != nil {
+		backend = st.Backend
+	}
+	r, err = ctzone.Cleanup(backend)
+	removed = append(removed, r...)
+	if err != nil {
+		errs = append(errs, err)
+	}
+	if st != nil {
+		if err := removeNodeAddrs(st.NodeAddrs, log); err != nil {
+			errs = append(errs, err)
+		} else {
+			for _, na := range st.NodeAddrs {
+				if na.CreatedLink {
+					removed = append(removed, "link "+na.Link)
+				} else {
+					removed = append(removed, "address "+na.Addr+" on "+na.Link)
+				}
+			}
+		}
+		if err := removeState(stateDir); err != nil {
+			errs = append(errs, err)
+		} else {
+			removed = append(removed, "state file "+statePath(stateDir))
+		}
+	}
+	return removed, errors.Join(errs...)
+}

@@ -1,0 +1,95 @@
+// Package testenv holds the fixtures of meshdns-ebpf's privileged tests: the gate
+// that skips (or, under CI=true, fails) a test whose kernel feature or privilege is
+// missing, and scoped kernel state — cgroups, network namespaces, veth pairs, bpffs
+// mounts — that every test creates for itself and removes in t.Cleanup, also when it
+// fails. Nothing here touches the host's root cgroup, its network namespace or its
+// iptables.
+package testenv
+
+import (
+	"bufio"
+	"crypto/rand"
+	"encoding/hex"
+	"fmt"
+	"os"
+	"os/exec"
+	"strings"
+	"testing"
+)
+
+// InCI reports whether the tests run under CI (CI=true), where the kernel has every
+// feature the suite needs, so a privileged test may not skip.
+func InCI() bool {
+	v := strings.ToLower(os.Getenv("CI"))
+	return v == "true" || v == "1"
+}
+
+// Skip skips the test with reason, or fails it under CI=true: CI must prove the
+// datapath on every run.
+func Skip(t testing.TB, format string, args ...any) {
+	t.Helper()
+	msg := fmt.Sprintf(format, args...)
+	if InCI() {
+		t.Fatalf("privileged test cannot run under CI=true: %s", msg)
+	}
+	t.Skip(msg)
+}
+
+// RequirePrivileged skips (fails under CI) unless the test runs as root and each of
+// the named tools is on PATH.
+func RequirePrivileged(t testing.TB, tools ...string) {
+	t.Helper()
+	if os.Geteuid() != 0 {
+		Skip(t, "needs root (running as uid %d)", os.Geteuid())
+	}
+	for _, tool := range tools {
+		if _, err := exec.LookPath(tool); err != nil {
+			Skip(t, "needs %s on PATH (make test installs it): %v", tool, err)
+		}
+	}
+	if _, err := Cgroup2Mount(); err != nil {
+		Skip(t, "needs a cgroup2 mount: %v", err)
+	}
+}
+
+// RandSuffix returns n random hex characters, for names of test objects that must
+// not collide with a parallel or leftover test run.
+func RandSuffix(n int) string {
+	b := make([]byte, (n+1)/2)
+	if _, err := rand.Read(b); err != nil {
+		panic(err)
+	}
+	return hex.EncodeToString(b)[:n]
+}
+
+// Cgroup2Mount returns the mount point of the cgroup v2 hierarchy, read from
+// /proc/self/mounts (it is /sys/fs/cgroup on pure v2 hosts and
+// /sys/fs/cgroup/unified on hybrid ones).
+func Cgroup2Mount() (string, error) {
+	f, err := os.Open("/proc/self/mounts")
+	if err != nil {
+		return "", fmt.Errorf("read mounts: %w", err)
+	}
+	defer f.Close()
+	sc := bufio.NewScanner(f)
+	for sc.Scan() {
+		fields := strings.Fields(sc.Text())
+		if len(fields) >= 3 && fields[2] == "cgroup2" {
+			return fields[1], nil
+		}
+	}
+	if err := sc.Err(); err != nil {
+		return "", fmt.Errorf("read mounts: %w", err)
+	}
+	return "", fmt.Errorf("no cgroup2 filesystem is mounted")
+}
+
+// Run runs a command and fails the test with its output when it fails.
+func Run(t testing.TB, name string, args ...string) string {
+	t.Helper()
+	out, err := exec.Command(name, args...).CombinedOutput()
+	if err != nil {
+		t.Fatalf("%s %s: %v\n%s", name, strings.Join(args, " "), err, out)
+	}
+	return string(out)
+}

@@ -1,0 +1,358 @@
+// Package e2e runs the meshdns-ebpf binary as a node agent on the real kernel and
+// proves, with real resolvers as clients (glibc, Go, dig, musl), that captured DNS
+// reaches our resolver and that everything is undone on stop. Every test builds its
+// own node: a cgroup, network namespaces joined by veth pairs, a private bpffs, fake
+// "original" nameservers that answer NXDOMAIN for mesh names, and the agent inside
+// the cgroup (so its own upstream queries are subject to the programs too).
+package e2e
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"net/netip"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"runtime"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/cilium/ebpf"
+	"github.com/cilium/ebpf/link"
+
+	"github.com/meshdns/meshdns-ebpf/internal/testenv"
+)
+
+// Binaries built once for the whole package.
+var bins struct {
+	once                            sync.Once
+	err                             error
+	dir                             string
+	agent, goresolve, dnsblast, musl string
+}
+
+func buildBinaries(t *testing.T) {
+	t.Helper()
+	bins.once.Do(func() {
+		dir, err := os.MkdirTemp("", "meshdns-e2e-bin-")
+		if err != nil {
+			bins.err = err
+			return
+		}
+		bins.dir = dir
+		_, file, _, _ := runtime.Caller(0)
+		here := filepath.Dir(file)
+		root := filepath.Join(here, "..", "..")
+		bins.agent = filepath.Join(dir, "meshdns-ebpf")
+		bins.goresolve = filepath.Join(dir, "goresolve")
+		bins.dnsblast = filepath.Join(dir, "dnsblast")
+		bins.musl = filepath.Join(dir, "muslresolve")
+		steps := [][]string{
+			{"go", "build", "-o", bins.agent, "./cmd/meshdns-ebpf"},
+			{"go", "build", "-o", bins.goresolve, "./test/e2e/testdata/goresolve"},
+			{"go", "build", "-o", bins.dnsblast, "./test/e2e/testdata/dnsblast"},
+			{"musl-gcc", "-static", "-O2", "-o", bins.musl, "test/e2e/testdata/muslresolve.c"},
+		}
+		for _, s := range steps {
+			cmd := exec.Command(s[0], s[1:]...)
+			cmd.Dir = root
+			cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
+			if out, err := cmd.CombinedOutput(); err != nil {
+				bins.err = fmt.Errorf("%s: %v\n%s", strings.Join(s, " "), err, out)
+				return
+			}
+		}
+	})
+	if bins.err != nil {
+		t.Fatalf("build test binaries: %v", bins.err)
+	}
+}
+
+func TestMain(m *testing.M) {
+	code := m.Run()
+	if bins.dir != "" {
+		os.RemoveAll(bins.dir)
+	}
+	os.Exit(code)
+}
+
+// Addresses of the test node. All link-local or ULA, inside namespaces the test made.
+const (
+	origNS    = "169.254.53.1"  // the "original" nameserver the clients' resolv.conf names
+	origNS6   = "fd53::1"       // an IPv6 original nameserver
+	otherNS   = "169.254.53.99" // a nameserver that is not captured by default
+	listen4   = "169.254.20.53" // the resolver's node-local address
+	listen6   = "fd53::53"
+	adminAddr = "127.0.0.1:19153"
+
+	meshName  = "productpage.default.svc.cluster.local"
+	meshIP    = "240.240.0.10"
+	meshName6 = "ratings.default.svc.cluster.local"
+	meshIP6   = "2001:2::14"
+	extName   = "ext.test"
+	extIP     = "169.254.77.7"
+)
+
+const namesYAML = `table:
+  productpage.default.svc.cluster.local:
+    ips: ["240.240.0.10"]
+    registry: Kubernetes
+    shortname: productpage
+    namespace: default
+  ratings.default.svc.cluster.local:
+    ips: ["240.240.0.14", "2001:2::14"]
+    registry: Kubernetes
+    shortname: ratings
+    namespace: default
+`
+
+// node is one test's simulated Kubernetes node.
+type node struct {
+	t        *testing.T
+	cg       *testenv.Cgroup
+	ns       *testenv.Netns // the node's network namespace (the agent's)
+	pod      *testenv.Netns // a pod joined by veth, resolv.conf → origNS
+	pod6     *testenv.Netns // a pod whose resolv.conf names only origNS6
+	podMap   *testenv.Netns // a pod whose resolv.conf names an unreachable v6 server, then origNS (musl: v4-mapped)
+	bpffs    string
+	stateDir string
+	names    string
+	orig     *testenv.FakeDNS
+	orig6    *testenv.FakeDNS
+	other    *testenv.FakeDNS
+
+	agent  *exec.Cmd
+	stderr *syncBuffer
+	done   chan error
+}
+
+func newNode(t *testing.T) *node {
+	t.Helper()
+	testenv.RequirePrivileged(t, "ip", "nsenter", "setpriv", "dig", "getent", "musl-gcc", "bpftool")
+	buildBinaries(t)
+	n := &node{t: t, cg: testenv.NewCgroup(t), bpffs: filepath.Join(testenv.NewBPFFS(t), "meshdns"), stateDir: t.TempDir()}
+	n.ns = testenv.NewNetns(t, "mde-node")
+	n.ns.IP(t, "addr", "add", origNS+"/32", "dev", "lo")
+	n.ns.IP(t, "addr", "add", otherNS+"/32", "dev", "lo")
+	n.ns.IP(t, "-6", "addr", "add", origNS6+"/128", "dev", "lo", "nodad")
+	n.ns.SetResolvConf(t, "nameserver "+origNS+"\noptions timeout:1 attempts:1\n")
+
+	for i, spec := range []struct {
+		p    **testenv.Netns
+		conf string
+	}{
+		{&n.pod, "nameserver " + origNS + "\n"},
+		{&n.pod6, "nameserver " + origNS6 + "\n"},
+		{&n.podMap, "nameserver fd53::99\nnameserver " + origNS + "\n"},
+	} {
+		p := testenv.NewNetns(t, "mde-pod")
+		*spec.p = p
+		nodeIf := fmt.Sprintf("vpod%d", i)
+		testenv.Veth(t, n.ns, nodeIf, fmt.Sprintf("169.254.10%d.1/30", i), p, "eth0", fmt.Sprintf("169.254.10%d.2/30", i))
+		n.ns.IP(t, "-6", "addr", "add", fmt.Sprintf("fd00:10%d::1/64", i), "dev", nodeIf, "nodad")
+		p.IP(t, "-6", "addr", "add", fmt.Sprintf("fd00:10%d::2/64", i), "dev", "eth0", "nodad")
+		p.IP(t, "route", "add", "default", "via", fmt.Sprintf("169.254.10%d.1", i))
+		p.IP(t, "-6", "route", "add", "default", "via", fmt.Sprintf("fd00:10%d::1", i))
+		p.SetResolvConf(t, spec.conf+"options timeout:1 attempts:2\n")
+	}
+
+	records := map[string][]netip.Addr{extName: {netip.MustParseAddr(extIP)}}
+	n.orig = testenv.StartFakeDNS(t, n.ns, origNS+":53", records)
+	n.orig6 = testenv.StartFakeDNS(t, n.ns, "["+origNS6+"]:53", records)
+	n.other = testenv.StartFakeDNS(t, n.ns, otherNS+":53", records)
+
+	n.names = filepath.Join(t.TempDir(), "names.yaml")
+	if err := os.WriteFile(n.names, []byte(namesYAML), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(n.stop)
+	return n
+}
+
+// agentArgs are the flags every test agent gets; extra ones are appended.
+func (n *node) agentArgs(mode string, extra ...string) []string {
+	args := []string{"run", "--mode", mode,
+		"--cgroup", n.cg.Path,
+		"--listen", listen4 + ":53,[" + listen6 + "]:53",
+		"--nameservers", origNS + "," + origNS6,
+		"--upstream", origNS,
+		"--names", n.names,
+		"--admin", adminAddr,
+		"--bpffs", n.bpffs,
+		"--state-dir", n.stateDir,
+		"--proxy-uid", "1337",
+		"--log-level", "debug",
+	}
+	return append(args, extra...)
+}
+
+// start runs the agent in the node namespace, inside the test cgroup, and waits until
+// a captured client resolves a mesh name.
+func (n *node) start(mode string, extra ...string) {
+	n.t.Helper()
+	n.startNoWait(mode, extra...)
+	if !testenv.WaitFor(15*time.Second, func() bool {
+		out, _ := n.client(n.ns, 1000, "dig", "+short", "+time=1", "+tries=1", meshName)
+		return strings.TrimSpace(out) == meshIP
+	}) {
+		n.t.Fatalf("agent never answered %s through capture; agent log:\n%s", meshName, n.stderr.String())
+	}
+}
+
+func (n *node) startNoWait(mode string, extra ...string) {
+	n.t.Helper()
+	n.stderr = &syncBuffer{}
+	n.agent = testenv.Command(context.Background(), testenv.Proc{Netns: n.ns, Cgroup: n.cg, NetOnly: true}, bins.agent, n.agentArgs(mode, extra...)...)
+	n.agent.Stdout = n.stderr
+	n.agent.Stderr = n.stderr
+	if err := n.agent.Start(); err != nil {
+		n.t.Fatalf("start agent: %v", err)
+	}
+	n.done = make(chan error, 1)
+	go func() { n.done <- n.agent.Wait() }()
+}
+
+// signal sends sig to the agent and, for SIGTERM, waits for it to exit.
+func (n *node) signal(sig syscall.Signal) error {
+	n.t.Helper()
+	if err := n.agent.Process.Signal(sig); err != nil {
+		return err
+	}
+	select {
+	case err := <-n.done:
+		n.agent = nil
+		return err
+	case <-time.After(10 * time.Second):
+		n.t.Fatalf("agent did not exit after %v; log:\n%s", sig, n.stderr.String())
+		return nil
+	}
+}
+
+func (n *node) stop() {
+	if n.agent == nil {
+		return
+	}
+	_ = n.agent.Process.Signal(syscall.SIGTERM)
+	select {
+	case <-n.done:
+	case <-time.After(10 * time.Second):
+		_ = n.agent.Process.Kill()
+		<-n.done
+	}
+	n.agent = nil
+	// Whatever a test left (a kill -9), cleanup removes; it is a no-op otherwise.
+	_, _ = n.cli("cleanup", "--bpffs", n.bpffs, "--state-dir", n.stateDir)
+	if n.t.Failed() && n.stderr != nil {
+		n.t.Logf("agent log:\n%s", n.stderr.String())
+	}
+}
+
+// client runs a client in netns (ip netns exec: it sees the namespace's resolv.conf),
+// inside the test cgroup, as uid.
+func (n *node) client(ns *testenv.Netns, uid int, name string, args ...string) (string, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Second)
+	defer cancel()
+	cmd := testenv.Command(ctx, testenv.Proc{Netns: ns, Cgroup: n.cg, UID: uid, GID: uid}, name, args...)
+	var stdout, stderr bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &stdout, &stderr
+	err := cmd.Run()
+	if err != nil {
+		return stdout.String(), fmt.Errorf("%s %v: %w: %s", name, args, err, stderr.String())
+	}
+	return stdout.String(), nil
+}
+
+// cli runs the meshdns-ebpf CLI from the test's own namespace (pinned maps are
+// reachable from any namespace).
+func (n *node) cli(args ...string) (string, error) {
+	out, err := exec.Command(bins.agent, args...).CombinedOutput()
+	return string(out), err
+}
+
+// statsJSON reads `stats -o json`.
+func (n *node) statsJSON() map[string]any {
+	n.t.Helper()
+	out, err := exec.Command(bins.agent, "stats", "--bpffs", n.bpffs, "-o", "json").Output()
+	if err != nil {
+		n.t.Fatalf("stats -o json: %v", err)
+	}
+	var v map[string]any
+	if err := json.Unmarshal(out, &v); err != nil {
+		n.t.Fatalf("stats -o json: %v\n%s", err, out)
+	}
+	return v
+}
+
+// attached lists the programs attached to the test cgroup, per attach type.
+func (n *node) attached() []string {
+	n.t.Helper()
+	var out []string
+	for _, at := range []ebpf.AttachType{
+		ebpf.AttachCGroupInet4Connect, ebpf.AttachCGroupInet6Connect,
+		ebpf.AttachCGroupUDP4Sendmsg, ebpf.AttachCGroupUDP6Sendmsg,
+		ebpf.AttachCGroupUDP4Recvmsg, ebpf.AttachCGroupUDP6Recvmsg,
+		ebpf.AttachCgroupInet4GetPeername, ebpf.AttachCgroupInet6GetPeername,
+		ebpf.AttachCgroupInetSockRelease,
+	} {
+		res, err := link.QueryPrograms(link.QueryOptions{Target: int(n.cg.FD()), Attach: at})
+		if err != nil {
+			n.t.Fatalf("query programs on %s: %v", n.cg.Path, err)
+		}
+		for _, p := range res.Programs {
+			out = append(out, fmt.Sprintf("%v:%d", at, p.ID))
+		}
+	}
+	return out
+}
+
+// pins lists what is pinned under the test's bpffs directory.
+func (n *node) pins() []string {
+	var out []string
+	_ = filepath.Walk(n.bpffs, func(p string, fi os.FileInfo, err error) error {
+		if err == nil && !fi.IsDir() {
+			out = append(out, p)
+		}
+		return nil
+	})
+	return out
+}
+
+// assertClean checks that nothing of the agent is left: programs, pins, state,
+// node address.
+func (n *node) assertClean() {
+	n.t.Helper()
+	if a := n.attached(); len(a) > 0 {
+		n.t.Errorf("programs still attached to %s: %v", n.cg.Path, a)
+	}
+	if p := n.pins(); len(p) > 0 {
+		n.t.Errorf("pins left: %v", p)
+	}
+	if _, err := os.Stat(filepath.Join(n.stateDir, "agent.json")); err == nil {
+		n.t.Errorf("state file left in %s", n.stateDir)
+	}
+	if out := n.ns.IP(n.t, "addr", "show"); strings.Contains(out, listen4) {
+		n.t.Errorf("node address %s left:\n%s", listen4, out)
+	}
+}
+
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
+}

@@ -1,0 +1,255 @@
+package e2e
+
+import (
+	"fmt"
+	"net"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/meshdns/meshdns-ebpf/internal/testenv"
+)
+
+const sigterm = syscall.SIGTERM
+
+// hookCounter reads one counter of one hook from `stats -o json`.
+func hookCounter(t *testing.T, n *node, hook, counter string) uint64 {
+	t.Helper()
+	s := n.statsJSON()
+	hooks, _ := s["hooks"].([]any)
+	for _, h := range hooks {
+		m, _ := h.(map[string]any)
+		if m["hook"] == hook {
+			v, ok := m[counter].(float64)
+			if !ok {
+				t.Fatalf("stats -o json: hook %s has no counter %q: %v", hook, counter, m)
+			}
+			return uint64(v)
+		}
+	}
+	t.Fatalf("stats -o json has no hook %q: %v", hook, s)
+	return 0
+}
+
+// timeToOriginal polls a client until the original nameserver answers the mesh name
+// (NXDOMAIN) and returns how long that took from start.
+func timeToOriginal(t *testing.T, n *node, start time.Time) time.Duration {
+	t.Helper()
+	for time.Since(start) < 10*time.Second {
+		qstart := time.Now()
+		out, _ := n.client(n.ns, 1000, "dig", "+time=1", "+tries=1", meshName)
+		if strings.Contains(out, "status: NXDOMAIN") {
+			// The query that saw the original nameserver was sent at qstart.
+			return qstart.Sub(start)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	t.Fatalf("clients never reached the original nameserver again")
+	return 0
+}
+
+// TestFailOpen: issue 2 test 6. After SIGTERM and after kill -9, clients resolve
+// through the original nameserver within 1 s; SIGTERM leaves nothing; cleanup
+// removes what kill -9 left; a new agent starts on top of those leftovers.
+func TestFailOpen(t *testing.T) {
+	n := newNode(t)
+	n.start("ebpf")
+
+	start := time.Now()
+	if err := n.signal(syscall.SIGTERM); err != nil {
+		t.Fatalf("agent exit after SIGTERM: %v\n%s", err, n.stderr.String())
+	}
+	if d := timeToOriginal(t, n, start); d > time.Second {
+		t.Errorf("after SIGTERM clients reached the original nameserver after %v, want within 1s", d)
+	} else {
+		t.Logf("after SIGTERM: original nameserver answers after %v", d)
+	}
+	n.assertClean()
+
+	n.start("ebpf")
+	start = time.Now()
+	_ = n.signal(syscall.SIGKILL)
+	d := timeToOriginal(t, n, start)
+	if d > time.Second {
+		t.Errorf("after kill -9 clients reached the original nameserver after %v, want within 1s", d)
+	} else {
+		t.Logf("after kill -9: original nameserver answers after %v", d)
+	}
+	if len(n.attached()) == 0 || len(n.pins()) == 0 {
+		t.Fatalf("kill -9 left nothing pinned; the cleanup check below would prove nothing")
+	}
+	// A new agent starts on top of the leftovers, then stops cleanly.
+	n.start("ebpf")
+	if err := n.signal(syscall.SIGTERM); err != nil {
+		t.Fatalf("agent exit: %v\n%s", err, n.stderr.String())
+	}
+	n.assertClean()
+
+	// kill -9 again, then `cleanup` removes everything.
+	n.start("ebpf")
+	_ = n.signal(syscall.SIGKILL)
+	out, err := n.cli("cleanup", "--bpffs", n.bpffs, "--state-dir", n.stateDir)
+	if err != nil {
+		t.Fatalf("cleanup: %v\n%s", err, out)
+	}
+	if !strings.Contains(out, "removed") {
+		t.Errorf("cleanup said nothing about what it removed:\n%s", out)
+	}
+	n.assertClean()
+}
+
+// TestStatsCountExactly: issue 2 test 7. N queries → N redirects on the expected hook,
+// in the table and in JSON, and the per-cgroup view names the test cgroup.
+func TestStatsCountExactly(t *testing.T) {
+	n := newNode(t)
+	n.start("ebpf")
+	const N = 100
+	cases := []struct {
+		name, hook, counter string
+		args                []string
+	}{
+		{"connected-udp", "connect4", "redirected_udp", nil},
+		{"unconnected-udp", "sendmsg4", "redirected_udp", []string{"-unconnected"}},
+		{"tcp", "connect4", "redirected_tcp", []string{"-tcp"}},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			before := hookCounter(t, n, c.hook, c.counter)
+			args := append([]string{"-n", strconv.Itoa(N), "-server", origNS + ":53"}, c.args...)
+			out, err := n.client(n.ns, 1000, bins.dnsblast, append(args, meshName)...)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if got := strings.TrimSpace(out); got != fmt.Sprintf("%d %s", N, meshIP) {
+				t.Fatalf("dnsblast: %q, want %d answers of %s", got, N, meshIP)
+			}
+			if got := hookCounter(t, n, c.hook, c.counter) - before; got != N {
+				t.Errorf("%s %s grew by %d for %d queries", c.hook, c.counter, got, N)
+			}
+		})
+	}
+	table, err := n.cli("stats", "--bpffs", n.bpffs)
+	if err != nil {
+		t.Fatalf("stats: %v\n%s", err, table)
+	}
+	lines := strings.Split(table, "\n")
+	if !strings.HasPrefix(lines[0], "HOOK") {
+		t.Errorf("stats table does not start with an UPPERCASE header:\n%s", table)
+	}
+	want := fmt.Sprint(hookCounter(t, n, "sendmsg4", "redirected_udp"))
+	found := false
+	for _, l := range lines {
+		if f := strings.Fields(l); len(f) > 1 && f[0] == "sendmsg4" {
+			found = strings.Contains(" "+strings.Join(f[1:], " ")+" ", " "+want+" ")
+		}
+	}
+	if !found {
+		t.Errorf("stats table has no sendmsg4 row with %s:\n%s", want, table)
+	}
+	rel := strings.TrimPrefix(n.cg.Path, filepath.Dir(n.cg.Path))
+	if !strings.Contains(table, rel) {
+		t.Errorf("stats table does not show the cgroup %s:\n%s", n.cg.Path, table)
+	}
+	status, err := n.cli("status", "--bpffs", n.bpffs, "--state-dir", n.stateDir)
+	if err != nil {
+		t.Fatalf("status: %v\n%s", err, status)
+	}
+	for _, w := range []string{"ebpf", listen4, "connect4"} {
+		if !strings.Contains(status, w) {
+			t.Errorf("status lacks %q:\n%s", w, status)
+		}
+	}
+}
+
+// TestBadInput: issue 2 test 8. Each bad input gets a clear error and a non-zero
+// exit, and leaves nothing attached, pinned or added.
+func TestBadInput(t *testing.T) {
+	n := newNode(t)
+	badTable := filepath.Join(t.TempDir(), "bad.yaml")
+	if err := os.WriteFile(badTable, []byte("table:\n  x.example:\n    ips: [\"not-an-ip\"]\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	v1, _ := filepath.Glob("/sys/fs/cgroup/*")
+	v1dir := ""
+	for _, d := range v1 {
+		if fi, err := os.Stat(d); err == nil && fi.IsDir() && !isCgroup2(d) {
+			v1dir = d
+			break
+		}
+	}
+	cases := []struct {
+		name string
+		uid  int
+		args []string
+		want string
+	}{
+		{"not-root", 1000, nil, "must run as root"},
+		{"cgroup-missing", 0, []string{"--cgroup", "/sys/fs/cgroup/no-such-meshdns-group"}, "no such file or directory"},
+		{"names-unreadable", 0, []string{"--names", badTable}, "not-an-ip"},
+		{"listen-in-use", 0, nil, "address already in use"},
+		{"kernel-lacks-hook", 0, []string{"--x-force-no-ebpf", "cgroup/recvmsg4 not supported"}, "cannot work here"},
+		{"bad-mode", 0, []string{"--mode", "magic"}, "--mode"},
+		{"bad-listen", 0, []string{"--listen", "169.254.20.53"}, "ADDR:PORT"},
+	}
+	if v1dir != "" {
+		cases = append(cases, struct {
+			name string
+			uid  int
+			args []string
+			want string
+		}{"cgroup-v1", 0, []string{"--cgroup", v1dir}, "not on a cgroup2 filesystem"})
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			if c.name == "listen-in-use" {
+				// Occupy the resolver's TCP port on its address inside the node.
+				n.ns.IP(t, "addr", "add", listen4+"/32", "dev", "lo")
+				defer n.ns.IP(t, "addr", "del", listen4+"/32", "dev", "lo")
+				var l net.Listener
+				if err := n.ns.Do(func() (err error) { l, err = net.Listen("tcp", listen4+":53"); return }); err != nil {
+					t.Fatal(err)
+				}
+				defer l.Close()
+			}
+			args := n.agentArgs("ebpf", c.args...) // a repeated flag overrides the earlier one
+			cmd := testenv.Command(t.Context(), testenv.Proc{Netns: n.ns, Cgroup: n.cg, UID: c.uid, GID: c.uid, NetOnly: true}, bins.agent, args...)
+			done := make(chan struct{})
+			var out []byte
+			var err error
+			go func() { out, err = cmd.CombinedOutput(); close(done) }()
+			select {
+			case <-done:
+			case <-time.After(20 * time.Second):
+				_ = cmd.Process.Kill()
+				<-done
+				t.Fatalf("agent kept running on bad input %v:\n%s", c.args, out)
+			}
+			if err == nil {
+				t.Fatalf("agent exited 0 on bad input %v:\n%s", c.args, out)
+			}
+			if !strings.Contains(string(out), c.want) {
+				t.Errorf("error does not say %q:\n%s", c.want, out)
+			}
+			if a := n.attached(); len(a) > 0 {
+				t.Errorf("programs left attached: %v", a)
+			}
+			if p := n.pins(); len(p) > 0 {
+				t.Errorf("pins left: %v", p)
+			}
+			if c.name != "listen-in-use" {
+				if out := n.ns.IP(t, "addr", "show", "dev", "lo"); strings.Contains(out, listen4) {
+					t.Errorf("node address left behind:\n%s", out)
+				}
+			}
+		})
+	}
+}
+
+func isCgroup2(dir string) bool {
+	var st syscall.Statfs_t
+	return syscall.Statfs(dir, &st) == nil && st.Type == 0x63677270
+}
