@@ -1,0 +1,108 @@
+/* SPDX-License-Identifier: (GPL-2.0-only OR BSD-2-Clause) */
+/*
+ * Minimal, self-contained definitions for meshdns-ebpf's cgroup programs:
+ * the few UAPI constants and context structs they use (layouts as in the
+ * kernel's include/uapi/linux/bpf.h) and the helper declarations (helper ids as
+ * in the same file). Kept in-tree and free of system includes so the generated
+ * object is byte-for-byte reproducible whatever kernel or libbpf headers the
+ * build machine has.
+ */
+#ifndef MESHDNS_BPF_H
+#define MESHDNS_BPF_H
+
+typedef unsigned char __u8;
+typedef unsigned short __u16;
+typedef unsigned int __u32;
+typedef unsigned long long __u64;
+typedef signed int __s32;
+typedef signed long long __s64;
+typedef __u16 __be16;
+typedef __u32 __be32;
+
+#define __bpf_md_ptr(type, name) \
+	union {                      \
+		type name;               \
+		__u64 : 64;              \
+	} __attribute__((aligned(8)))
+
+/* enum bpf_map_type */
+#define BPF_MAP_TYPE_HASH 1
+#define BPF_MAP_TYPE_ARRAY 2
+#define BPF_MAP_TYPE_PERCPU_ARRAY 6
+#define BPF_MAP_TYPE_LRU_HASH 9
+#define BPF_MAP_TYPE_LRU_PERCPU_HASH 10
+
+/* map update flags */
+#define BPF_ANY 0
+#define BPF_NOEXIST 1
+#define BPF_EXIST 2
+
+/* map creation flags */
+#define BPF_F_NO_PREALLOC (1U << 0)
+
+#define AF_INET 2
+#define AF_INET6 10
+#define SOCK_STREAM 1
+#define SOCK_DGRAM 2
+#define IPPROTO_TCP 6
+#define IPPROTO_UDP 17
+#define SOL_SOCKET 1
+#define SO_MARK 36
+
+#define ENOENT 2
+
+struct bpf_sock {
+	__u32 bound_dev_if;
+	__u32 family;
+	__u32 type;
+	__u32 protocol;
+	__u32 mark;
+	__u32 priority;
+	__u32 src_ip4;
+	__u32 src_ip6[4];
+	__u32 src_port;
+	__be16 dst_port;
+	__u16 : 16;
+	__u32 dst_ip4;
+	__u32 dst_ip6[4];
+	__u32 state;
+	__s32 rx_queue_mapping;
+};
+
+struct bpf_sock_addr {
+	__u32 user_family;
+	__u32 user_ip4;    /* network byte order */
+	__u32 user_ip6[4]; /* network byte order */
+	__u32 user_port;   /* network byte order, in the low 16 bits */
+	__u32 family;
+	__u32 type;
+	__u32 protocol;
+	__u32 msg_src_ip4;
+	__u32 msg_src_ip6[4];
+	__bpf_md_ptr(struct bpf_sock *, sk);
+};
+
+#define SEC(name) __attribute__((section(name), used))
+#define __always_inline inline __attribute__((always_inline))
+#define __uint(name, val) int(*name)[val]
+#define __type(name, val) typeof(val) *name
+#define barrier() asm volatile("" ::: "memory")
+
+/* Helpers (ids from enum bpf_func_id). */
+static void *(*bpf_map_lookup_elem)(void *map, const void *key) = (void *)1;
+static long (*bpf_map_update_elem)(void *map, const void *key, const void *value, __u64 flags) = (void *)2;
+static long (*bpf_map_delete_elem)(void *map, const void *key) = (void *)3;
+static __u64 (*bpf_ktime_get_ns)(void) = (void *)5;
+static __u64 (*bpf_get_current_uid_gid)(void) = (void *)15;
+static __u64 (*bpf_get_socket_cookie)(void *ctx) = (void *)46;
+static long (*bpf_getsockopt)(void *bpf_socket, int level, int optname, void *optval, int optlen) = (void *)57;
+static __u64 (*bpf_get_current_cgroup_id)(void) = (void *)80;
+static __u64 (*bpf_get_netns_cookie)(void *ctx) = (void *)122;
+
+/* The BPF targets we build for (bpfel) are little-endian. */
+#define bpf_htons(x) ((__u16)__builtin_bswap16((__u16)(x)))
+#define bpf_ntohs(x) ((__u16)__builtin_bswap16((__u16)(x)))
+#define bpf_htonl(x) ((__u32)__builtin_bswap32((__u32)(x)))
+#define bpf_ntohl(x) ((__u32)__builtin_bswap32((__u32)(x)))
+
+#endif /* MESHDNS_BPF_H */

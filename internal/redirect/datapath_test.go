@@ -1,0 +1,1070 @@
+package redirect
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/netip"
+	"os"
+	"os/exec"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/cilium/ebpf"
+	"github.com/cilium/ebpf/asm"
+	"github.com/cilium/ebpf/link"
+	"github.com/meshdns/meshdns-ebpf/internal/testenv"
+)
+
+// Every client query style is captured, answered by the resolver slot of its
+// nameserver, and sees the original nameserver as reply source and peer; each
+// counts exactly once on the hook that handled it.
+func TestRedirectClients(t *testing.T) {
+	n := newTestNet(t)
+	d := n.install(t, n.config())
+	_ = d
+	m1 := mapped(ns1)
+	tests := []struct {
+		name       string
+		args       []string
+		fam, slot  int
+		src, peer  string
+		fwdHook    string // hook that redirects
+		fwdCounter string
+		revHooks   []string // hooks that restore the original (reply_rewritten)
+	}{
+		{"go dial+read (connect4 udp)", []string{"-mode=godial", "-dst=" + hp(ns1, 53)}, 4, 0, "", "",
+			"connect4", "redirected_udp", nil},
+		{"connected udp recvfrom (connect4, recvmsg4, getpeername4)", []string{"-mode=connect", "-dst=" + hp(ns1, 53)}, 4, 0, hp(ns1, 53), hp(ns1, 53),
+			"connect4", "redirected_udp", []string{"recvmsg4", "getpeername4"}},
+		{"unconnected sendto (sendmsg4, recvmsg4)", []string{"-mode=sendto", "-dst=" + hp(ns1, 53)}, 4, 0, hp(ns1, 53), "",
+			"sendmsg4", "redirected_udp", []string{"recvmsg4"}},
+		{"tcp (connect4, getpeername4)", []string{"-mode=tcp", "-dst=" + hp(ns1, 53)}, 4, 0, "", hp(ns1, 53),
+			"connect4", "redirected_tcp", []string{"getpeername4"}},
+		// The kernel hands sendto(::ffff:a.b.c.d) on an AF_INET6 UDP socket to the
+		// IPv4 sendmsg path (udpv6_sendmsg -> udp_sendmsg), so sendmsg4 sees it; the
+		// reply goes through recvmsg6 and must come back v4-mapped.
+		{"v6 socket to v4-mapped, sendto (sendmsg4, recvmsg6)", []string{"-mode=sendto", "-family=6", "-dst=" + hp(m1, 53)}, 4, 0, hp(m1, 53), "",
+			"sendmsg4", "redirected_udp", []string{"recvmsg6"}},
+		{"v6 socket to v4-mapped, connected (connect6, recvmsg6, getpeername6)", []string{"-mode=connect", "-family=6", "-dst=" + hp(m1, 53)}, 4, 0, hp(m1, 53), hp(m1, 53),
+			"connect6", "redirected_udp", []string{"recvmsg6", "getpeername6"}},
+		{"v6 socket to v4-mapped, tcp (connect6)", []string{"-mode=tcp", "-family=6", "-dst=" + hp(m1, 53)}, 4, 0, "", hp(m1, 53),
+			"connect6", "redirected_tcp", []string{"getpeername6"}},
+		{"v6 nameserver, sendto (sendmsg6 to target6)", []string{"-mode=sendto", "-family=6", "-dst=" + hp(ns6, 53)}, 6, 2, hp(ns6, 53), "",
+			"sendmsg6", "redirected_udp", []string{"recvmsg6"}},
+		{"v6 nameserver, connected (connect6 to target6)", []string{"-mode=connect", "-family=6", "-dst=" + hp(ns6, 53)}, 6, 2, hp(ns6, 53), hp(ns6, 53),
+			"connect6", "redirected_udp", []string{"recvmsg6", "getpeername6"}},
+		{"v6 nameserver, tcp", []string{"-mode=tcp", "-family=6", "-dst=" + hp(ns6, 53)}, 6, 2, "", hp(ns6, 53),
+			"connect6", "redirected_tcp", []string{"getpeername6"}},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			before, err := ReadStats(n.pinDir())
+			if err != nil {
+				t.Fatal(err)
+			}
+			origBefore := n.orig[ns1].Count("mesh.test") + n.orig[ns6].Count("mesh.test")
+			rs := n.query(t, proc{uid: userUID}, tc.args...)
+			if len(rs) != 1 {
+				t.Fatalf("got %d results, want 1: %+v", len(rs), rs)
+			}
+			wantCaptured(t, rs[0], tc.fam, tc.slot, tc.src, tc.peer)
+			if got := n.orig[ns1].Count("mesh.test") + n.orig[ns6].Count("mesh.test"); got != origBefore {
+				t.Errorf("the original nameserver saw %d mesh.test queries, want none", got-origBefore)
+			}
+			after, err := ReadStats(n.pinDir())
+			if err != nil {
+				t.Fatal(err)
+			}
+			if got := counterOf(t, after, tc.fwdHook, tc.fwdCounter) - counterOf(t, before, tc.fwdHook, tc.fwdCounter); got != 1 {
+				t.Errorf("%s %s went up by %d, want 1", tc.fwdHook, tc.fwdCounter, got)
+			}
+			for _, h := range tc.revHooks {
+				if got := counterOf(t, after, h, "reply_rewritten") - counterOf(t, before, h, "reply_rewritten"); got < 1 {
+					t.Errorf("%s reply_rewritten went up by %d, want at least 1", h, got)
+				}
+			}
+			if got := counterOf(t, after, "total", "map_miss") - counterOf(t, before, "total", "map_miss"); got != 0 {
+				t.Errorf("map_miss went up by %d", got)
+			}
+		})
+	}
+}
+
+// One unconnected socket querying two captured nameservers gets each reply with
+// its own nameserver as source (the map is keyed by socket and slot port).
+func TestRedirectOneSocketTwoNameservers(t *testing.T) {
+	n := newTestNet(t)
+	n.install(t, n.config())
+	for _, fam := range []int{4, 6} {
+		t.Run(fmt.Sprintf("AF_INET%s", map[int]string{4: "", 6: "6"}[fam]), func(t *testing.T) {
+			a, b := ns1, ns2
+			if fam == 6 {
+				a, b = mapped(ns1), mapped(ns2)
+			}
+			rs := n.query(t, proc{uid: userUID}, "-mode=sendto", fmt.Sprintf("-family=%d", fam),
+				"-dst="+hp(a, 53)+","+hp(b, 53))
+			if len(rs) != 2 {
+				t.Fatalf("got %d results, want 2: %+v", len(rs), rs)
+			}
+			if rs[0].Socket != rs[1].Socket {
+				t.Fatalf("queries used different sockets: %+v", rs)
+			}
+			wantCaptured(t, rs[0], 4, 0, hp(a, 53), "")
+			wantCaptured(t, rs[1], 4, 1, hp(b, 53), "")
+		})
+	}
+}
+
+// Proxy UIDs and sockets carrying the upstream mark reach the original
+// nameserver, whatever their UID; root without the mark is captured.
+func TestRedirectExemptions(t *testing.T) {
+	n := newTestNet(t)
+	n.install(t, n.config())
+	tests := []struct {
+		name    string
+		p       proc
+		mode    string
+		counter string // "" = captured
+		hook    string
+	}{
+		{"proxy uid connected udp", proc{uid: proxyUID}, "connect", "skip_proxy", "connect4"},
+		{"proxy uid sendto", proc{uid: proxyUID}, "sendto", "skip_proxy", "sendmsg4"},
+		{"proxy uid tcp", proc{uid: proxyUID}, "tcp", "skip_proxy", "connect4"},
+		{"root with upstream mark, connected udp", proc{uid: 0, mark: testMark}, "connect", "skip_resolver", "connect4"},
+		{"root with upstream mark, tcp", proc{uid: 0, mark: testMark}, "tcp", "skip_resolver", "connect4"},
+		{"root with upstream mark, sendto", proc{uid: 0, mark: testMark}, "sendto", "skip_resolver", "sendmsg4"},
+		{"root with another mark is captured", proc{uid: 0, mark: testMark + 1}, "connect", "", "connect4"},
+		{"root without mark is captured", proc{uid: 0}, "connect", "", "connect4"},
+		{"root without mark, sendto, is captured", proc{uid: 0}, "sendto", "", "sendmsg4"},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			counter := tc.counter
+			if counter == "" {
+				counter = "redirected_udp"
+				if tc.mode == "tcp" {
+					counter = "redirected_tcp"
+				}
+			}
+			before := hookCounter(t, n.pinDir(), tc.hook, counter)
+			origBefore := n.orig[ns1].Count("mesh.test")
+			rs := n.query(t, tc.p, "-mode="+tc.mode, "-dst="+hp(ns1, 53))
+			if len(rs) != 1 {
+				t.Fatalf("got %d results, want 1", len(rs))
+			}
+			origSeen := n.orig[ns1].Count("mesh.test") - origBefore
+			if tc.counter == "" {
+				wantCaptured(t, rs[0], 4, 0, "", "")
+				if origSeen != 0 {
+					t.Errorf("original nameserver saw %d queries, want 0", origSeen)
+				}
+			} else {
+				wantOriginal(t, rs[0])
+				if origSeen != 1 {
+					t.Errorf("original nameserver saw %d queries, want 1", origSeen)
+				}
+			}
+			if got := hookCounter(t, n.pinDir(), tc.hook, counter) - before; got != 1 {
+				t.Errorf("%s %s went up by %d, want 1", tc.hook, counter, got)
+			}
+		})
+	}
+}
+
+// runDig runs dig in the test cgroup and namespace as the test user and returns
+// its status and A answers.
+func (n *testNet) runDig(t *testing.T, args ...string) (status string, answers []string) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	cmd := testenv.Command(ctx, testenv.Proc{Netns: n.node, Cgroup: n.cg, UID: userUID, GID: userUID},
+		"dig", append([]string{"+tries=1", "+time=3", "+nocookie"}, args...)...)
+	out, err := cmd.CombinedOutput()
+	if err != nil {
+		t.Fatalf("dig %v: %v\n%s", args, err, out)
+	}
+	inAnswer := false
+	for _, line := range strings.Split(string(out), "\n") {
+		if i := strings.Index(line, "status: "); i >= 0 {
+			status = strings.TrimSuffix(strings.Fields(line[i+len("status: "):])[0], ",")
+		}
+		if strings.HasPrefix(line, ";; ANSWER SECTION:") {
+			inAnswer = true
+			continue
+		}
+		if inAnswer {
+			f := strings.Fields(line)
+			if len(f) == 0 {
+				inAnswer = false
+				continue
+			}
+			if len(f) >= 5 && f[3] == "A" {
+				answers = append(answers, f[4])
+			}
+		}
+	}
+	return status, answers
+}
+
+// dig @<an uncaptured address> is left alone by default and captured (to the
+// capture-all slot) with CaptureAll; loopback destinations are never captured.
+func TestRedirectCaptureAll(t *testing.T) {
+	testenv.RequirePrivileged(t, "dig")
+	for _, captureAll := range []bool{false, true} {
+		t.Run(fmt.Sprintf("capture_all=%v", captureAll), func(t *testing.T) {
+			n := newTestNet(t)
+			cfg := n.config()
+			cfg.CaptureAll = captureAll
+			n.install(t, cfg)
+			for _, proto := range []string{"+notcp", "+tcp"} {
+				status, answers := n.runDig(t, proto, "@"+nsOther.String(), "mesh.test", "A")
+				if captureAll {
+					if status != "NOERROR" || len(answers) != 1 || answers[0] != resolverAnswer(4, 3) {
+						t.Errorf("dig %s @%s with capture-all: %s %v, want NOERROR [%s] (capture-all slot)", proto, nsOther, status, answers, resolverAnswer(4, 3))
+					}
+				} else if status != "NXDOMAIN" {
+					t.Errorf("dig %s @%s without capture-all: %s %v, want NXDOMAIN from that server", proto, nsOther, status, answers)
+				}
+				// A captured nameserver is captured either way.
+				status, answers = n.runDig(t, proto, "@"+ns2.String(), "mesh.test", "A")
+				if status != "NOERROR" || len(answers) != 1 || answers[0] != resolverAnswer(4, 1) {
+					t.Errorf("dig %s @%s: %s %v, want NOERROR [%s]", proto, ns2, status, answers, resolverAnswer(4, 1))
+				}
+			}
+			wantSkip := uint64(2)
+			if captureAll {
+				wantSkip = 0
+			}
+			if got := hookCounter(t, n.pinDir(), "total", "skip_not_captured"); got != wantSkip {
+				t.Errorf("skip_not_captured = %d, want %d", got, wantSkip)
+			}
+			if got := n.orig[nsOther].Count("mesh.test"); got != int(wantSkip) {
+				t.Errorf("%s saw %d queries, want %d", nsOther, got, wantSkip)
+			}
+			// Loopback: nothing listens on 127.0.0.53 in the namespace; the query must
+			// go there (and fail), not to the resolver.
+			rs := n.query(t, proc{uid: userUID}, "-mode=connect", "-dst=127.0.0.53:53")
+			if len(rs) != 1 || rs[0].Err == "" {
+				t.Errorf("query to 127.0.0.53:53 was answered: %+v", rs)
+			}
+			if got := hookCounter(t, n.pinDir(), "connect4", "skip_loopback"); got != 1 {
+				t.Errorf("connect4 skip_loopback = %d, want 1", got)
+			}
+		})
+	}
+}
+
+// queryLoop runs the client in loop mode for dur and returns its results.
+func (n *testNet) queryLoop(t *testing.T, dur time.Duration) []clientResult {
+	t.Helper()
+	return n.query(t, proc{uid: userUID}, "-mode=loop", "-dst="+hp(ns1, 53), "-dur="+dur.String())
+}
+
+func isCaptured(r clientResult) bool {
+	return r.Err == "" && r.Rcode == "NOERROR" && len(r.A) == 1 && r.A[0] == resolverAnswer(4, 0)
+}
+
+// Capture stops at once on SetReady(false), within 1s of the last heartbeat when
+// the agent stops heartbeating, and Close(false) leaves nothing behind.
+func TestFailOpen(t *testing.T) {
+	n := newTestNet(t)
+	d, err := Install(n.config())
+	if err != nil {
+		t.Fatalf("Install: %v", err)
+	}
+	closed := false
+	t.Cleanup(func() {
+		if !closed {
+			d.Close(false)
+		}
+	})
+
+	// Installed but not ready yet.
+	wantOriginal(t, n.query(t, proc{uid: userUID}, "-dst="+hp(ns1, 53))[0])
+	if got := hookCounter(t, n.pinDir(), "connect4", "skip_not_ready"); got != 1 {
+		t.Errorf("skip_not_ready = %d, want 1", got)
+	}
+
+	if err := d.SetReady(true); err != nil {
+		t.Fatal(err)
+	}
+	wantCaptured(t, n.query(t, proc{uid: userUID}, "-dst="+hp(ns1, 53))[0], 4, 0, hp(ns1, 53), "")
+	if err := d.SetReady(false); err != nil {
+		t.Fatal(err)
+	}
+	wantOriginal(t, n.query(t, proc{uid: userUID}, "-dst="+hp(ns1, 53))[0])
+
+	// Heartbeat stops: ready, but no Run.
+	if err := d.SetReady(true); err != nil {
+		t.Fatal(err)
+	}
+	hb := d.lastHeartbeat
+	// The programs see the heartbeat age at some instant between TMono and TConn
+	// (before and after connect): a captured query must have started at age <= 1s,
+	// one that reached the original must have connected at age > 1s.
+	rs := n.queryLoop(t, 1400*time.Millisecond)
+	var lastCaptured, firstOriginal time.Duration = -1, -1
+	for _, r := range rs {
+		if isCaptured(r) {
+			lastCaptured = time.Duration(r.TMono - hb)
+			if lastCaptured > HeartbeatTimeout {
+				t.Errorf("query connected at heartbeat age %v was captured, want fail-open after %v", lastCaptured, HeartbeatTimeout)
+			}
+		} else {
+			wantOriginal(t, r)
+			age := time.Duration(r.TConn - hb)
+			if age <= HeartbeatTimeout {
+				t.Errorf("query connected at heartbeat age %v went to the original, want capture until %v", age, HeartbeatTimeout)
+			}
+			if firstOriginal < 0 {
+				firstOriginal = age
+			}
+		}
+	}
+	t.Logf("heartbeat stopped: %d queries; last captured at heartbeat age %v, first to the original at %v", len(rs), lastCaptured, firstOriginal)
+	if firstOriginal < 0 {
+		t.Errorf("no query reached the original nameserver within %v of the last heartbeat", 1400*time.Millisecond)
+	}
+	if lastCaptured < 0 {
+		t.Errorf("no query was captured while the heartbeat was fresh")
+	}
+
+	// Close(false): nothing attached, nothing pinned, traffic to the original.
+	if got := attachedPrograms(t, n.cg); got != len(hooks) {
+		t.Fatalf("%d programs attached before Close, want %d", got, len(hooks))
+	}
+	if err := d.Close(false); err != nil {
+		t.Fatalf("Close: %v", err)
+	}
+	closed = true
+	if got := attachedPrograms(t, n.cg); got != 0 {
+		t.Errorf("%d programs still attached to %s after Close(false)", got, n.cg.Path)
+	}
+	if pins := pinsUnder(t, n.bpffs); len(pins) != 0 {
+		t.Errorf("pins left after Close(false): %v", pins)
+	}
+	wantOriginal(t, n.query(t, proc{uid: userUID}, "-dst="+hp(ns1, 53))[0])
+	if _, err := ReadStats(n.pinDir()); err == nil || !strings.Contains(err.Error(), "no meshdns datapath pinned at") {
+		t.Errorf("ReadStats after Close: %v, want a 'no meshdns datapath pinned' error", err)
+	}
+}
+
+const agentEnv = "MESHDNS_REDIRECT_AGENT"
+
+// runAgent is a stand-in agent for the kill -9 test: it installs the JSON
+// config, sets it ready, heartbeats, and waits to be killed.
+func runAgent(cfgJSON string) int {
+	var cfg Config
+	if err := json.Unmarshal([]byte(cfgJSON), &cfg); err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 2
+	}
+	d, err := Install(cfg)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	if err := d.SetReady(true); err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	go d.Run(context.Background())
+	fmt.Println("READY")
+	select {}
+}
+
+// An agent killed with SIGKILL leaves its programs attached and pinned, but they
+// stop capturing within 1s; Cleanup removes the leftovers, and Install replaces
+// them.
+func TestKilledAgentFailsOpenAndCleanup(t *testing.T) {
+	n := newTestNet(t)
+	cfgJSON, err := json.Marshal(n.config())
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	agent := exec.CommandContext(ctx, clientBin)
+	agent.Env = append(os.Environ(), agentEnv+"="+string(cfgJSON))
+	agent.Stderr = os.Stderr
+	stdout, err := agent.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := agent.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		_ = agent.Process.Kill()
+		_ = agent.Wait()
+		_, _ = Cleanup(n.pinDir())
+	})
+	line, err := bufio.NewReader(stdout).ReadString('\n')
+	if err != nil || strings.TrimSpace(line) != "READY" {
+		t.Fatalf("agent did not get ready: %q %v", line, err)
+	}
+	wantCaptured(t, n.query(t, proc{uid: userUID}, "-dst="+hp(ns1, 53))[0], 4, 0, hp(ns1, 53), "")
+
+	if err := agent.Process.Signal(syscall.SIGKILL); err != nil {
+		t.Fatal(err)
+	}
+	_ = agent.Wait()
+	killed := monotonicNow()
+	if got := attachedPrograms(t, n.cg); got != len(hooks) {
+		t.Fatalf("%d programs attached after kill -9, want %d (pinned links keep them)", got, len(hooks))
+	}
+	rs := n.queryLoop(t, 1300*time.Millisecond)
+	var firstOriginal time.Duration = -1
+	for _, r := range rs {
+		since := time.Duration(r.TConn - killed)
+		if isCaptured(r) {
+			since = time.Duration(r.TMono - killed)
+			if since > HeartbeatTimeout {
+				t.Errorf("query sent %v after kill -9 was still captured", since)
+			}
+		} else {
+			wantOriginal(t, r)
+			if firstOriginal < 0 {
+				firstOriginal = since
+			}
+		}
+	}
+	t.Logf("kill -9: first query to the original nameserver %v after the kill (%d queries)", firstOriginal, len(rs))
+	if firstOriginal < 0 {
+		t.Errorf("no query reached the original nameserver within 1.3s of kill -9")
+	}
+	if st, err := ReadStatus(n.pinDir()); err != nil {
+		t.Errorf("ReadStatus of the leftovers: %v", err)
+	} else if st.Capturing || !st.Ready || len(st.Programs) != len(hooks) {
+		t.Errorf("status of the leftovers: ready=%v capturing=%v programs=%d, want ready, not capturing, %d programs", st.Ready, st.Capturing, len(st.Programs), len(hooks))
+	}
+
+	removed, err := Cleanup(n.pinDir())
+	if err != nil {
+		t.Fatalf("Cleanup: %v", err)
+	}
+	if want := len(hooks) + 7; len(removed) != want {
+		t.Errorf("Cleanup removed %d pins, want %d: %v", len(removed), want, removed)
+	}
+	if got := attachedPrograms(t, n.cg); got != 0 {
+		t.Errorf("%d programs attached after Cleanup", got)
+	}
+	if pins := pinsUnder(t, n.bpffs); len(pins) != 0 {
+		t.Errorf("pins left after Cleanup: %v", pins)
+	}
+	if removed, err := Cleanup(n.pinDir()); err != nil || len(removed) != 0 {
+		t.Errorf("second Cleanup: %v %v, want nothing to do", removed, err)
+	}
+}
+
+// Install over the leftovers of a previous agent (persisted) replaces them: one
+// set of programs attached, counters fresh.
+func TestInstallReplacesLeftovers(t *testing.T) {
+	n := newTestNet(t)
+	d1, err := Install(n.config())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := d1.Close(true); err != nil {
+		t.Fatalf("Close(true): %v", err)
+	}
+	if got := attachedPrograms(t, n.cg); got != len(hooks) {
+		t.Fatalf("%d programs attached after Close(true), want %d", got, len(hooks))
+	}
+	st, err := ReadStatus(n.pinDir())
+	if err != nil {
+		t.Fatalf("ReadStatus after Close(true): %v", err)
+	}
+	if st.Ready {
+		t.Errorf("persisted datapath is still ready")
+	}
+	d2 := n.install(t, n.config())
+	if got := attachedPrograms(t, n.cg); got != len(hooks) {
+		t.Errorf("%d programs attached after reinstall, want %d", got, len(hooks))
+	}
+	wantCaptured(t, n.query(t, proc{uid: userUID}, "-dst="+hp(ns1, 53))[0], 4, 0, hp(ns1, 53), "")
+	if got := hookCounter(t, n.pinDir(), "connect4", "redirected_udp"); got != 1 {
+		t.Errorf("connect4 redirected_udp = %d after one query, want 1", got)
+	}
+	if len(d2.Programs()) != len(hooks) {
+		t.Errorf("Programs() = %d entries", len(d2.Programs()))
+	}
+}
+
+// Counters match the queries exactly, per hook, in total and per cgroup; the
+// table and JSON carry them.
+func TestStats(t *testing.T) {
+	n := newTestNet(t)
+	d := n.install(t, n.config())
+	const nUDP, nSendto, nTCP, nProxy = 25, 15, 10, 5
+	check := func(rs []clientResult, want int) {
+		t.Helper()
+		if len(rs) != want {
+			t.Fatalf("%d results, want %d", len(rs), want)
+		}
+		for _, r := range rs {
+			wantCaptured(t, r, 4, 0, "", hp(ns1, 53))
+		}
+	}
+	check(n.query(t, proc{uid: userUID}, "-mode=connect", "-dst="+hp(ns1, 53), fmt.Sprintf("-n=%d", nUDP)), nUDP)
+	rs := n.query(t, proc{uid: userUID}, "-mode=sendto", "-dst="+hp(ns1, 53), fmt.Sprintf("-n=%d", nSendto))
+	if len(rs) != nSendto {
+		t.Fatalf("%d results", len(rs))
+	}
+	for _, r := range rs {
+		wantCaptured(t, r, 4, 0, hp(ns1, 53), "")
+	}
+	check(n.query(t, proc{uid: userUID}, "-mode=tcp", "-dst="+hp(ns1, 53), fmt.Sprintf("-n=%d", nTCP)), nTCP)
+	for _, r := range n.query(t, proc{uid: proxyUID}, "-mode=connect", "-dst="+hp(ns1, 53), fmt.Sprintf("-n=%d", nProxy)) {
+		wantOriginal(t, r)
+	}
+
+	s, err := ReadStats(n.pinDir())
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := map[[2]string]uint64{
+		{"connect4", "redirected_udp"}:      nUDP,
+		{"connect4", "redirected_tcp"}:      nTCP,
+		{"connect4", "skip_proxy"}:          nProxy,
+		{"sendmsg4", "redirected_udp"}:      nSendto,
+		{"recvmsg4", "reply_rewritten"}:     nUDP + nSendto,
+		{"getpeername4", "reply_rewritten"}: nUDP + nTCP,
+		{"total", "redirected_udp"}:         nUDP + nSendto,
+		{"total", "redirected_tcp"}:         nTCP,
+		{"total", "reply_rewritten"}:        2*nUDP + nSendto + nTCP,
+		{"total", "skip_proxy"}:             nProxy,
+		{"total", "map_miss"}:               0,
+		{"total", "map_error"}:              0,
+		{"total", "skip_not_ready"}:         0,
+		{"connect6", "redirected_udp"}:      0,
+	}
+	for k, v := range want {
+		if got := counterOf(t, s, k[0], k[1]); got != v {
+			t.Errorf("%s %s = %d, want %d", k[0], k[1], got, v)
+		}
+	}
+
+	var mine *CgroupStats
+	for i := range s.Cgroups {
+		if s.Cgroups[i].Path == n.cg.Path {
+			mine = &s.Cgroups[i]
+		}
+	}
+	if mine == nil {
+		t.Fatalf("no per-cgroup stats for %s: %+v", n.cg.Path, s.Cgroups)
+	}
+	if mine.RedirectedUDP != nUDP+nSendto || mine.RedirectedTCP != nTCP || mine.Skipped != nProxy || mine.ReplyRewritten != 2*nUDP+nSendto+nTCP {
+		t.Errorf("cgroup stats %+v, want udp %d tcp %d skipped %d rewritten %d", *mine, nUDP+nSendto, nTCP, nProxy, 2*nUDP+nSendto+nTCP)
+	}
+	if s.Cgroups[0].Path != n.cg.Path {
+		t.Errorf("first cgroup row is %+v, want the test cgroup (most queries)", s.Cgroups[0])
+	}
+
+	var buf bytes.Buffer
+	if err := s.WriteTable(&buf); err != nil {
+		t.Fatal(err)
+	}
+	out := buf.String()
+	t.Logf("stats table:\n%s", out)
+	lines := strings.Split(out, "\n")
+	if f := strings.Fields(lines[0]); len(f) != 1+len(counterNames) || f[0] != "HOOK" || f[1] != "REDIRECTED_UDP" {
+		t.Errorf("header %q", lines[0])
+	}
+	rowOf := func(name string) []string {
+		for _, l := range lines {
+			if f := strings.Fields(l); len(f) > 0 && f[0] == name {
+				return f
+			}
+		}
+		t.Fatalf("no %s row in table", name)
+		return nil
+	}
+	if f := rowOf("connect4"); f[1] != fmt.Sprint(nUDP) || f[2] != fmt.Sprint(nTCP) {
+		t.Errorf("connect4 row %v", f)
+	}
+	if f := rowOf("TOTAL"); f[1] != fmt.Sprint(nUDP+nSendto) || f[3] != fmt.Sprint(2*nUDP+nSendto+nTCP) {
+		t.Errorf("TOTAL row %v", f)
+	}
+	if f := rowOf(fmt.Sprint(mine.ID)); f[1] != n.cg.Path || f[2] != fmt.Sprint(nUDP+nSendto) {
+		t.Errorf("cgroup row %v", f)
+	}
+	if !strings.Contains(out, "CGROUP ID") || !strings.Contains(out, "PATH") {
+		t.Errorf("no per-cgroup header in table")
+	}
+	// Columns are aligned: the counters of every row start where the header's do.
+	hdrCol := strings.Index(lines[0], "REDIRECTED_UDP")
+	for _, l := range lines[1 : 1+len(hooks)+1] {
+		if len(l) <= hdrCol || l[hdrCol-1] != ' ' || l[hdrCol] == ' ' {
+			t.Errorf("row %q not aligned with header column at %d", l, hdrCol)
+		}
+	}
+
+	js, err := json.Marshal(s)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var generic map[string]any
+	if err := json.Unmarshal(js, &generic); err != nil {
+		t.Fatal(err)
+	}
+	total := generic["total"].(map[string]any)
+	if total["redirected_udp"].(float64) != nUDP+nSendto || total["reply_rewritten"].(float64) != 2*nUDP+nSendto+nTCP {
+		t.Errorf("JSON total %v", total)
+	}
+	if len(generic["hooks"].([]any)) != len(hooks) {
+		t.Errorf("JSON hooks: %v", generic["hooks"])
+	}
+	cg0 := generic["cgroups"].([]any)[0].(map[string]any)
+	if cg0["path"] != n.cg.Path || cg0["redirected_tcp"].(float64) != nTCP {
+		t.Errorf("JSON cgroup %v", cg0)
+	}
+
+	st, err := ReadStatus(n.pinDir())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !st.Ready || !st.Capturing || st.HeartbeatAge > time.Second {
+		t.Errorf("status ready=%v capturing=%v age=%v", st.Ready, st.Capturing, st.HeartbeatAge)
+	}
+	if st.Target4 != netip.AddrPortFrom(target4, testBasePort) || st.Target6 != netip.AddrPortFrom(target6, testBasePort) {
+		t.Errorf("status targets %v %v", st.Target4, st.Target6)
+	}
+	if len(st.Nameservers) != 3 || st.Nameservers[2].Address != ns6 || st.Nameservers[2].Port != testBasePort+2 {
+		t.Errorf("status nameservers %+v", st.Nameservers)
+	}
+	if len(st.ProxyUIDs) != 1 || st.ProxyUIDs[0] != proxyUID || st.UpstreamMark != testMark {
+		t.Errorf("status uids %v mark %#x", st.ProxyUIDs, st.UpstreamMark)
+	}
+	progs := d.Programs()
+	if len(st.Programs) != len(hooks) {
+		t.Fatalf("status lists %d programs, want %d", len(st.Programs), len(hooks))
+	}
+	for i, p := range st.Programs {
+		if p.Cgroup != n.cg.Path || p.ProgramID == 0 || p.LinkID == 0 || p != progs[i] {
+			t.Errorf("status program %+v, Programs() %+v", p, progs[i])
+		}
+	}
+	buf.Reset()
+	if err := st.WriteText(&buf); err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("status:\n%s", buf.String())
+}
+
+// Bad input gets a clear error and leaves nothing attached or pinned.
+func TestInstallBadInput(t *testing.T) {
+	n := newTestNet(t)
+	notCgroup := t.TempDir()
+	tests := []struct {
+		name string
+		mod  func(*Config)
+		want string
+	}{
+		{"missing cgroup dir", func(c *Config) { c.Cgroup = n.cg.Path + "-missing" }, "does not exist"},
+		{"dir not on cgroup2", func(c *Config) { c.Cgroup = notCgroup }, "is not on a cgroup2 filesystem"},
+		{"pin dir not on bpffs", func(c *Config) { c.PinDir = t.TempDir() + "/meshdns" }, "is not on a bpffs"},
+		{"no target", func(c *Config) { c.Target4, c.Target6 = netip.AddrPort{}, netip.AddrPort{} }, "no resolver target"},
+		{"zero upstream mark", func(c *Config) { c.UpstreamMark = 0 }, "upstream mark must be non-zero"},
+		{"nothing captured", func(c *Config) { c.Nameservers = nil }, "nothing to capture"},
+		{"different target ports", func(c *Config) { c.Target6 = netip.AddrPortFrom(target6, 99) }, "same port"},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			cfg := n.config()
+			tc.mod(&cfg)
+			d, err := Install(cfg)
+			if err == nil {
+				d.Close(false)
+				t.Fatalf("Install succeeded, want an error containing %q", tc.want)
+			}
+			if !strings.Contains(err.Error(), tc.want) {
+				t.Errorf("error %q, want it to contain %q", err, tc.want)
+			}
+			t.Logf("error: %v", err)
+			if got := attachedPrograms(t, n.cg); got != 0 {
+				t.Errorf("%d programs attached after a failed Install", got)
+			}
+			if pins := pinsUnder(t, n.bpffs); len(pins) != 0 {
+				t.Errorf("pins left after a failed Install: %v", pins)
+			}
+		})
+	}
+
+	// A failure half-way through attaching (another program holds recvmsg6
+	// exclusively) removes the links and pins made so far.
+	prog, err := ebpf.NewProgram(&ebpf.ProgramSpec{
+		Type: ebpf.CGroupSockAddr, AttachType: ebpf.AttachCGroupUDP6Recvmsg, License: "GPL",
+		Instructions: asm.Instructions{asm.Mov.Imm(asm.R0, 1), asm.Return()},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer prog.Close()
+	opts := link.RawAttachProgramOptions{Target: n.cg.FD(), Program: prog, Attach: ebpf.AttachCGroupUDP6Recvmsg}
+	if err := link.RawAttachProgram(opts); err != nil {
+		t.Fatal(err)
+	}
+	defer func() {
+		if err := link.RawDetachProgram(link.RawDetachProgramOptions{Target: n.cg.FD(), Program: prog, Attach: ebpf.AttachCGroupUDP6Recvmsg}); err != nil {
+			t.Errorf("detach the exclusive program: %v", err)
+		}
+	}()
+	_, err = Install(n.config())
+	if err == nil || !strings.Contains(err.Error(), "cgroup/recvmsg6") {
+		t.Fatalf("Install with recvmsg6 taken: %v, want an attach error naming cgroup/recvmsg6", err)
+	}
+	t.Logf("error: %v", err)
+	if got := attachedPrograms(t, n.cg); got != 1 {
+		t.Errorf("%d programs attached after a failed Install, want only the foreign one", got)
+	}
+	if pins := pinsUnder(t, n.bpffs); len(pins) != 0 {
+		t.Errorf("pins left after a failed Install: %v", pins)
+	}
+}
+
+func origDstEntries(t *testing.T, d *Datapath) int {
+	t.Helper()
+	var (
+		k   redirectOrigKey
+		v   redirectOrigVal
+		cnt int
+	)
+	it := d.objs.OrigDst.Iterate()
+	for it.Next(&k, &v) {
+		cnt++
+	}
+	if err := it.Err(); err != nil {
+		t.Fatal(err)
+	}
+	return cnt
+}
+
+// sock_release deletes a socket's entries (every slot) when it closes.
+func TestSockReleaseCleansMap(t *testing.T) {
+	n := newTestNet(t)
+	d := n.install(t, n.config())
+	tests := []struct {
+		name    string
+		args    []string
+		entries int
+	}{
+		{"one socket, two nameservers", []string{"-mode=sendto", "-dst=" + hp(ns1, 53) + "," + hp(ns2, 53)}, 2},
+		{"five connected sockets", []string{"-mode=connect", "-dst=" + hp(ns1, 53), "-n=5"}, 5},
+		{"three tcp sockets, v6", []string{"-mode=tcp", "-family=6", "-dst=" + hp(ns6, 53), "-n=3"}, 3},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			if got := origDstEntries(t, d); got != 0 {
+				t.Fatalf("%d entries before the test", got)
+			}
+			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+			defer cancel()
+			cmd := n.clientCmd(ctx, proc{uid: userUID}, append(tc.args, "-hold")...)
+			stdin, err := cmd.StdinPipe()
+			if err != nil {
+				t.Fatal(err)
+			}
+			stdout, err := cmd.StdoutPipe()
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := cmd.Start(); err != nil {
+				t.Fatal(err)
+			}
+			var out bytes.Buffer
+			sc := bufio.NewScanner(stdout)
+			for sc.Scan() && sc.Text() != "HOLD" {
+				out.WriteString(sc.Text() + "\n")
+			}
+			for _, r := range parseResults(t, out.Bytes()) {
+				if r.Err != "" || r.Rcode != "NOERROR" {
+					t.Errorf("query failed: %+v", r)
+				}
+			}
+			if got := origDstEntries(t, d); got != tc.entries {
+				t.Errorf("%d entries while the sockets are open, want %d", got, tc.entries)
+			}
+			stdin.Close()
+			_, _ = io.Copy(io.Discard, stdout)
+			if err := cmd.Wait(); err != nil {
+				t.Fatalf("client: %v", err)
+			}
+			if !testenv.WaitFor(2*time.Second, func() bool { return origDstEntries(t, d) == 0 }) {
+				t.Errorf("%d entries left after the sockets closed", origDstEntries(t, d))
+			}
+		})
+	}
+}
+
+// addPod creates a "pod" namespace joined to the node by a veth pair, with a
+// default route to the node, and returns it.
+func (n *testNet) addPod(t *testing.T) *testenv.Netns {
+	t.Helper()
+	pod := testenv.NewNetns(t, "mdpod")
+	testenv.Veth(t, n.node, "mdn0", "10.99.0.1/24", pod, "eth0", "10.99.0.2/24")
+	pod.IP(t, "route", "add", "default", "via", "10.99.0.1")
+	return pod
+}
+
+func (n *testNet) queryIn(t *testing.T, ns *testenv.Netns, args ...string) []clientResult {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	cmd := testenv.Command(ctx, testenv.Proc{Netns: ns, Cgroup: n.cg, UID: userUID, GID: userUID}, clientBin, args...)
+	cmd.Env = append(os.Environ(), clientEnv+"=1", "GODEBUG=asyncpreemptoff=1")
+	var stderr bytes.Buffer
+	cmd.Stderr = &stderr
+	out, err := cmd.Output()
+	if err != nil {
+		t.Fatalf("client %v: %v\n%s%s", args, err, out, stderr.String())
+	}
+	return parseResults(t, out)
+}
+
+// A pod (another network namespace) is redirected to the node-local target; a
+// loopback target is used only for sockets in the agent's own namespace, and
+// pods are left alone (skip_other_netns) rather than sent to their own loopback.
+func TestRedirectOtherNetns(t *testing.T) {
+	t.Run("node-local target: pod captured", func(t *testing.T) {
+		n := newTestNet(t)
+		pod := n.addPod(t)
+		n.install(t, n.config())
+		for _, mode := range []string{"connect", "sendto", "tcp"} {
+			rs := n.queryIn(t, pod, "-mode="+mode, "-dst="+hp(ns1, 53))
+			src, peer := hp(ns1, 53), hp(ns1, 53)
+			if mode == "tcp" {
+				src = ""
+			}
+			if mode == "sendto" {
+				peer = ""
+			}
+			wantCaptured(t, rs[0], 4, 0, src, peer)
+		}
+	})
+	t.Run("loopback target: only the agent's netns", func(t *testing.T) {
+		n := newTestNet(t)
+		pod := n.addPod(t)
+		loop := netip.MustParseAddr("127.0.0.1")
+		testenv.StartFakeDNS(t, n.node, hp(loop, testBasePort),
+			map[string][]netip.Addr{"mesh.test": {netip.MustParseAddr("10.53.127.0")}})
+		cfg := n.config()
+		cfg.Target4 = netip.AddrPortFrom(loop, testBasePort)
+		cfg.Target6 = netip.AddrPort{}
+		cfg.Nameservers = []netip.Addr{ns1}
+		var d *Datapath
+		// The agent runs in the node namespace: Install takes its netns cookie.
+		if err := n.node.Do(func() (err error) { d, err = Install(cfg); return err }); err != nil {
+			t.Fatalf("Install: %v", err)
+		}
+		ctx, cancel := context.WithCancel(context.Background())
+		done := make(chan struct{})
+		t.Cleanup(func() {
+			cancel()
+			<-done
+			d.Close(false)
+		})
+		if err := d.SetReady(true); err != nil {
+			t.Fatal(err)
+		}
+		go func() {
+			defer close(done)
+			d.Run(ctx)
+		}()
+		rs := n.query(t, proc{uid: userUID}, "-mode=connect", "-dst="+hp(ns1, 53))
+		if r := rs[0]; r.Err != "" || len(r.A) != 1 || r.A[0] != "10.53.127.0" || r.Src != hp(ns1, 53) {
+			t.Errorf("node client: %+v, want the loopback resolver's answer from %s", r, hp(ns1, 53))
+		}
+		wantOriginal(t, n.queryIn(t, pod, "-mode=connect", "-dst="+hp(ns1, 53))[0])
+		wantOriginal(t, n.queryIn(t, pod, "-mode=sendto", "-dst="+hp(ns1, 53))[0])
+		if got := hookCounter(t, n.pinDir(), "connect4", "skip_other_netns"); got != 1 {
+			t.Errorf("connect4 skip_other_netns = %d, want 1", got)
+		}
+		if got := hookCounter(t, n.pinDir(), "sendmsg4", "skip_other_netns"); got != 1 {
+			t.Errorf("sendmsg4 skip_other_netns = %d, want 1", got)
+		}
+	})
+}
+
+// An agent restart with persist keeps the per-socket state and counters: a
+// socket connected (redirected) before the restart still gets its replies
+// restored after it.
+func TestPersistRestartKeepsSocketState(t *testing.T) {
+	n := newTestNet(t)
+	startAgent := func() (*Datapath, func()) {
+		d, err := Install(n.config())
+		if err != nil {
+			t.Fatalf("Install: %v", err)
+		}
+		if err := d.SetReady(true); err != nil {
+			t.Fatal(err)
+		}
+		ctx, cancel := context.WithCancel(context.Background())
+		done := make(chan struct{})
+		go func() { defer close(done); d.Run(ctx) }()
+		return d, func() { cancel(); <-done }
+	}
+	d1, stop1 := startAgent()
+	closed1 := false
+	t.Cleanup(func() {
+		stop1()
+		if !closed1 {
+			d1.Close(false)
+		}
+	})
+
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	cmd := n.clientCmd(ctx, proc{uid: userUID}, "-mode=connect", "-dst="+hp(ns1, 53), "-hold", "-again")
+	stdin, err := cmd.StdinPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	stdout, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer cmd.Wait()
+	defer stdin.Close()
+	sc := bufio.NewScanner(stdout)
+	untilHold := func() []clientResult {
+		var out bytes.Buffer
+		for sc.Scan() && sc.Text() != "HOLD" {
+			out.WriteString(sc.Text() + "\n")
+		}
+		return parseResults(t, out.Bytes())
+	}
+	rs := untilHold()
+	if len(rs) != 1 {
+		t.Fatalf("got %d results before the restart", len(rs))
+	}
+	wantCaptured(t, rs[0], 4, 0, hp(ns1, 53), hp(ns1, 53))
+
+	stop1()
+	if err := d1.Close(true); err != nil {
+		t.Fatalf("Close(true): %v", err)
+	}
+	closed1 = true
+	d2, stop2 := startAgent()
+	t.Cleanup(func() {
+		stop2()
+		if err := d2.Close(false); err != nil {
+			t.Errorf("Close: %v", err)
+		}
+	})
+	if got := attachedPrograms(t, n.cg); got != len(hooks) {
+		t.Errorf("%d programs attached after the restart, want %d", got, len(hooks))
+	}
+	if _, err := io.WriteString(stdin, "again\n"); err != nil {
+		t.Fatal(err)
+	}
+	rs = untilHold()
+	if len(rs) != 1 {
+		t.Fatalf("got %d results after the restart", len(rs))
+	}
+	// Same socket, still connected to the resolver: the reply source must still
+	// be restored from the state the first agent recorded.
+	wantCaptured(t, rs[0], 4, 0, hp(ns1, 53), "")
+	s, err := ReadStats(n.pinDir())
+	if err != nil {
+		t.Fatal(err)
+	}
+	for k, v := range map[[2]string]uint64{
+		{"connect4", "redirected_udp"}:  1,
+		{"recvmsg4", "reply_rewritten"}: 2,
+		{"total", "map_miss"}:           0,
+	} {
+		if got := counterOf(t, s, k[0], k[1]); got != v {
+			t.Errorf("%s %s = %d, want %d (counters carry over the restart)", k[0], k[1], got, v)
+		}
+	}
+	stdin.Close()
+	if !testenv.WaitFor(2*time.Second, func() bool { return origDstEntries(t, d2) == 0 }) {
+		t.Errorf("%d entries left after the socket closed", origDstEntries(t, d2))
+	}
+}
+
+// buildMusl compiles testdata/gai.c with musl-gcc into a directory every UID can
+// read.
+func buildMusl(t *testing.T) string {
+	t.Helper()
+	dir, err := os.MkdirTemp("", "meshdns-redirect-musl-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	if err := os.Chmod(dir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	bin := dir + "/gai"
+	if out, err := exec.Command("musl-gcc", "-static", "-O2", "-o", bin, "testdata/gai.c").CombinedOutput(); err != nil {
+		t.Fatalf("musl-gcc: %v\n%s", err, out)
+	}
+	return bin
+}
+
+// The system resolvers accept the redirected answers (they check the reply
+// source): glibc's getent (connected UDP, A and AAAA in parallel on one socket)
+// and musl's getaddrinfo (unconnected sendto to every nameserver; with an IPv6
+// nameserver in resolv.conf, one AF_INET6 socket and v4-mapped IPv4 nameservers).
+func TestSystemResolvers(t *testing.T) {
+	testenv.RequirePrivileged(t, "getent", "musl-gcc")
+	n := newTestNet(t)
+	n.install(t, n.config())
+	musl := buildMusl(t)
+	v4slot0, v6slot2 := resolverAnswer(4, 0), resolverAnswer(6, 2)
+	tests := []struct {
+		name      string
+		resolv    string
+		argv      []string
+		wantOneOf []string // the answer of any captured nameserver's slot
+	}{
+		{"glibc getent, v4 nameserver", "nameserver 169.254.53.1\n", []string{"getent", "ahostsv4", "mesh.test"}, []string{v4slot0}},
+		{"glibc getent, v6 nameserver", "nameserver fd53::1\n", []string{"getent", "ahostsv4", "mesh.test"}, []string{v6slot2}},
+		{"glibc getent ahosts (A+AAAA)", "nameserver 169.254.53.1\n", []string{"getent", "ahosts", "mesh.test"}, []string{v4slot0}},
+		{"musl, v4 nameserver", "nameserver 169.254.53.1\n", []string{musl, "mesh.test"}, []string{v4slot0}},
+		{"musl, v6 and v4-mapped nameservers", "nameserver fd53::1\nnameserver 169.254.53.1\n", []string{musl, "mesh.test"}, []string{v4slot0, v6slot2}},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			n.node.SetResolvConf(t, tc.resolv)
+			ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+			defer cancel()
+			start := time.Now()
+			out, err := testenv.Command(ctx, testenv.Proc{Netns: n.node, Cgroup: n.cg, UID: userUID, GID: userUID}, tc.argv[0], tc.argv[1:]...).CombinedOutput()
+			took := time.Since(start)
+			if err != nil {
+				t.Fatalf("%v: %v\n%s", tc.argv, err, out)
+			}
+			fields := strings.Fields(string(out))
+			if len(fields) == 0 || !containsString(tc.wantOneOf, fields[0]) {
+				t.Errorf("%v answered %q, want one of %v from the resolver", tc.argv, out, tc.wantOneOf)
+			}
+			// A dropped reply would show as a resolver timeout (seconds).
+			if took > 2*time.Second {
+				t.Errorf("%v took %v: a reply was probably dropped", tc.argv, took)
+			}
+		})
+	}
+	if got := hookCounter(t, n.pinDir(), "total", "map_miss"); got != 0 {
+		t.Errorf("map_miss = %d", got)
+	}
+}
+
+func containsString(list []string, s string) bool {
+	for _, x := range list {
+		if x == s {
+			return true
+		}
+	}
+	return false
+}

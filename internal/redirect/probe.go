@@ -1,0 +1,205 @@
+package redirect
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"strings"
+
+	"github.com/cilium/ebpf"
+	"github.com/cilium/ebpf/asm"
+	"github.com/cilium/ebpf/features"
+	"github.com/cilium/ebpf/link"
+	"github.com/cilium/ebpf/rlimit"
+	"golang.org/x/sys/unix"
+)
+
+// Feature is one kernel capability the datapath needs. Err is nil when the kernel
+// has it.
+type Feature struct {
+	Name   string // e.g. "cgroup/recvmsg4"
+	Detail string // e.g. "BPF_CGROUP_UDP4_RECVMSG"
+	Err    error
+}
+
+func (f Feature) String() string {
+	s := f.Name
+	if f.Detail != "" {
+		s += " (" + f.Detail + ")"
+	}
+	if f.Err == nil {
+		return s + ": supported"
+	}
+	return s + ": not supported by this kernel: " + f.Err.Error()
+}
+
+// Features are the results of Probe.
+type Features struct {
+	Hooks      []Feature // one per program: cgroup/connect4 ... cgroup/sock_release
+	Helpers    []Feature // helpers the programs call, per program type / hook
+	MapTypes   []Feature // map types the object uses
+	CgroupLink Feature   // bpf_link for cgroups (attach and pin)
+	BPFFS      Feature   // the bpf filesystem
+}
+
+// Missing lists what this kernel lacks, one precise line per feature, e.g.
+// "cgroup/recvmsg4 (BPF_CGROUP_UDP4_RECVMSG): not supported by this kernel: <err>".
+// It is empty when the datapath can run.
+func (f Features) Missing() []string {
+	var out []string
+	all := append(append(append([]Feature{}, f.Hooks...), f.Helpers...), f.MapTypes...)
+	all = append(all, f.CgroupLink, f.BPFFS)
+	for _, x := range all {
+		if x.Err != nil {
+			out = append(out, x.String())
+		}
+	}
+	return out
+}
+
+// Probe asks the kernel, without attaching anything, whether it has every hook,
+// helper, map type and bpf_link kind the datapath needs. The error is for probes
+// that could not run at all (e.g. no permission to load BPF programs).
+func Probe() (Features, error) {
+	var f Features
+	if err := rlimit.RemoveMemlock(); err != nil {
+		return f, fmt.Errorf("remove memlock rlimit: %w", err)
+	}
+	for _, h := range hooks {
+		f.Hooks = append(f.Hooks, Feature{Name: h.section, Detail: h.attachName, Err: probeHook(h, nil)})
+	}
+	if err := f.Hooks[0].Err; err != nil && (errors.Is(err, unix.EPERM) || errors.Is(err, unix.EACCES)) {
+		return f, fmt.Errorf("load a probe program: %w (needs root or CAP_BPF+CAP_NET_ADMIN)", err)
+	}
+
+	hookByName := map[string]hook{}
+	for _, h := range hooks {
+		hookByName[h.name] = h
+	}
+	helperProbes := []struct {
+		hook   string
+		name   string
+		insns  asm.Instructions
+		detail string
+	}{
+		{"connect4", "bpf_get_socket_cookie", callCtx(asm.FnGetSocketCookie), "in cgroup/connect4"},
+		{"connect4", "bpf_get_netns_cookie", callCtx(asm.FnGetNetnsCookie), "in cgroup/connect4"},
+		{"connect4", "bpf_get_current_cgroup_id", callCtx(asm.FnGetCurrentCgroupId), "in cgroup/connect4"},
+		{"connect4", "bpf_getsockopt", getsockoptMark(), "SO_MARK in cgroup/connect4"},
+		{"sendmsg4", "bpf_getsockopt", getsockoptMark(), "SO_MARK in cgroup/sendmsg4"},
+		{"recvmsg4", "bpf_get_socket_cookie", callCtx(asm.FnGetSocketCookie), "in cgroup/recvmsg4"},
+		{"sock_release", "bpf_get_socket_cookie", callCtx(asm.FnGetSocketCookie), "in cgroup/sock_release"},
+	}
+	for _, p := range helperProbes {
+		h := hookByName[p.hook]
+		err := error(nil)
+		if hookErr := f.Hooks[indexOfHook(p.hook)].Err; hookErr != nil {
+			err = fmt.Errorf("hook %s is missing", h.section)
+		} else {
+			err = probeHook(h, p.insns)
+		}
+		f.Helpers = append(f.Helpers, Feature{Name: p.name, Detail: p.detail, Err: err})
+	}
+	for _, mt := range []ebpf.MapType{ebpf.Hash, ebpf.Array, ebpf.PerCPUArray, ebpf.LRUHash, ebpf.LRUCPUHash} {
+		f.MapTypes = append(f.MapTypes, Feature{Name: "map type " + mt.String(), Err: features.HaveMapType(mt)})
+	}
+	f.CgroupLink = Feature{Name: "bpf_link for cgroups", Detail: "BPF_LINK_CREATE, Linux 5.7", Err: probeCgroupLink()}
+	f.BPFFS = Feature{Name: "bpffs", Detail: "filesystem type bpf", Err: probeBPFFS()}
+	return f, nil
+}
+
+func indexOfHook(name string) int {
+	for i, h := range hooks {
+		if h.name == name {
+			return i
+		}
+	}
+	panic("unknown hook " + name)
+}
+
+func returnOne() asm.Instructions {
+	return asm.Instructions{asm.Mov.Imm(asm.R0, 1), asm.Return()}
+}
+
+// callCtx calls fn(ctx) and returns 1.
+func callCtx(fn asm.BuiltinFunc) asm.Instructions {
+	return append(asm.Instructions{fn.Call()}, returnOne()...)
+}
+
+// getsockoptMark calls bpf_getsockopt(ctx, SOL_SOCKET, SO_MARK, &v, 4).
+func getsockoptMark() asm.Instructions {
+	return append(asm.Instructions{
+		asm.StoreImm(asm.R10, -4, 0, asm.Word),
+		asm.Mov.Imm(asm.R2, unix.SOL_SOCKET),
+		asm.Mov.Imm(asm.R3, unix.SO_MARK),
+		asm.Mov.Reg(asm.R4, asm.R10),
+		asm.Add.Imm(asm.R4, -4),
+		asm.Mov.Imm(asm.R5, 4),
+		asm.FnGetsockopt.Call(),
+	}, returnOne()...)
+}
+
+// probeHook loads a program of h's type and attach type (just "return 1" when
+// insns is nil).
+func probeHook(h hook, insns asm.Instructions) error {
+	if insns == nil {
+		insns = returnOne()
+	}
+	typ := ebpf.CGroupSockAddr
+	if h.attach == ebpf.AttachCgroupInetSockRelease {
+		typ = ebpf.CGroupSock
+	}
+	prog, err := ebpf.NewProgramWithOptions(&ebpf.ProgramSpec{
+		Name:         "meshdns_probe",
+		Type:         typ,
+		AttachType:   h.attach,
+		Instructions: insns,
+		License:      "GPL",
+	}, ebpf.ProgramOptions{LogDisabled: true})
+	if err != nil {
+		return err
+	}
+	return prog.Close()
+}
+
+// probeCgroupLink tries BPF_LINK_CREATE with a file that is not a cgroup: a
+// kernel with cgroup bpf_links answers EBADF.
+func probeCgroupLink() error {
+	prog, err := ebpf.NewProgramWithOptions(&ebpf.ProgramSpec{
+		Type:         ebpf.CGroupSockAddr,
+		AttachType:   ebpf.AttachCGroupInet4Connect,
+		Instructions: returnOne(),
+		License:      "GPL",
+	}, ebpf.ProgramOptions{LogDisabled: true})
+	if err != nil {
+		return fmt.Errorf("load probe program: %w", err)
+	}
+	defer prog.Close()
+	f, err := os.Open(os.DevNull)
+	if err != nil {
+		return err
+	}
+	defer f.Close()
+	l, err := link.AttachRawLink(link.RawLinkOptions{Target: int(f.Fd()), Program: prog, Attach: ebpf.AttachCGroupInet4Connect})
+	if err == nil {
+		l.Close()
+		return nil
+	}
+	if errors.Is(err, unix.EBADF) {
+		return nil
+	}
+	return err
+}
+
+func probeBPFFS() error {
+	b, err := os.ReadFile("/proc/filesystems")
+	if err != nil {
+		return fmt.Errorf("read /proc/filesystems: %w", err)
+	}
+	for _, line := range strings.Split(string(b), "\n") {
+		if strings.TrimSpace(strings.TrimPrefix(line, "nodev")) == "bpf" {
+			return nil
+		}
+	}
+	return errors.New("bpf is not listed in /proc/filesystems")
+}
