@@ -1,0 +1,294 @@
+package resolver
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"net"
+	"slices"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/miekg/dns"
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/meshdns/meshdns-ebpf/internal/resolver/nametable"
+)
+
+// staticTable is a TableSource with a fixed table (nil = not loaded).
+type staticTable struct {
+	t atomic.Pointer[nametable.Table]
+}
+
+func (s *staticTable) Table() *nametable.Table { return s.t.Load() }
+
+// fakeUpstream is a DNS server on 127.0.0.1:0 (UDP and TCP) that knows a
+// few external names and answers NXDOMAIN otherwise.
+type fakeUpstream struct {
+	addr    string
+	queries atomic.Int64
+}
+
+func startUpstream(t *testing.T) *fakeUpstream {
+	t.Helper()
+	u := &fakeUpstream{}
+	h := dns.HandlerFunc(func(w dns.ResponseWriter, r *dns.Msg) {
+		u.queries.Add(1)
+		m := new(dns.Msg)
+		m.SetReply(r)
+		m.RecursionAvailable = true
+		q := r.Question[0]
+		name := strings.ToLower(q.Name)
+		switch {
+		case name == "ext.example.org." && q.Qtype == dns.TypeA:
+			m.Answer = []dns.RR{mustRR(t, "ext.example.org. 300 IN A 192.0.2.80")}
+		case name == "big.example.org." && q.Qtype == dns.TypeTXT:
+			for i := range 40 {
+				m.Answer = append(m.Answer, mustRR(t, fmt.Sprintf("big.example.org. 300 IN TXT \"%s-%02d\"", strings.Repeat("x", 60), i)))
+			}
+		case name == "ext.example.org.":
+			m.Ns = []dns.RR{mustRR(t, "example.org. 300 IN SOA ns.example.org. h.example.org. 1 2 3 4 300")}
+		default:
+			m.Rcode = dns.RcodeNameError
+			m.Ns = []dns.RR{mustRR(t, ". 300 IN SOA a.root. h.root. 1 2 3 4 300")}
+		}
+		if o := r.IsEdns0(); o != nil {
+			m.SetEdns0(4096, o.Do())
+			// An option we must not pass on to our client.
+			opt := m.IsEdns0()
+			opt.Option = append(opt.Option, &dns.EDNS0_NSID{Code: dns.EDNS0NSID, Nsid: "abcd"})
+		}
+		_ = w.WriteMsg(m)
+	})
+	pc, err := net.ListenPacket("udp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	u.addr = pc.LocalAddr().String()
+	ln, err := net.Listen("tcp", u.addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	us := &dns.Server{PacketConn: pc, Handler: h}
+	ts := &dns.Server{Listener: ln, Handler: h}
+	go func() { _ = us.ActivateAndServe() }()
+	go func() { _ = ts.ActivateAndServe() }()
+	t.Cleanup(func() { _ = us.Shutdown(); _ = ts.Shutdown() })
+	return u
+}
+
+// exchangeForwarder is a minimal Forwarder: one exchange with the fake
+// upstream, over TCP when the UDP answer is truncated.
+type exchangeForwarder struct {
+	addr string
+	fail atomic.Bool
+}
+
+func (f *exchangeForwarder) Forward(ctx context.Context, req *dns.Msg) (*dns.Msg, string, error) {
+	if f.fail.Load() {
+		return nil, "", fmt.Errorf("all upstreams failed")
+	}
+	q := req.Copy()
+	q.Id = dns.Id()
+	c := &dns.Client{Net: "udp", Timeout: 2 * time.Second, UDPSize: 4096}
+	resp, _, err := c.ExchangeContext(ctx, q, f.addr)
+	if err == nil && resp.Truncated {
+		c.Net = "tcp"
+		resp, _, err = c.ExchangeContext(ctx, q, f.addr)
+	}
+	if err != nil {
+		return nil, "", err
+	}
+	return resp, "upstream", nil
+}
+
+func mustRR(t testing.TB, s string) dns.RR {
+	t.Helper()
+	rr, err := dns.NewRR(s)
+	if err != nil {
+		t.Fatalf("NewRR(%q): %v", s, err)
+	}
+	return rr
+}
+
+type testServer struct {
+	s     *Server
+	addr  string
+	reg   *prometheus.Registry
+	fwd   *exchangeForwarder
+	table *staticTable
+	up    *fakeUpstream
+}
+
+func startServer(t *testing.T, f *nametable.File, mod func(*Config)) *testServer {
+	t.Helper()
+	up := startUpstream(t)
+	ts := &testServer{reg: prometheus.NewRegistry(), fwd: &exchangeForwarder{addr: up.addr}, table: &staticTable{}, up: up}
+	if f != nil {
+		tb, err := nametable.Build(f, nametable.Options{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		ts.table.t.Store(tb)
+	}
+	cfg := Config{
+		Listen:     []string{"127.0.0.1:0"},
+		Table:      ts.table,
+		Forwarder:  ts.fwd,
+		Registerer: ts.reg,
+		Logger:     slog.New(slog.DiscardHandler),
+	}
+	if mod != nil {
+		mod(&cfg)
+	}
+	s, err := New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Start(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		if err := s.Shutdown(ctx); err != nil {
+			t.Errorf("Shutdown: %v", err)
+		}
+	})
+	ts.s = s
+	ts.addr = s.Addrs()[0]
+	return ts
+}
+
+// exchangeRaw sends wire bytes and returns the raw reply.
+func exchangeRaw(t *testing.T, network, addr string, pkt []byte) []byte {
+	t.Helper()
+	c, err := net.Dial(network, addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	_ = c.SetDeadline(time.Now().Add(5 * time.Second))
+	if network == "tcp" {
+		pkt = append([]byte{byte(len(pkt) >> 8), byte(len(pkt))}, pkt...)
+	}
+	if _, err := c.Write(pkt); err != nil {
+		t.Fatal(err)
+	}
+	buf := make([]byte, 65536+2)
+	if network == "tcp" {
+		if _, err := readFull(c, buf[:2]); err != nil {
+			t.Fatalf("read length: %v", err)
+		}
+		n := int(buf[0])<<8 | int(buf[1])
+		if _, err := readFull(c, buf[:n]); err != nil {
+			t.Fatalf("read: %v", err)
+		}
+		return buf[:n]
+	}
+	n, err := c.Read(buf)
+	if err != nil {
+		t.Fatalf("read: %v", err)
+	}
+	return buf[:n]
+}
+
+func readFull(c net.Conn, b []byte) (int, error) {
+	n := 0
+	for n < len(b) {
+		m, err := c.Read(b[n:])
+		n += m
+		if err != nil {
+			return n, err
+		}
+	}
+	return n, nil
+}
+
+func exchange(t *testing.T, network, addr string, req *dns.Msg) *dns.Msg {
+	t.Helper()
+	pkt, err := req.Pack()
+	if err != nil {
+		t.Fatal(err)
+	}
+	raw := exchangeRaw(t, network, addr, pkt)
+	resp := new(dns.Msg)
+	if err := resp.Unpack(raw); err != nil {
+		t.Fatalf("unpack response: %v (%x)", err, raw)
+	}
+	return resp
+}
+
+// canon renders a whole message for comparison: header, question, and each
+// section, with runs of A/AAAA records sorted (they are shuffled).
+func canon(m *dns.Msg) string {
+	var b strings.Builder
+	fmt.Fprintf(&b, "id=%d qr=%v op=%d aa=%v tc=%v rd=%v ra=%v ad=%v cd=%v rcode=%s\n",
+		m.Id, m.Response, m.Opcode, m.Authoritative, m.Truncated, m.RecursionDesired,
+		m.RecursionAvailable, m.AuthenticatedData, m.CheckingDisabled, dns.RcodeToString[m.Rcode])
+	for _, q := range m.Question {
+		fmt.Fprintf(&b, "Q %s\n", q.String())
+	}
+	sec := func(tag string, rrs []dns.RR) {
+		lines := make([]string, 0, len(rrs))
+		run := -1
+		for _, rr := range rrs {
+			s := rr.String()
+			if o, ok := rr.(*dns.OPT); ok {
+				s = fmt.Sprintf("OPT udp=%d do=%v ver=%d ext=%d opts=%d", o.UDPSize(), o.Do(), o.Version(), o.ExtendedRcode(), len(o.Option))
+			}
+			t := rr.Header().Rrtype
+			if t == dns.TypeA || t == dns.TypeAAAA {
+				if run < 0 {
+					run = len(lines)
+				}
+			} else if run >= 0 {
+				slices.Sort(lines[run:])
+				run = -1
+			}
+			lines = append(lines, s)
+		}
+		if run >= 0 {
+			slices.Sort(lines[run:])
+		}
+		for _, l := range lines {
+			fmt.Fprintf(&b, "%s %s\n", tag, l)
+		}
+	}
+	sec("AN", m.Answer)
+	sec("NS", m.Ns)
+	sec("AR", m.Extra)
+	return b.String()
+}
+
+// metricValue reads one counter child from the registry (0 if absent).
+func metricValue(t *testing.T, reg *prometheus.Registry, name string, labels map[string]string) float64 {
+	t.Helper()
+	mfs, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, mf := range mfs {
+		if mf.GetName() != name {
+			continue
+		}
+	next:
+		for _, m := range mf.GetMetric() {
+			for _, lp := range m.GetLabel() {
+				if v, ok := labels[lp.GetName()]; ok && v != lp.GetValue() {
+					continue next
+				}
+			}
+			if c := m.GetCounter(); c != nil {
+				return c.GetValue()
+			}
+			if h := m.GetHistogram(); h != nil {
+				return float64(h.GetSampleCount())
+			}
+			return m.GetGauge().GetValue()
+		}
+	}
+	return 0
+}

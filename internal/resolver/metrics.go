@@ -1,0 +1,140 @@
+package resolver
+
+import (
+	"github.com/miekg/dns"
+	"github.com/prometheus/client_golang/prometheus"
+)
+
+type proto uint8
+
+const (
+	protoUDP proto = iota
+	protoTCP
+	nProtos
+)
+
+var protoNames = [nProtos]string{"udp", "tcp"}
+
+type source uint8
+
+const (
+	srcTable source = iota
+	srcCache
+	srcUpstream
+	srcStale
+	srcError
+	nSources
+)
+
+var sourceNames = [nSources]string{"table", "cache", "upstream", "stale", "error"}
+
+func sourceFromForwarder(s string) source {
+	switch s {
+	case "cache":
+		return srcCache
+	case "stale":
+		return srcStale
+	default:
+		return srcUpstream
+	}
+}
+
+// qtypeLabels is the bounded qtype label set; anything else is "other".
+var qtypeLabels = []string{"A", "AAAA", "PTR", "SRV", "CNAME", "MX", "TXT", "NS", "SOA", "HTTPS", "SVCB", "ANY", "other"}
+
+const nQtypes = 13
+
+func qtypeIndex(t uint16) int {
+	switch t {
+	case dns.TypeA:
+		return 0
+	case dns.TypeAAAA:
+		return 1
+	case dns.TypePTR:
+		return 2
+	case dns.TypeSRV:
+		return 3
+	case dns.TypeCNAME:
+		return 4
+	case dns.TypeMX:
+		return 5
+	case dns.TypeTXT:
+		return 6
+	case dns.TypeNS:
+		return 7
+	case dns.TypeSOA:
+		return 8
+	case dns.TypeHTTPS:
+		return 9
+	case dns.TypeSVCB:
+		return 10
+	case dns.TypeANY:
+		return 11
+	}
+	return 12
+}
+
+var rcodeLabels = []string{"NOERROR", "FORMERR", "SERVFAIL", "NXDOMAIN", "NOTIMP", "REFUSED", "BADVERS", "other"}
+
+const nRcodes = 8
+
+func rcodeIndex(rc int) int {
+	switch {
+	case rc >= 0 && rc <= dns.RcodeRefused:
+		return rc
+	case rc == dns.RcodeBadVers:
+		return 6
+	}
+	return 7
+}
+
+// metrics holds pre-created label children so the query path does no label
+// lookups.
+type metrics struct {
+	requests  [nProtos][nQtypes]prometheus.Counter
+	responses [nRcodes][nSources]prometheus.Counter
+	duration  [nSources]prometheus.Observer
+	dropped   prometheus.Counter
+}
+
+func newMetrics(reg prometheus.Registerer) (*metrics, error) {
+	req := prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "meshdns_dns_requests_total",
+		Help: "DNS requests received, by transport and query type.",
+	}, []string{"proto", "qtype"})
+	resp := prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "meshdns_dns_responses_total",
+		Help: "DNS responses sent, by rcode and where the answer came from.",
+	}, []string{"rcode", "source"})
+	dur := prometheus.NewHistogramVec(prometheus.HistogramOpts{
+		Name:    "meshdns_dns_request_duration_seconds",
+		Help:    "Time from receiving a request to having its response, by answer source.",
+		Buckets: []float64{0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5},
+	}, []string{"source"})
+	dropped := prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "meshdns_dns_dropped_total",
+		Help: "Packets not answered: shorter than a DNS header, or FORMERR responses sent to us (answering would loop).",
+	})
+	if reg != nil {
+		for _, c := range []prometheus.Collector{req, resp, dur, dropped} {
+			if err := reg.Register(c); err != nil {
+				return nil, err
+			}
+		}
+	}
+	m := &metrics{dropped: dropped}
+	for p := range nProtos {
+		for q := range nQtypes {
+			m.requests[p][q] = req.WithLabelValues(protoNames[p], qtypeLabels[q])
+		}
+	}
+	for r := range nRcodes {
+		for s := range nSources {
+			m.responses[r][s] = resp.WithLabelValues(rcodeLabels[r], sourceNames[s])
+		}
+	}
+	for s := range nSources {
+		m.duration[s] = dur.WithLabelValues(sourceNames[s])
+	}
+	return m, nil
+}

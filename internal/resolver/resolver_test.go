@@ -1,0 +1,480 @@
+package resolver
+
+import (
+	"context"
+	"fmt"
+	"net"
+	"net/netip"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/miekg/dns"
+
+	"github.com/meshdns/meshdns-ebpf/internal/resolver/nametable"
+)
+
+const k8s = nametable.RegistryKubernetes
+
+func headlessIPs() []string {
+	var ips []string
+	for i := 1; i <= 100; i++ {
+		ips = append(ips, fmt.Sprintf("10.1.0.%d", i))
+	}
+	return ips
+}
+
+func testFile() *nametable.File {
+	return &nametable.File{
+		Table: map[string]nametable.HostInfo{
+			"productpage.ns1.svc.cluster.local": {IPs: []string{"10.0.1.1"}, Registry: k8s},
+			"reviews.ns2.svc.cluster.local": {IPs: []string{"10.0.2.1", "10.0.2.2", "10.0.2.3"}, Registry: k8s,
+				Ports: []nametable.Port{{Name: "http", Port: 9080}, {Name: "grpc", Port: 9090}}},
+			"reviews.ns3.svc.cluster.local":  {IPs: []string{"10.0.3.1"}, Registry: k8s},
+			"ratings.ns2.svc.cluster.local":  {IPs: []string{"10.0.2.10", "fd00::2:10"}, Registry: k8s},
+			"headless.ns2.svc.cluster.local": {IPs: headlessIPs(), Registry: k8s},
+			"*.wild.example.com":             {IPs: []string{"192.0.2.9"}},
+			"api.example.com":                {}, // auto-allocated VIP
+		},
+		Clients: map[string]string{"127.0.0.2": "ns3"},
+	}
+}
+
+const clusterSOA = "cluster.local. 30 IN SOA ns.dns.cluster.local. hostmaster.cluster.local. 1 7200 1800 86400 30"
+
+// tcase is one query and the whole response expected for it.
+type tcase struct {
+	name   string
+	req    func() *dns.Msg
+	client string // local address to send from ("" = 127.0.0.1)
+	rcode  int
+	aa     bool
+	an     []string
+	ns     []string
+	ar     []string
+	opt    string // expected OPT line, "" = none
+}
+
+func query(name string, qtype uint16) func() *dns.Msg {
+	return func() *dns.Msg {
+		m := new(dns.Msg)
+		m.SetQuestion(name, qtype)
+		m.Id = 0x1234
+		return m
+	}
+}
+
+func queryEDNS(name string, qtype uint16, size uint16, do bool, opts ...dns.EDNS0) func() *dns.Msg {
+	return func() *dns.Msg {
+		m := query(name, qtype)()
+		m.SetEdns0(size, do)
+		o := m.IsEdns0()
+		o.Option = append(o.Option, opts...)
+		return m
+	}
+}
+
+func (tc *tcase) expected(t *testing.T, req *dns.Msg) *dns.Msg {
+	m := new(dns.Msg)
+	m.Id = req.Id
+	m.Response = true
+	m.Opcode = req.Opcode
+	m.RecursionDesired = req.RecursionDesired
+	m.RecursionAvailable = true
+	m.Authoritative = tc.aa
+	m.Rcode = tc.rcode
+	if len(req.Question) == 1 {
+		m.Question = req.Question
+	}
+	for _, s := range tc.an {
+		m.Answer = append(m.Answer, mustRR(t, s))
+	}
+	for _, s := range tc.ns {
+		m.Ns = append(m.Ns, mustRR(t, s))
+	}
+	for _, s := range tc.ar {
+		m.Extra = append(m.Extra, mustRR(t, s))
+	}
+	return m
+}
+
+func runCases(t *testing.T, ts *testServer, cases []tcase) {
+	t.Helper()
+	for _, network := range []string{"udp", "tcp"} {
+		for _, tc := range cases {
+			t.Run(network+"/"+tc.name, func(t *testing.T) {
+				req := tc.req()
+				var resp *dns.Msg
+				if tc.client != "" {
+					resp = exchangeFrom(t, network, tc.client, ts.addr, req)
+				} else {
+					resp = exchange(t, network, ts.addr, req)
+				}
+				want := canon(tc.expected(t, req))
+				if tc.opt != "" {
+					want += "AR " + tc.opt + "\n"
+				}
+				if got := canon(resp); got != want {
+					t.Fatalf("response differs\n--- got\n%s--- want\n%s", got, want)
+				}
+			})
+		}
+	}
+}
+
+func exchangeFrom(t *testing.T, network, local, addr string, req *dns.Msg) *dns.Msg {
+	t.Helper()
+	d := net.Dialer{Timeout: 2 * time.Second}
+	if network == "udp" {
+		d.LocalAddr = &net.UDPAddr{IP: net.ParseIP(local)}
+	} else {
+		d.LocalAddr = &net.TCPAddr{IP: net.ParseIP(local)}
+	}
+	conn, err := d.Dial(network, addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := &dns.Conn{Conn: conn}
+	defer c.Close()
+	_ = c.SetDeadline(time.Now().Add(5 * time.Second))
+	if err := c.WriteMsg(req); err != nil {
+		t.Fatal(err)
+	}
+	resp, err := c.ReadMsg()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return resp
+}
+
+func vipOf(t *testing.T, ts *testServer, host string) (netip.Addr, netip.Addr) {
+	t.Helper()
+	n := ts.table.Table().Lookup(host)
+	if n == nil || !n.Host.AutoVIP {
+		t.Fatalf("%s has no auto VIP", host)
+	}
+	return n.Host.V4[0], n.Host.V6[0]
+}
+
+func TestAnswers(t *testing.T) {
+	ts := startServer(t, testFile(), func(c *Config) {
+		c.Authoritative = true
+		c.SearchDomains = []string{"corp.internal"}
+	})
+	vip4, vip6 := vipOf(t, ts, "api.example.com.")
+	if !netip.MustParsePrefix("240.240.0.0/16").Contains(vip4) || !netip.MustParsePrefix("2001:2::/48").Contains(vip6) {
+		t.Fatalf("VIPs %s %s outside the ranges", vip4, vip6)
+	}
+	rev4, _ := dns.ReverseAddr(vip4.String())
+	rev6, _ := dns.ReverseAddr(vip6.String())
+	revRatings6, _ := dns.ReverseAddr("fd00::2:10")
+	reviewsA := func(owner string) []string {
+		return []string{owner + " 30 IN A 10.0.2.1", owner + " 30 IN A 10.0.2.2", owner + " 30 IN A 10.0.2.3"}
+	}
+	pp := "productpage.ns1.svc.cluster.local."
+	cases := []tcase{
+		// Kubernetes alt names.
+		{name: "fqdn", req: query(pp, dns.TypeA), aa: true, an: []string{pp + " 30 IN A 10.0.1.1"}},
+		{name: "name.ns", req: query("reviews.ns2.", dns.TypeA), aa: true, an: reviewsA("reviews.ns2.")},
+		{name: "name.ns.svc", req: query("reviews.ns2.svc.", dns.TypeA), aa: true, an: reviewsA("reviews.ns2.svc.")},
+		{name: "bare unambiguous", req: query("productpage.", dns.TypeA), aa: true, an: []string{"productpage. 30 IN A 10.0.1.1"}},
+		{name: "bare ambiguous is forwarded", req: query("reviews.", dns.TypeA), rcode: dns.RcodeNameError,
+			ns: []string{". 300 IN SOA a.root. h.root. 1 2 3 4 300"}},
+		{name: "bare from known client", req: query("reviews.", dns.TypeA), client: "127.0.0.2", aa: true,
+			an: []string{"reviews. 30 IN A 10.0.3.1"}},
+		{name: "bare from known client of another namespace", req: query("productpage.", dns.TypeA), client: "127.0.0.2",
+			rcode: dns.RcodeNameError, ns: []string{". 300 IN SOA a.root. h.root. 1 2 3 4 300"}},
+		{name: "wildcard", req: query("a.b.wild.example.com.", dns.TypeA), aa: true, an: []string{"a.b.wild.example.com. 30 IN A 192.0.2.9"}},
+		// Autopath.
+		{name: "autopath own namespace", req: query(pp+"ns1.svc.cluster.local.", dns.TypeA), aa: true,
+			an: []string{pp + "ns1.svc.cluster.local. 30 IN CNAME " + pp, pp + " 30 IN A 10.0.1.1"}},
+		{name: "autopath other namespace", req: query("reviews.ns2.ns1.svc.cluster.local.", dns.TypeA), aa: true,
+			an: append([]string{"reviews.ns2.ns1.svc.cluster.local. 30 IN CNAME reviews.ns2.svc.cluster.local."}, reviewsA("reviews.ns2.svc.cluster.local.")...)},
+		{name: "autopath any namespace search domain", req: query("reviews.ns2.ns7.svc.cluster.local.", dns.TypeA), aa: true,
+			an: append([]string{"reviews.ns2.ns7.svc.cluster.local. 30 IN CNAME reviews.ns2.svc.cluster.local."}, reviewsA("reviews.ns2.svc.cluster.local.")...)},
+		{name: "autopath wildcard never targets *", req: query("x.wild.example.com.ns1.svc.cluster.local.", dns.TypeA), aa: true,
+			an: []string{"x.wild.example.com.ns1.svc.cluster.local. 30 IN CNAME x.wild.example.com.", "x.wild.example.com. 30 IN A 192.0.2.9"}},
+		{name: "autopath svc.domain", req: query("api.example.com.svc.cluster.local.", dns.TypeA), aa: true,
+			an: []string{"api.example.com.svc.cluster.local. 30 IN CNAME api.example.com.", "api.example.com. 30 IN A " + vip4.String()}},
+		{name: "autopath domain AAAA", req: query("api.example.com.cluster.local.", dns.TypeAAAA), aa: true,
+			an: []string{"api.example.com.cluster.local. 30 IN CNAME api.example.com.", "api.example.com. 30 IN AAAA " + vip6.String()}},
+		{name: "autopath configured search domain", req: query("api.example.com.corp.internal.", dns.TypeA), aa: true,
+			an: []string{"api.example.com.corp.internal. 30 IN CNAME api.example.com.", "api.example.com. 30 IN A " + vip4.String()}},
+		{name: "no autopath to a bare name", req: query("ratings.ns1.svc.cluster.local.", dns.TypeA), aa: true,
+			rcode: dns.RcodeNameError, ns: []string{clusterSOA}},
+		// NODATA and NXDOMAIN.
+		{name: "AAAA of v4-only is NODATA", req: query(pp, dns.TypeAAAA), aa: true, ns: []string{clusterSOA}},
+		{name: "AAAA dual stack", req: query("ratings.ns2.svc.cluster.local.", dns.TypeAAAA), aa: true,
+			an: []string{"ratings.ns2.svc.cluster.local. 30 IN AAAA fd00::2:10"}},
+		{name: "MX of known is NODATA", req: query(pp, dns.TypeMX), aa: true, ns: []string{clusterSOA}},
+		{name: "HTTPS of external is NODATA", req: query("api.example.com.", dns.TypeHTTPS), aa: true,
+			ns: []string{"api.example.com. 30 IN SOA ns.dns.cluster.local. hostmaster.cluster.local. 1 7200 1800 86400 30"}},
+		{name: "TXT of wildcard is NODATA", req: query("q.wild.example.com.", dns.TypeTXT), aa: true,
+			ns: []string{"wild.example.com. 30 IN SOA ns.dns.cluster.local. hostmaster.cluster.local. 1 7200 1800 86400 30"}},
+		{name: "authoritative NXDOMAIN", req: query("nope.ns1.svc.cluster.local.", dns.TypeA), aa: true,
+			rcode: dns.RcodeNameError, ns: []string{clusterSOA}},
+		{name: "empty non-terminal", req: query("ns2.svc.cluster.local.", dns.TypeA), aa: true, ns: []string{clusterSOA}},
+		{name: "apex SOA", req: query("cluster.local.", dns.TypeSOA), aa: true, an: []string{clusterSOA}},
+		// PTR.
+		{name: "PTR v4", req: query("1.1.0.10.in-addr.arpa.", dns.TypePTR), aa: true,
+			an: []string{"1.1.0.10.in-addr.arpa. 30 IN PTR " + pp}},
+		{name: "PTR v6", req: query(revRatings6, dns.TypePTR), aa: true,
+			an: []string{revRatings6 + " 30 IN PTR ratings.ns2.svc.cluster.local."}},
+		{name: "PTR auto VIP v4", req: query(rev4, dns.TypePTR), aa: true, an: []string{rev4 + " 30 IN PTR api.example.com."}},
+		{name: "PTR auto VIP v6", req: query(rev6, dns.TypePTR), aa: true, an: []string{rev6 + " 30 IN PTR api.example.com."}},
+		{name: "PTR unknown is forwarded", req: query("9.9.9.10.in-addr.arpa.", dns.TypePTR), rcode: dns.RcodeNameError,
+			ns: []string{". 300 IN SOA a.root. h.root. 1 2 3 4 300"}},
+		// SRV.
+		{name: "SRV port", req: query("_http._tcp.reviews.ns2.svc.cluster.local.", dns.TypeSRV), aa: true,
+			an: []string{"_http._tcp.reviews.ns2.svc.cluster.local. 30 IN SRV 0 100 9080 reviews.ns2.svc.cluster.local."},
+			ar: reviewsA("reviews.ns2.svc.cluster.local.")},
+		{name: "SRV port via alt name", req: query("_grpc._tcp.reviews.ns2.", dns.TypeSRV), aa: true,
+			an: []string{"_grpc._tcp.reviews.ns2. 30 IN SRV 0 100 9090 reviews.ns2.svc.cluster.local."},
+			ar: reviewsA("reviews.ns2.svc.cluster.local.")},
+		{name: "SRV all ports", req: query("reviews.ns2.svc.cluster.local.", dns.TypeSRV), aa: true,
+			an: []string{"reviews.ns2.svc.cluster.local. 30 IN SRV 0 100 9080 reviews.ns2.svc.cluster.local.",
+				"reviews.ns2.svc.cluster.local. 30 IN SRV 0 100 9090 reviews.ns2.svc.cluster.local."},
+			ar: reviewsA("reviews.ns2.svc.cluster.local.")},
+		{name: "SRV without ports is NODATA", req: query(pp, dns.TypeSRV), aa: true, ns: []string{clusterSOA}},
+		{name: "SRV unknown port", req: query("_nope._udp.reviews.ns2.svc.cluster.local.", dns.TypeSRV), aa: true,
+			rcode: dns.RcodeNameError, ns: []string{clusterSOA}},
+		// Forwarding, case, EDNS.
+		{name: "forwarded", req: query("ext.example.org.", dns.TypeA), an: []string{"ext.example.org. 300 IN A 192.0.2.80"}},
+		{name: "forwarded NODATA", req: query("ext.example.org.", dns.TypeAAAA),
+			ns: []string{"example.org. 300 IN SOA ns.example.org. h.example.org. 1 2 3 4 300"}},
+		{name: "0x20 case echoed", req: query("PrOdUcTpAgE.Ns1.SvC.cluster.LOCAL.", dns.TypeA), aa: true,
+			an: []string{"PrOdUcTpAgE.Ns1.SvC.cluster.LOCAL. 30 IN A 10.0.1.1"}},
+		{name: "0x20 autopath", req: query("Reviews.NS2.ns1.svc.cluster.local.", dns.TypeA), aa: true,
+			an: append([]string{"Reviews.NS2.ns1.svc.cluster.local. 30 IN CNAME reviews.ns2.svc.cluster.local."}, reviewsA("reviews.ns2.svc.cluster.local.")...)},
+		{name: "EDNS DO echoed", req: queryEDNS(pp, dns.TypeA, 4096, true), aa: true,
+			an: []string{pp + " 30 IN A 10.0.1.1"}, opt: "OPT udp=1232 do=true ver=0 ext=0 opts=0"},
+		{name: "EDNS unknown option not echoed", req: queryEDNS(pp, dns.TypeAAAA, 1232, false,
+			&dns.EDNS0_LOCAL{Code: 65001, Data: []byte{1, 2}}), aa: true,
+			ns: []string{clusterSOA}, opt: "OPT udp=1232 do=false ver=0 ext=0 opts=0"},
+		{name: "EDNS forwarded options stripped", req: queryEDNS("ext.example.org.", dns.TypeA, 1232, true),
+			an: []string{"ext.example.org. 300 IN A 192.0.2.80"}, opt: "OPT udp=1232 do=true ver=0 ext=0 opts=0"},
+	}
+	runCases(t, ts, cases)
+}
+
+func TestProtocolErrors(t *testing.T) {
+	ts := startServer(t, testFile(), nil)
+	withMsg := func(f func(m *dns.Msg)) func() *dns.Msg {
+		return func() *dns.Msg {
+			m := query("productpage.ns1.svc.cluster.local.", dns.TypeA)()
+			f(m)
+			return m
+		}
+	}
+	cases := []tcase{
+		{name: "no question", req: withMsg(func(m *dns.Msg) { m.Question = nil }), rcode: dns.RcodeFormatError},
+		{name: "two questions", req: withMsg(func(m *dns.Msg) {
+			m.Question = append(m.Question, dns.Question{Name: "a.", Qtype: dns.TypeA, Qclass: dns.ClassINET})
+		}), rcode: dns.RcodeFormatError},
+		{name: "response sent to us", req: withMsg(func(m *dns.Msg) { m.Response = true }), rcode: dns.RcodeFormatError},
+		{name: "NOTIFY", req: withMsg(func(m *dns.Msg) { m.Opcode = dns.OpcodeNotify }), rcode: dns.RcodeNotImplemented},
+		{name: "UPDATE", req: withMsg(func(m *dns.Msg) { m.Opcode = dns.OpcodeUpdate }), rcode: dns.RcodeNotImplemented},
+		{name: "class CH other", req: withMsg(func(m *dns.Msg) { m.Question[0].Qclass = dns.ClassCHAOS }), rcode: dns.RcodeRefused},
+		{name: "class HS", req: withMsg(func(m *dns.Msg) { m.Question[0].Qclass = dns.ClassHESIOD }), rcode: dns.RcodeRefused},
+		{name: "AXFR", req: withMsg(func(m *dns.Msg) { m.Question[0].Qtype = dns.TypeAXFR }), rcode: dns.RcodeRefused},
+		{name: "EDNS version 1", req: withMsg(func(m *dns.Msg) {
+			m.SetEdns0(1232, false)
+			m.IsEdns0().SetVersion(1)
+		}), rcode: dns.RcodeBadVers, opt: "OPT udp=1232 do=false ver=0 ext=16 opts=0"},
+	}
+	runCases(t, ts, cases)
+
+	// CH TXT version.bind is answered.
+	for _, network := range []string{"udp", "tcp"} {
+		m := new(dns.Msg)
+		m.Question = []dns.Question{{Name: "version.bind.", Qtype: dns.TypeTXT, Qclass: dns.ClassCHAOS}}
+		resp := exchange(t, network, ts.addr, m)
+		if resp.Rcode != dns.RcodeSuccess || len(resp.Answer) != 1 || !strings.Contains(resp.Answer[0].String(), "meshdns-ebpf") {
+			t.Fatalf("%s version.bind: %v", network, resp)
+		}
+	}
+}
+
+// Packets that do not parse get FORMERR with their ID (both transports);
+// a FORMERR response sent to us gets no answer (it would loop), counted.
+func TestMalformedPackets(t *testing.T) {
+	ts := startServer(t, testFile(), nil)
+	good, _ := query("productpage.ns1.svc.cluster.local.", dns.TypeA)().Pack()
+	for _, network := range []string{"udp", "tcp"} {
+		for _, pkt := range [][]byte{
+			good[:len(good)-3],                            // question cut short
+			append(good[:12:12], 0xc0, 0x0c, 0, 1),        // pointer loop
+			append(append([]byte{}, good...), 0xde, 0xad), // trailing garbage
+		} {
+			raw := exchangeRaw(t, network, ts.addr, pkt)
+			if len(raw) != 12 || raw[0] != 0x12 || raw[1] != 0x34 || raw[2]&0x80 == 0 || raw[3]&0xf != dns.RcodeFormatError {
+				// Trailing garbage unpacks fine in miekg/dns: then it must be a real answer.
+				resp := new(dns.Msg)
+				if err := resp.Unpack(raw); err != nil || resp.Id != 0x1234 || resp.Rcode != dns.RcodeSuccess || len(resp.Answer) != 1 {
+					t.Fatalf("%s %x: reply %x", network, pkt, raw)
+				}
+			}
+		}
+	}
+	before := metricValue(t, ts.reg, "meshdns_dns_dropped_total", nil)
+	formerrResp := []byte{0x12, 0x34, 0x80, 0x01, 0, 0, 0, 0, 0, 0, 0, 0}
+	c, err := net.Dial("udp", ts.addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	if _, err := c.Write(formerrResp); err != nil {
+		t.Fatal(err)
+	}
+	_ = c.SetReadDeadline(time.Now().Add(300 * time.Millisecond))
+	if n, err := c.Read(make([]byte, 512)); err == nil {
+		t.Fatalf("got a %d-byte answer to a FORMERR response", n)
+	}
+	deadline := time.Now().Add(2 * time.Second)
+	for metricValue(t, ts.reg, "meshdns_dns_dropped_total", nil) != before+1 && time.Now().Before(deadline) {
+		time.Sleep(10 * time.Millisecond)
+	}
+	if got := metricValue(t, ts.reg, "meshdns_dns_dropped_total", nil); got != before+1 {
+		t.Fatalf("dropped = %v, want %v", got, before+1)
+	}
+}
+
+func TestForwarderFailureIsServfail(t *testing.T) {
+	ts := startServer(t, testFile(), nil)
+	ts.fwd.fail.Store(true)
+	runCases(t, ts, []tcase{
+		{name: "servfail", req: query("ext.example.org.", dns.TypeA), rcode: dns.RcodeServerFailure},
+		{name: "servfail edns", req: queryEDNS("ext.example.org.", dns.TypeA, 1232, false), rcode: dns.RcodeServerFailure,
+			opt: "OPT udp=1232 do=false ver=0 ext=0 opts=0"},
+	})
+	if got := metricValue(t, ts.reg, "meshdns_dns_responses_total", map[string]string{"rcode": "SERVFAIL", "source": "error"}); got != 4 {
+		t.Fatalf("SERVFAIL/error responses = %v, want 4", got)
+	}
+}
+
+func TestTruncation(t *testing.T) {
+	ts := startServer(t, testFile(), nil)
+	name := "headless.ns2.svc.cluster.local."
+	tests := []struct {
+		network  string
+		req      func() *dns.Msg
+		tc       bool
+		maxBytes int
+		all      bool
+	}{
+		{"udp", query(name, dns.TypeA), true, 512, false},
+		{"udp", queryEDNS(name, dns.TypeA, 1000, false), true, 1000, false},
+		{"udp", queryEDNS(name, dns.TypeA, 4096, false), false, 4096, true},
+		{"tcp", query(name, dns.TypeA), false, 65535, true},
+		// forwarded answers are truncated too (40 TXT of ~70 bytes)
+		{"udp", query("big.example.org.", dns.TypeTXT), true, 512, false},
+		{"udp", queryEDNS("big.example.org.", dns.TypeTXT, 4096, false), false, 4096, true},
+		{"tcp", query("big.example.org.", dns.TypeTXT), false, 65535, true},
+	}
+	for _, tt := range tests {
+		req := tt.req()
+		t.Run(fmt.Sprintf("%s/%s/%d", tt.network, req.Question[0].Name, tt.maxBytes), func(t *testing.T) {
+			pkt, _ := req.Pack()
+			raw := exchangeRaw(t, tt.network, ts.addr, pkt)
+			resp := new(dns.Msg)
+			if err := resp.Unpack(raw); err != nil {
+				t.Fatal(err)
+			}
+			if len(raw) > tt.maxBytes {
+				t.Fatalf("%d bytes, limit %d", len(raw), tt.maxBytes)
+			}
+			if resp.Truncated != tt.tc {
+				t.Fatalf("TC = %v, want %v", resp.Truncated, tt.tc)
+			}
+			if tt.all && len(resp.Answer) != 100 && len(resp.Answer) != 40 {
+				t.Fatalf("%d answers, want all", len(resp.Answer))
+			}
+			if !tt.all && len(resp.Answer) == 0 {
+				t.Fatalf("truncated answer carries no records")
+			}
+			if (req.IsEdns0() != nil) != (resp.IsEdns0() != nil) {
+				t.Fatalf("OPT presence differs: req %v resp %v", req.IsEdns0() != nil, resp.IsEdns0() != nil)
+			}
+		})
+	}
+}
+
+// Multiple addresses come back in varying order.
+func TestShuffle(t *testing.T) {
+	ts := startServer(t, testFile(), nil)
+	for _, network := range []string{"udp", "tcp"} {
+		orders := map[string]bool{}
+		for range 50 {
+			resp := exchange(t, network, ts.addr, query("reviews.ns2.svc.cluster.local.", dns.TypeA)())
+			var ips []string
+			for _, rr := range resp.Answer {
+				ips = append(ips, rr.(*dns.A).A.String())
+			}
+			orders[strings.Join(ips, ",")] = true
+		}
+		// 3 addresses have 6 orders; 50 tries that all hit one order would
+		// mean no shuffling (probability 6 * (1/6)^50).
+		if len(orders) < 2 {
+			t.Fatalf("%s: one order in 50 responses: %v", network, orders)
+		}
+	}
+}
+
+// The wire fast path and the general path must agree byte for byte on
+// everything but the order of shuffled addresses.
+func TestFastPathMatchesGeneralPath(t *testing.T) {
+	ts := startServer(t, testFile(), func(c *Config) { c.Authoritative = true })
+	fp := newFastPath(ts.s)
+	names := []struct {
+		name  string
+		qtype uint16
+		fast  bool
+	}{
+		{"productpage.ns1.svc.cluster.local.", dns.TypeA, true},
+		{"PRODUCTPAGE.ns1.svc.cluster.local.", dns.TypeA, true},
+		{"reviews.ns2.", dns.TypeA, true},
+		{"productpage.", dns.TypeA, true},
+		{"ratings.ns2.svc.cluster.local.", dns.TypeAAAA, true},
+		{"reviews.ns2.ns1.svc.cluster.local.", dns.TypeA, true},
+		{"api.example.com.corp.internal.", dns.TypeA, false}, // no search domains configured here
+		{"api.example.com.svc.cluster.local.", dns.TypeAAAA, true},
+		{"x.wild.example.com.", dns.TypeA, false},
+		{"productpage.ns1.svc.cluster.local.", dns.TypeAAAA, true}, // NODATA
+		{"api.example.com.", dns.TypeAAAA, true},
+		{"nope.ns1.svc.cluster.local.", dns.TypeA, true}, // NXDOMAIN
+		{"www.Google.com.ns1.svc.cluster.local.", dns.TypeAAAA, true},
+		{"ns2.svc.cluster.local.", dns.TypeA, true}, // empty non-terminal
+		{"cluster.local.", dns.TypeA, true},
+		{"nope.example.net.", dns.TypeA, false},
+		{"headless.ns2.svc.cluster.local.", dns.TypeA, false}, // needs truncation
+		{"ext.example.org.", dns.TypeA, false},
+	}
+	for _, n := range names {
+		for _, edns := range []bool{false, true} {
+			t.Run(fmt.Sprintf("%s/%d/edns=%v", n.name, n.qtype, edns), func(t *testing.T) {
+				req := query(n.name, n.qtype)()
+				if edns {
+					req.SetEdns0(1400, true)
+				}
+				pkt, _ := req.Pack()
+				out := make([]byte, dns.MaxMsgSize)
+				fast, ok := fp.answer(pkt, out, netip.MustParseAddr("127.0.0.1"))
+				if ok != n.fast {
+					t.Fatalf("fast path taken = %v, want %v", ok, n.fast)
+				}
+				if !ok {
+					return
+				}
+				fm := new(dns.Msg)
+				if err := fm.Unpack(fast); err != nil {
+					t.Fatalf("fast path packet does not unpack: %v", err)
+				}
+				ri := reqInfo{proto: protoUDP, client: netip.MustParseAddr("127.0.0.1")}
+				gm, _ := ts.s.respond(context.Background(), req, &ri)
+				if canon(fm) != canon(gm) {
+					t.Fatalf("fast\n%s\ngeneral\n%s", canon(fm), canon(gm))
+				}
+			})
+		}
+	}
+}

@@ -1,0 +1,128 @@
+package upstream
+
+import (
+	"errors"
+	"fmt"
+
+	"github.com/prometheus/client_golang/prometheus"
+)
+
+// Failure reasons of meshdns_upstream_failures_total.
+const (
+	reasonTimeout   = "timeout"   // no (valid) answer within the attempt deadline
+	reasonRefused   = "refused"   // connection refused (ICMP port unreachable, TCP RST)
+	reasonNetwork   = "network"   // any other socket error
+	reasonServfail  = "servfail"  // the upstream answered SERVFAIL
+	reasonRcode     = "rejected"  // the upstream answered REFUSED, NOTIMP or FORMERR
+	reasonTruncated = "truncated" // truncated over UDP and the TCP retry failed too
+	reasonMismatch  = "mismatch"  // a reply that did not match the query was dropped
+	reasonOverload  = "overload"  // the in-flight cap was reached (label upstream="")
+)
+
+var failureReasons = []string{reasonTimeout, reasonRefused, reasonNetwork, reasonServfail, reasonRcode, reasonTruncated, reasonMismatch}
+
+// metrics holds the collectors and the pre-resolved children used on the query path.
+type metrics struct {
+	collectors []prometheus.Collector
+
+	hitSuccess, hitDenial, hitStale prometheus.Counter
+	misses, prefetch                prometheus.Counter
+	overload                        prometheus.Counter
+}
+
+// serverMetrics are one upstream's pre-created children.
+type serverMetrics struct {
+	reqUDP, reqTCP prometheus.Counter
+	failures       map[string]prometheus.Counter
+	healthy        prometheus.Gauge
+	duration       prometheus.Observer
+}
+
+func newMetrics(reg prometheus.Registerer, c *cache, servers []*server) (*metrics, error) {
+	hits := prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "meshdns_cache_hits_total",
+		Help: "Answers served from the upstream cache, by type (success, denial, stale).",
+	}, []string{"type"})
+	misses := prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "meshdns_cache_misses_total",
+		Help: "Forwarded queries that found no fresh cache entry.",
+	})
+	entries := prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+		Name: "meshdns_cache_entries",
+		Help: "Entries in the upstream cache.",
+	}, func() float64 {
+		if c == nil {
+			return 0
+		}
+		return float64(c.len())
+	})
+	evictions := prometheus.NewCounterFunc(prometheus.CounterOpts{
+		Name: "meshdns_cache_evictions_total",
+		Help: "Cache entries evicted because the cache was full.",
+	}, func() float64 {
+		if c == nil {
+			return 0
+		}
+		return float64(c.evicted.Load())
+	})
+	prefetch := prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "meshdns_cache_prefetch_total",
+		Help: "Popular cache entries refreshed before they expired.",
+	})
+	requests := prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "meshdns_upstream_requests_total",
+		Help: "Queries sent to an upstream, by upstream and transport.",
+	}, []string{"upstream", "proto"})
+	failures := prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "meshdns_upstream_failures_total",
+		Help: "Failed upstream attempts, by upstream and reason.",
+	}, []string{"upstream", "reason"})
+	healthy := prometheus.NewGaugeVec(prometheus.GaugeOpts{
+		Name: "meshdns_upstream_healthy",
+		Help: "1 while the upstream is considered healthy, 0 while it is skipped and probed.",
+	}, []string{"upstream"})
+	duration := prometheus.NewHistogramVec(prometheus.HistogramOpts{
+		Name:    "meshdns_upstream_request_duration_seconds",
+		Help:    "Duration of upstream exchanges that got an answer.",
+		Buckets: prometheus.ExponentialBuckets(0.00025, 2, 14), // 250us .. ~2s
+	}, []string{"upstream"})
+
+	m := &metrics{
+		collectors: []prometheus.Collector{hits, misses, entries, evictions, prefetch, requests, failures, healthy, duration},
+		hitSuccess: hits.WithLabelValues("success"),
+		hitDenial:  hits.WithLabelValues("denial"),
+		hitStale:   hits.WithLabelValues("stale"),
+		misses:     misses,
+		prefetch:   prefetch,
+		overload:   failures.WithLabelValues("", reasonOverload),
+	}
+	for _, s := range servers {
+		sm := &serverMetrics{
+			reqUDP:   requests.WithLabelValues(s.name, "udp"),
+			reqTCP:   requests.WithLabelValues(s.name, "tcp"),
+			failures: make(map[string]prometheus.Counter, len(failureReasons)),
+			healthy:  healthy.WithLabelValues(s.name),
+			duration: duration.WithLabelValues(s.name),
+		}
+		for _, r := range failureReasons {
+			sm.failures[r] = failures.WithLabelValues(s.name, r)
+		}
+		sm.healthy.Set(1)
+		s.m = sm
+	}
+	if reg != nil {
+		for i, col := range m.collectors {
+			if err := reg.Register(col); err != nil {
+				for _, done := range m.collectors[:i] {
+					reg.Unregister(done)
+				}
+				var are prometheus.AlreadyRegisteredError
+				if errors.As(err, &are) {
+					return nil, fmt.Errorf("register upstream metrics: already registered (one Forwarder per registry): %w", err)
+				}
+				return nil, fmt.Errorf("register upstream metrics: %w", err)
+			}
+		}
+	}
+	return m, nil
+}
