@@ -2,6 +2,7 @@ package agent
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -85,8 +86,21 @@ func (c *datapathCollector) Collect(ch chan<- prometheus.Metric) {
 		return
 	}
 	for _, h := range s.Hooks {
-		for _, cv := range h.Counters() {
-			ch <- prometheus.MustNewConstMetric(c.desc, prometheus.CounterValue, float64(cv.Value), h.Hook, cv.Name)
+		// The counters are the numeric fields of HookStats, named by their JSON tags.
+		b, err := json.Marshal(h)
+		if err != nil {
+			ch <- prometheus.NewInvalidMetric(c.desc, err)
+			return
+		}
+		var fields map[string]any
+		if err := json.Unmarshal(b, &fields); err != nil {
+			ch <- prometheus.NewInvalidMetric(c.desc, err)
+			return
+		}
+		for name, v := range fields {
+			if f, ok := v.(float64); ok {
+				ch <- prometheus.MustNewConstMetric(c.desc, prometheus.CounterValue, f, h.Hook, name)
+			}
 		}
 	}
 }

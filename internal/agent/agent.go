@@ -68,7 +68,7 @@ func Run(ctx context.Context, cfg Config, log *slog.Logger) (err error) {
 	}
 	st := &State{
 		PID: os.Getpid(), Mode: mode, ModeReason: reason, CaptureAll: cfg.CaptureAll,
-		Admin: cfg.Admin, Persist: cfg.Persist, Started: time.Now().UTC(),
+		Admin: cfg.Admin, Persist: cfg.Persist, Started: time.Now().UTC(), Netns: currentNetns(),
 	}
 	for _, n := range cfg.Nameservers {
 		st.Nameservers = append(st.Nameservers, n.String())
@@ -77,14 +77,29 @@ func Run(ctx context.Context, cfg Config, log *slog.Logger) (err error) {
 		st.Upstreams = append(st.Upstreams, u.String())
 	}
 
-	var rcfg redirect.Config
+	// Both capture modes send nameserver i to the listen port + i (docs/design.md):
+	// the resolver listens on every slot port of every listen address.
+	rcfg := cfg.redirectConfig(log)
 	listenAddrs := []string{}
-	switch mode {
-	case ModeEBPF:
+	ports := []uint16{0}
+	if mode != ModeOff {
+		ports = redirect.SlotPorts(rcfg)
+		st.SlotPorts = ports
+	}
+	for _, l := range cfg.Listen {
+		for _, p := range ports {
+			if p == 0 {
+				p = l.Port()
+			}
+			listenAddrs = append(listenAddrs, netip.AddrPortFrom(l.Addr(), p).String())
+		}
+	}
+	if mode == ModeEBPF {
 		if cfg.Cgroup == "" {
 			if cfg.Cgroup, err = Cgroup2Mount(); err != nil {
 				return fmt.Errorf("find the cgroup2 root: %w", err)
 			}
+			rcfg.Cgroup = cfg.Cgroup
 		}
 		if err := checkCgroup(cfg.Cgroup); err != nil {
 			return err
@@ -96,20 +111,24 @@ func Run(ctx context.Context, cfg Config, log *slog.Logger) (err error) {
 		if mounted {
 			log.Info("mounted bpffs", "path", filepath.Dir(cfg.BPFFS))
 		}
-		rcfg = cfg.redirectConfig(log)
 		st.Cgroup, st.BPFFS = cfg.Cgroup, cfg.BPFFS
-		st.SlotPorts = redirect.SlotPorts(rcfg)
-		for _, l := range cfg.Listen {
-			for _, p := range st.SlotPorts {
-				listenAddrs = append(listenAddrs, netip.AddrPortFrom(l.Addr(), p).String())
-			}
-		}
-	default:
-		for _, l := range cfg.Listen {
-			listenAddrs = append(listenAddrs, l.String())
-		}
 	}
 	st.Listen = listenAddrs
+
+	// The state file is written before anything is installed and again after each
+	// step, so that `cleanup` after a crash at any point knows what to remove.
+	save := func() error { return nil }
+	if mode != ModeOff {
+		save = func() error { return writeState(cfg.StateDir, st) }
+		if err := save(); err != nil {
+			return err
+		}
+		undo = append(undo, func() {
+			if err := removeState(cfg.StateDir); err != nil {
+				log.Error("remove state", "err", err)
+			}
+		})
+	}
 
 	// Node-local resolver address.
 	if mode != ModeOff {
@@ -127,6 +146,9 @@ func Run(ctx context.Context, cfg Config, log *slog.Logger) (err error) {
 				log.Error("remove node address", "err", err)
 			}
 		})
+		if err := save(); err != nil {
+			return err
+		}
 	}
 
 	// Metrics registry shared by every component.
@@ -203,6 +225,12 @@ func Run(ctx context.Context, cfg Config, log *slog.Logger) (err error) {
 		capt = &iptablesCapture{rules: r}
 		st.Backend = r.Backend()
 	}
+	if err := save(); err != nil {
+		if capt != nil {
+			_ = capt.close()
+		}
+		return err
+	}
 	if capt != nil {
 		// Registered after the resolver's undo, so capture is removed before the
 		// resolver stops.
@@ -221,17 +249,6 @@ func Run(ctx context.Context, cfg Config, log *slog.Logger) (err error) {
 			return err
 		}
 		undo = append(undo, stopAdmin)
-	}
-
-	if mode != ModeOff {
-		if err := writeState(cfg.StateDir, st); err != nil {
-			return err
-		}
-		undo = append(undo, func() {
-			if err := removeState(cfg.StateDir); err != nil {
-				log.Error("remove state", "err", err)
-			}
-		})
 	}
 
 	log.Info("meshdns-ebpf running", "mode", mode, "reason", reason, "listen", listenAddrs,
@@ -325,6 +342,7 @@ func (c *Config) pickMode(log *slog.Logger) (mode, reason string, err error) {
 	}
 	probeErr := c.probeEBPF()
 	if c.Mode == ModeEBPF {
+		// A forced mode that cannot work fails here, before anything is installed.
 		if probeErr != nil {
 			return "", "", fmt.Errorf("--mode ebpf cannot work here: %w", probeErr)
 		}
@@ -387,6 +405,8 @@ func (c *Config) ctzoneConfig(log *slog.Logger) ctzone.Config {
 	for _, l := range c.Listen {
 		if l.Addr().Is4() {
 			cc.ListenAddr = l
+		} else {
+			cc.ListenAddr6 = l
 		}
 	}
 	return cc

@@ -2,7 +2,6 @@ package agent
 
 import (
 	"bufio"
-	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -116,4 +115,3 @@ func isBPFFS(dir string) bool {
 	}
 	return st.Type == unix.BPF_FS_MAGIC
 }
-

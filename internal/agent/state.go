@@ -17,11 +17,11 @@ const DefaultStateDir = "/run/meshdns"
 // State is what a running agent tells the CLI about itself.
 type State struct {
 	PID         int        `json:"pid"`
-	Mode        string     `json:"mode"`         // ebpf, iptables or off
-	ModeReason  string     `json:"mode_reason"`  // why auto picked this mode
-	Listen      []string   `json:"listen"`       // resolver addresses (UDP and TCP)
-	SlotPorts   []uint16   `json:"slot_ports"`   // ports per captured nameserver slot (ebpf)
-	Nameservers []string   `json:"nameservers"`  // captured destinations
+	Mode        string     `json:"mode"`        // ebpf, iptables or off
+	ModeReason  string     `json:"mode_reason"` // why auto picked this mode
+	Listen      []string   `json:"listen"`      // resolver addresses (UDP and TCP)
+	SlotPorts   []uint16   `json:"slot_ports"`  // ports per captured nameserver slot (ebpf)
+	Nameservers []string   `json:"nameservers"` // captured destinations
 	CaptureAll  bool       `json:"capture_all"`
 	Upstreams   []string   `json:"upstreams"`
 	Cgroup      string     `json:"cgroup,omitempty"`
@@ -31,6 +31,16 @@ type State struct {
 	NodeAddrs   []NodeAddr `json:"node_addrs,omitempty"`
 	Persist     bool       `json:"persist"`
 	Started     time.Time  `json:"started"`
+	Netns       uint64     `json:"netns"` // inode of the agent's network namespace
+}
+
+// currentNetns returns the inode of this process's network namespace.
+func currentNetns() uint64 {
+	var st syscall.Stat_t
+	if err := syscall.Stat("/proc/self/ns/net", &st); err != nil {
+		return 0
+	}
+	return st.Ino
 }
 
 func statePath(dir string) string { return filepath.Join(dir, "agent.json") }

@@ -101,7 +101,7 @@ func (s *Status) WriteTable(w io.Writer) error {
 		return err
 	}
 	if s.Datapath != nil {
-		if err := s.Datapath.WriteTable(w); err != nil {
+		if err := s.Datapath.WriteText(w); err != nil {
 			return err
 		}
 		fmt.Fprintln(w)
@@ -143,6 +143,10 @@ func Cleanup(stateDir, pinDir string, log *slog.Logger) ([]string, error) {
 	removed = append(removed, r...)
 	if err != nil {
 		errs = append(errs, err)
+	}
+	if st != nil && len(st.NodeAddrs) > 0 && st.Netns != 0 && st.Netns != currentNetns() {
+		errs = append(errs, fmt.Errorf("the agent ran in another network namespace (inode %d); run cleanup there to remove its addresses %v", st.Netns, st.NodeAddrs))
+		return removed, errors.Join(errs...)
 	}
 	if st != nil {
 		if err := removeNodeAddrs(st.NodeAddrs, log); err != nil {

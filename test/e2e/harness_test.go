@@ -30,9 +30,9 @@ import (
 
 // Binaries built once for the whole package.
 var bins struct {
-	once                            sync.Once
-	err                             error
-	dir                             string
+	once                             sync.Once
+	err                              error
+	dir                              string
 	agent, goresolve, dnsblast, musl string
 }
 
@@ -196,17 +196,37 @@ func (n *node) agentArgs(mode string, extra ...string) []string {
 func (n *node) start(mode string, extra ...string) {
 	n.t.Helper()
 	n.startNoWait(mode, extra...)
+	exited := false
 	if !testenv.WaitFor(15*time.Second, func() bool {
+		select {
+		case err := <-n.done:
+			n.done <- err
+			exited = true
+			return true
+		default:
+		}
 		out, _ := n.client(n.ns, 1000, "dig", "+short", "+time=1", "+tries=1", meshName)
 		return strings.TrimSpace(out) == meshIP
 	}) {
 		n.t.Fatalf("agent never answered %s through capture; agent log:\n%s", meshName, n.stderr.String())
 	}
+	if exited {
+		n.agent = nil
+		n.t.Fatalf("agent exited during start; log:\n%s", n.stderr.String())
+	}
+	// Probes sent before the agent was ready went, fail-open, to the original
+	// nameservers: forget them, so tests count only their own queries.
+	n.orig.Reset()
+	n.orig6.Reset()
+	n.other.Reset()
 }
 
 func (n *node) startNoWait(mode string, extra ...string) {
 	n.t.Helper()
-	n.stderr = &syncBuffer{}
+	if n.stderr == nil {
+		n.stderr = &syncBuffer{}
+	}
+	fmt.Fprintf(n.stderr, "--- agent start: %v\n", extra)
 	n.agent = testenv.Command(context.Background(), testenv.Proc{Netns: n.ns, Cgroup: n.cg, NetOnly: true}, bins.agent, n.agentArgs(mode, extra...)...)
 	n.agent.Stdout = n.stderr
 	n.agent.Stderr = n.stderr
@@ -234,17 +254,16 @@ func (n *node) signal(sig syscall.Signal) error {
 }
 
 func (n *node) stop() {
-	if n.agent == nil {
-		return
+	if n.agent != nil {
+		_ = n.agent.Process.Signal(syscall.SIGTERM)
+		select {
+		case <-n.done:
+		case <-time.After(10 * time.Second):
+			_ = n.agent.Process.Kill()
+			<-n.done
+		}
+		n.agent = nil
 	}
-	_ = n.agent.Process.Signal(syscall.SIGTERM)
-	select {
-	case <-n.done:
-	case <-time.After(10 * time.Second):
-		_ = n.agent.Process.Kill()
-		<-n.done
-	}
-	n.agent = nil
 	// Whatever a test left (a kill -9), cleanup removes; it is a no-op otherwise.
 	_, _ = n.cli("cleanup", "--bpffs", n.bpffs, "--state-dir", n.stateDir)
 	if n.t.Failed() && n.stderr != nil {
@@ -267,22 +286,25 @@ func (n *node) client(ns *testenv.Netns, uid int, name string, args ...string) (
 	return stdout.String(), nil
 }
 
-// cli runs the meshdns-ebpf CLI from the test's own namespace (pinned maps are
-// reachable from any namespace).
+// cli runs the meshdns-ebpf CLI in the node's network namespace, where an operator
+// would run it (status asks the agent's admin endpoint there; cleanup removes the
+// agent's address there).
 func (n *node) cli(args ...string) (string, error) {
-	out, err := exec.Command(bins.agent, args...).CombinedOutput()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	out, err := testenv.Command(ctx, testenv.Proc{Netns: n.ns, NetOnly: true}, bins.agent, args...).CombinedOutput()
 	return string(out), err
 }
 
 // statsJSON reads `stats -o json`.
 func (n *node) statsJSON() map[string]any {
 	n.t.Helper()
-	out, err := exec.Command(bins.agent, "stats", "--bpffs", n.bpffs, "-o", "json").Output()
+	out, err := n.cli("stats", "--bpffs", n.bpffs, "-o", "json")
 	if err != nil {
 		n.t.Fatalf("stats -o json: %v", err)
 	}
 	var v map[string]any
-	if err := json.Unmarshal(out, &v); err != nil {
+	if err := json.Unmarshal([]byte(out), &v); err != nil {
 		n.t.Fatalf("stats -o json: %v\n%s", err, out)
 	}
 	return v
@@ -338,6 +360,12 @@ func (n *node) assertClean() {
 	if out := n.ns.IP(n.t, "addr", "show"); strings.Contains(out, listen4) {
 		n.t.Errorf("node address %s left:\n%s", listen4, out)
 	}
+}
+
+// logged waits up to 2 s for the agent log to contain s (the agent may still be
+// finishing its start when clients already get answers).
+func (n *node) logged(s string) bool {
+	return testenv.WaitFor(2*time.Second, func() bool { return strings.Contains(n.stderr.String(), s) })
 }
 
 type syncBuffer struct {
