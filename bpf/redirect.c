@@ -8,7 +8,7 @@
  *
  * Forward (connect4/6: TCP and connected UDP; sendmsg4/6: unconnected UDP):
  *   dst port != 53                                    -> pass, not counted
- *   agent not ready or heartbeat older than 1s        -> skip_not_ready
+ *   agent not ready or heartbeat older than 600ms      -> skip_not_ready
  *   loopback dst and not capture-loopback             -> skip_loopback
  *   dst is one of our targets                         -> pass, not counted
  *   SO_MARK == upstream mark (the resolver itself)    -> skip_resolver
@@ -29,7 +29,7 @@
 #define DNS_PORT 53
 #define MAX_NAMESERVERS 32
 #define MAX_SLOTS (MAX_NAMESERVERS + 1)
-#define HEARTBEAT_TIMEOUT_NS 1000000000ULL
+#define HEARTBEAT_TIMEOUT_NS 600000000ULL
 
 /* config.flags */
 #define FLAG_TARGET4 (1U << 0)          /* target4 is set */

@@ -67,7 +67,7 @@ const maxProxyUIDs = 64
 
 // heartbeatTimeout is HEARTBEAT_TIMEOUT_NS: the programs stop redirecting when the
 // agent's heartbeat is older.
-const heartbeatTimeoutNS = 1_000_000_000
+const heartbeatTimeoutNS = 600_000_000
 
 // Pin layout under Config.PinDir.
 const (

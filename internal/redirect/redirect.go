@@ -7,7 +7,7 @@
 // The programs redirect port-53 traffic to captured nameservers to the resolver
 // (nameserver i goes to the resolver's port base+i, see [SlotPorts]) and restore
 // the original nameserver as reply source and peer. They redirect only while the
-// agent is ready and its heartbeat (written by [Datapath.Run]) is younger than 1s.
+// agent is ready and its heartbeat (written by [Datapath.Run]) is younger than HeartbeatTimeout (600 ms).
 package redirect
 
 import (
@@ -47,7 +47,7 @@ type Config struct {
 // HeartbeatInterval is how often [Datapath.Run] refreshes the heartbeat; the
 // programs stop redirecting when it is older than [HeartbeatTimeout].
 const (
-	HeartbeatInterval = 200 * time.Millisecond
+	HeartbeatInterval = 100 * time.Millisecond
 	HeartbeatTimeout  = time.Duration(heartbeatTimeoutNS)
 )
 
