@@ -25,6 +25,7 @@ import (
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/link"
 
+	"github.com/meshdns/meshdns-ebpf/internal/ctzone/ctzonetest"
 	"github.com/meshdns/meshdns-ebpf/internal/testenv"
 )
 
@@ -74,6 +75,7 @@ func buildBinaries(t *testing.T) {
 }
 
 func TestMain(m *testing.M) {
+	ctzonetest.MaybeRunHelper() // the collision workload re-executes this binary
 	code := m.Run()
 	if bins.dir != "" {
 		os.RemoveAll(bins.dir)
