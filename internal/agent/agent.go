@@ -96,7 +96,7 @@ func Run(ctx context.Context, cfg Config, log *slog.Logger) (err error) {
 	}
 	if mode == ModeEBPF {
 		if cfg.Cgroup == "" {
-			if cfg.Cgroup, err = Cgroup2Mount(); err != nil {
+			if cfg.Cgroup, err = redirect.FindCgroup2Mount(); err != nil {
 				return fmt.Errorf("find the cgroup2 root: %w", err)
 			}
 			rcfg.Cgroup = cfg.Cgroup

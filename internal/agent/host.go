@@ -1,7 +1,6 @@
 package agent
 
 import (
-	"bufio"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -42,31 +41,6 @@ func checkPrivileges(mode string) error {
 		return fmt.Errorf("meshdns-ebpf run --mode %s must run as root or with %s (running as uid %d)", mode, strings.Join(missing, ", "), os.Geteuid())
 	}
 	return nil
-}
-
-// Cgroup2Mount returns the mount point of the cgroup v2 hierarchy (it is
-// /sys/fs/cgroup on pure v2 hosts and /sys/fs/cgroup/unified on hybrid ones).
-func Cgroup2Mount() (string, error) {
-	return findMount("cgroup2")
-}
-
-func findMount(fstype string) (string, error) {
-	f, err := os.Open("/proc/self/mounts")
-	if err != nil {
-		return "", fmt.Errorf("read mounts: %w", err)
-	}
-	defer f.Close()
-	sc := bufio.NewScanner(f)
-	for sc.Scan() {
-		fields := strings.Fields(sc.Text())
-		if len(fields) >= 3 && fields[2] == fstype {
-			return fields[1], nil
-		}
-	}
-	if err := sc.Err(); err != nil {
-		return "", fmt.Errorf("read mounts: %w", err)
-	}
-	return "", fmt.Errorf("no %s filesystem is mounted", fstype)
 }
 
 // checkCgroup verifies dir is a directory on a cgroup2 filesystem.

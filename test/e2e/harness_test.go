@@ -11,6 +11,9 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"io"
+	"net"
+	"net/http"
 	"net/netip"
 	"os"
 	"os/exec"
@@ -362,6 +365,28 @@ func (n *node) assertClean() {
 	if out := n.ns.IP(n.t, "addr", "show"); strings.Contains(out, listen4) {
 		n.t.Errorf("node address %s left:\n%s", listen4, out)
 	}
+}
+
+// httpGet fetches a URL from inside the node's network namespace (where the
+// agent's admin endpoint listens).
+func (n *node) httpGet(url string) (int, string) {
+	n.t.Helper()
+	tr := &http.Transport{DialContext: func(ctx context.Context, network, addr string) (net.Conn, error) {
+		var c net.Conn
+		err := n.ns.Do(func() (err error) {
+			c, err = (&net.Dialer{Timeout: 2 * time.Second}).DialContext(ctx, network, addr)
+			return err
+		})
+		return c, err
+	}}
+	defer tr.CloseIdleConnections()
+	resp, err := (&http.Client{Transport: tr, Timeout: 5 * time.Second}).Get(url)
+	if err != nil {
+		n.t.Fatalf("GET %s: %v", url, err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return resp.StatusCode, string(b)
 }
 
 // logged waits up to 2 s for the agent log to contain s (the agent may still be

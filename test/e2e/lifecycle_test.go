@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/meshdns/meshdns-ebpf/internal/redirect"
 	"github.com/meshdns/meshdns-ebpf/internal/testenv"
 )
 
@@ -154,6 +155,28 @@ func TestStatsCountExactly(t *testing.T) {
 	if !strings.Contains(table, rel) {
 		t.Errorf("stats table does not show the cgroup %s:\n%s", n.cg.Path, table)
 	}
+	if code, body := n.httpGet("http://" + adminAddr + "/readyz"); code != 200 {
+		t.Errorf("/readyz: %d %s", code, body)
+	}
+	if code, body := n.httpGet("http://" + adminAddr + "/healthz"); code != 200 {
+		t.Errorf("/healthz: %d %s", code, body)
+	}
+	code, metrics := n.httpGet("http://" + adminAddr + "/metrics")
+	if code != 200 {
+		t.Fatalf("/metrics: %d", code)
+	}
+	for _, want := range []string{
+		`meshdns_dns_requests_total{proto="udp",qtype="A"}`,
+		`meshdns_datapath_events_total{counter="redirected_udp",hook="sendmsg4"} ` + want,
+		`meshdns_nametable_hosts 2`,
+		`meshdns_upstream_healthy{upstream="` + origNS + `:53"} 1`,
+		`meshdns_cache_entries`,
+		`meshdns_build_info`,
+	} {
+		if !strings.Contains(metrics, want) {
+			t.Errorf("/metrics lacks %q", want)
+		}
+	}
 	status, err := n.cli("status", "--bpffs", n.bpffs, "--state-dir", n.stateDir)
 	if err != nil {
 		t.Fatalf("status: %v\n%s", err, status)
@@ -203,6 +226,12 @@ func TestBadInput(t *testing.T) {
 			want string
 		}{"cgroup-v1", 0, []string{"--cgroup", v1dir}, "not on a cgroup2 filesystem"})
 	}
+	cases = append(cases, struct {
+		name string
+		uid  int
+		args []string
+		want string
+	}{"no-cgroup2-mount", 0, nil, "no cgroup2 filesystem is mounted"})
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
 			if c.name == "listen-in-use" {
@@ -217,6 +246,19 @@ func TestBadInput(t *testing.T) {
 			}
 			args := n.agentArgs("ebpf", c.args...) // a repeated flag overrides the earlier one
 			cmd := testenv.Command(t.Context(), testenv.Proc{Netns: n.ns, Cgroup: n.cg, UID: c.uid, GID: c.uid, NetOnly: true}, bins.agent, args...)
+			if c.name == "no-cgroup2-mount" {
+				// No --cgroup, in a private mount namespace without the cgroup2
+				// mount. The guard refuses to start the agent if the mount is
+				// still visible: it would then attach to the machine's root cgroup.
+				mnt, err := redirect.FindCgroup2Mount()
+				if err != nil {
+					t.Fatal(err)
+				}
+				script := `umount -l "$1" && ! grep -q ' cgroup2 ' /proc/self/mounts || exit 99; shift; exec "$@"`
+				noCg := withoutFlag(args, "--cgroup")
+				cmd = testenv.Command(t.Context(), testenv.Proc{Netns: n.ns, Cgroup: n.cg, NetOnly: true},
+					"unshare", append([]string{"--mount", "--propagation", "private", "sh", "-c", script, "sh", mnt, bins.agent}, noCg...)...)
+			}
 			done := make(chan struct{})
 			var out []byte
 			var err error
@@ -247,6 +289,19 @@ func TestBadInput(t *testing.T) {
 			}
 		})
 	}
+}
+
+// withoutFlag drops "name value" from args.
+func withoutFlag(args []string, name string) []string {
+	var out []string
+	for i := 0; i < len(args); i++ {
+		if args[i] == name {
+			i++
+			continue
+		}
+		out = append(out, args[i])
+	}
+	return out
 }
 
 func isCgroup2(dir string) bool {

@@ -1,0 +1,161 @@
+package agent
+
+import (
+	"flag"
+	"io"
+	"log/slog"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"reflect"
+	"strings"
+	"testing"
+)
+
+func parseRun(t *testing.T, args ...string) (*Config, error) {
+	t.Helper()
+	var c Config
+	fs := flag.NewFlagSet("run", flag.ContinueOnError)
+	fs.SetOutput(io.Discard)
+	c.RegisterFlags(fs)
+	if err := fs.Parse(args); err != nil {
+		return nil, err
+	}
+	return &c, c.Validate()
+}
+
+func TestFlags(t *testing.T) {
+	ap := netip.MustParseAddrPort
+	a := netip.MustParseAddr
+	tests := []struct {
+		name    string
+		args    []string
+		check   func(*Config) bool
+		wantErr string
+	}{
+		{"defaults", nil, func(c *Config) bool {
+			return c.Mode == ModeAuto && reflect.DeepEqual(c.Listen, []netip.AddrPort{ap(DefaultListen)}) &&
+				c.UpstreamMark == 0x3f53 && c.BPFFS == "/sys/fs/bpf/meshdns"
+		}, ""},
+		{"listen v4+v6", []string{"--listen", "169.254.20.53:53,[fd53::53]:53"}, func(c *Config) bool {
+			return reflect.DeepEqual(c.Listen, []netip.AddrPort{ap("169.254.20.53:53"), ap("[fd53::53]:53")})
+		}, ""},
+		{"upstream default port", []string{"--upstream", "169.254.53.1, 127.0.0.1:5300,fd00::1"}, func(c *Config) bool {
+			return reflect.DeepEqual(c.Upstreams, []netip.AddrPort{ap("169.254.53.1:53"), ap("127.0.0.1:5300"), ap("[fd00::1]:53")})
+		}, ""},
+		{"nameservers unmapped", []string{"--nameservers", "::ffff:169.254.53.1,fd53::1"}, func(c *Config) bool {
+			return reflect.DeepEqual(c.Nameservers, []netip.Addr{a("169.254.53.1"), a("fd53::1")})
+		}, ""},
+		{"proxy uids", []string{"--proxy-uid", "1337,0"}, func(c *Config) bool {
+			return reflect.DeepEqual(c.ProxyUIDs, []uint32{1337, 0})
+		}, ""},
+		{"mark hex", []string{"--upstream-mark", "0x10"}, func(c *Config) bool { return c.UpstreamMark == 0x10 }, ""},
+		{"bad mode", []string{"--mode", "magic"}, nil, "--mode"},
+		{"listen without port", []string{"--listen", "169.254.20.53"}, nil, "ADDR:PORT"},
+		{"two v4 listens", []string{"--listen", "127.0.0.1:53,127.0.0.2:53"}, nil, "at most one IPv4"},
+		{"bad nameserver", []string{"--nameservers", "dns.example"}, nil, "not an IP address"},
+		{"bad uid", []string{"--proxy-uid", "istio"}, nil, "numeric id"},
+		{"zero mark", []string{"--upstream-mark", "0"}, nil, "non-zero"},
+		{"bad log format", []string{"--log-format", "xml"}, nil, "--log-format"},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			c, err := parseRun(t, tc.args...)
+			if tc.wantErr != "" {
+				if err == nil || !strings.Contains(err.Error(), tc.wantErr) {
+					t.Fatalf("err = %v, want one containing %q", err, tc.wantErr)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatalf("unexpected error: %v", err)
+			}
+			if !tc.check(c) {
+				t.Errorf("config not as expected: %+v", *c)
+			}
+		})
+	}
+}
+
+func TestFillFromResolvConf(t *testing.T) {
+	dir := t.TempDir()
+	write := func(name, content string) string {
+		p := filepath.Join(dir, name)
+		if err := os.WriteFile(p, []byte(content), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		return p
+	}
+	log := slog.New(slog.NewTextHandler(io.Discard, nil))
+	tests := []struct {
+		name      string
+		conf      string
+		args      []string
+		wantNS    []string
+		wantUp    []string
+		wantError string
+	}{
+		{"both from resolv.conf", "nameserver 169.254.53.1\nnameserver fd53::1\nsearch a.b\n", nil,
+			[]string{"169.254.53.1", "fd53::1"}, []string{"169.254.53.1:53", "[fd53::1]:53"}, ""},
+		{"flags win", "nameserver 169.254.53.1\n", []string{"--nameservers", "169.254.53.9", "--upstream", "127.0.0.1:5300"},
+			[]string{"169.254.53.9"}, []string{"127.0.0.1:5300"}, ""},
+		{"own listen address never upstream nor captured", "nameserver 169.254.20.53\nnameserver 169.254.53.1\n", nil,
+			[]string{"169.254.53.1"}, []string{"169.254.53.1:53"}, ""},
+		{"nothing upstream", "search only\n", nil, nil, nil, "no nameserver"},
+		{"nothing to capture", "nameserver 169.254.53.1\n", []string{"--nameservers", "169.254.20.53"}, nil, nil, "nothing to capture"},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			path := write(strings.ReplaceAll(tc.name, " ", "_"), tc.conf)
+			c, err := parseRun(t, append([]string{"--resolv-conf", path}, tc.args...)...)
+			if err != nil {
+				t.Fatal(err)
+			}
+			err = c.fillFromResolvConf(log)
+			if tc.wantError != "" {
+				if err == nil || !strings.Contains(err.Error(), tc.wantError) {
+					t.Fatalf("err = %v, want %q", err, tc.wantError)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			var ns, up []string
+			for _, n := range c.Nameservers {
+				ns = append(ns, n.String())
+			}
+			for _, u := range c.Upstreams {
+				up = append(up, u.String())
+			}
+			if !reflect.DeepEqual(ns, tc.wantNS) || !reflect.DeepEqual(up, tc.wantUp) {
+				t.Errorf("nameservers %v upstreams %v, want %v %v", ns, up, tc.wantNS, tc.wantUp)
+			}
+		})
+	}
+}
+
+func TestStateRoundTrip(t *testing.T) {
+	dir := filepath.Join(t.TempDir(), "state")
+	if _, err := ReadState(dir); !os.IsNotExist(err) {
+		t.Fatalf("ReadState on an empty dir: %v, want not-exist", err)
+	}
+	st := &State{PID: os.Getpid(), Mode: ModeEBPF, Listen: []string{"169.254.20.53:53"},
+		NodeAddrs: []NodeAddr{{Link: "lo", Addr: "169.254.20.53/32"}}, Netns: currentNetns()}
+	if err := writeState(dir, st); err != nil {
+		t.Fatal(err)
+	}
+	got, err := ReadState(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !reflect.DeepEqual(got, st) || !got.Alive() {
+		t.Errorf("round trip: got %+v (alive %v), want %+v", got, got.Alive(), st)
+	}
+	if err := removeState(dir); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(dir); !os.IsNotExist(err) {
+		t.Errorf("state dir left after removeState: %v", err)
+	}
+}
