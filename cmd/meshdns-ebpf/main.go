@@ -123,15 +123,22 @@ func checkOutput(o string) error {
 	return nil
 }
 
-func writeJSON(w io.Writer, v any) error {
-	enc := json.NewEncoder(w)
-	enc.SetIndent("", "  ")
-	return enc.Encode(v)
+// tabler is anything the CLI prints as an aligned table.
+type tabler interface{ WriteTable(io.Writer) error }
+
+// render prints v as indented JSON for -o json, else as its table.
+func render(w io.Writer, format string, v tabler) error {
+	if format == "json" {
+		enc := json.NewEncoder(w)
+		enc.SetIndent("", "  ")
+		return enc.Encode(v)
+	}
+	return v.WriteTable(w)
 }
 
 func runStats(args []string, stdout, stderr io.Writer) error {
 	fs := newFlagSet("stats", stderr)
-	bpffs := fs.String("bpffs", "/sys/fs/bpf/meshdns", "directory where the agent pinned its maps")
+	bpffs := fs.String("bpffs", agent.DefaultBPFFS, "directory where the agent pinned its maps")
 	out := outputFlag(fs)
 	if err := parse(fs, args); err != nil {
 		return err
@@ -143,15 +150,12 @@ func runStats(args []string, stdout, stderr io.Writer) error {
 	if err != nil {
 		return err
 	}
-	if *out == "json" {
-		return writeJSON(stdout, s)
-	}
-	return s.WriteTable(stdout)
+	return render(stdout, *out, s)
 }
 
 func runStatus(args []string, stdout, stderr io.Writer) error {
 	fs := newFlagSet("status", stderr)
-	bpffs := fs.String("bpffs", "/sys/fs/bpf/meshdns", "directory where the agent pinned its links and maps")
+	bpffs := fs.String("bpffs", agent.DefaultBPFFS, "directory where the agent pinned its links and maps")
 	stateDir := fs.String("state-dir", agent.DefaultStateDir, "the agent's state directory")
 	out := outputFlag(fs)
 	if err := parse(fs, args); err != nil {
@@ -160,16 +164,12 @@ func runStatus(args []string, stdout, stderr io.Writer) error {
 	if err := checkOutput(*out); err != nil {
 		return err
 	}
-	st := agent.ReadStatus(*stateDir, *bpffs)
-	if *out == "json" {
-		return writeJSON(stdout, st)
-	}
-	return st.WriteTable(stdout)
+	return render(stdout, *out, agent.ReadStatus(*stateDir, *bpffs))
 }
 
 func runCleanup(args []string, stdout, stderr io.Writer) error {
 	fs := newFlagSet("cleanup", stderr)
-	bpffs := fs.String("bpffs", "/sys/fs/bpf/meshdns", "directory where the agent pinned its links and maps")
+	bpffs := fs.String("bpffs", agent.DefaultBPFFS, "directory where the agent pinned its links and maps")
 	stateDir := fs.String("state-dir", agent.DefaultStateDir, "the agent's state directory")
 	if err := parse(fs, args); err != nil {
 		return err

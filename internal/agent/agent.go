@@ -383,14 +383,20 @@ func (c *Config) redirectConfig(log *slog.Logger) redirect.Config {
 		UpstreamMark:    c.UpstreamMark,
 		Logger:          log.With("component", "redirect"),
 	}
+	rc.Target4, rc.Target6 = c.targets()
+	return rc
+}
+
+// targets splits the listen addresses by family (Validate allows one of each).
+func (c *Config) targets() (v4, v6 netip.AddrPort) {
 	for _, l := range c.Listen {
 		if l.Addr().Is4() {
-			rc.Target4 = l
+			v4 = l
 		} else {
-			rc.Target6 = l
+			v6 = l
 		}
 	}
-	return rc
+	return v4, v6
 }
 
 func (c *Config) ctzoneConfig(log *slog.Logger) ctzone.Config {
@@ -402,13 +408,7 @@ func (c *Config) ctzoneConfig(log *slog.Logger) ctzone.Config {
 		UpstreamMark: c.UpstreamMark,
 		Logger:       log.With("component", "ctzone"),
 	}
-	for _, l := range c.Listen {
-		if l.Addr().Is4() {
-			cc.ListenAddr = l
-		} else {
-			cc.ListenAddr6 = l
-		}
-	}
+	cc.ListenAddr, cc.ListenAddr6 = c.targets()
 	return cc
 }
 

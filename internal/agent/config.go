@@ -52,6 +52,9 @@ type Config struct {
 	forceNoEBPF string
 }
 
+// DefaultBPFFS is where the agent pins its links and maps, and where the CLI reads them.
+const DefaultBPFFS = "/sys/fs/bpf/meshdns"
+
 // DefaultListen is the node-local address every pod of the node can reach.
 const DefaultListen = "169.254.20.53:53"
 
@@ -88,7 +91,7 @@ func (c *Config) RegisterFlags(fs *flag.FlagSet) {
 		return err
 	})
 	fs.StringVar(&c.Admin, "admin", "127.0.0.1:9153", "admin HTTP address for /healthz, /readyz and /metrics (empty disables)")
-	fs.StringVar(&c.BPFFS, "bpffs", "/sys/fs/bpf/meshdns", "directory on a bpffs where links and maps are pinned")
+	fs.StringVar(&c.BPFFS, "bpffs", DefaultBPFFS, "directory on a bpffs where links and maps are pinned")
 	fs.StringVar(&c.StateDir, "state-dir", DefaultStateDir, "directory for the agent's state file (read by status and cleanup)")
 	fs.BoolVar(&c.Persist, "persist", false, "keep programs attached and pinned after a clean stop (capture stays off until the next start)")
 	fs.Func("upstream-mark", "SO_MARK of the resolver's own upstream sockets, never captured (default 0x3f53)", func(s string) error {
