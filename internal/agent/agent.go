@@ -295,24 +295,28 @@ func (c *Config) fillFromResolvConf(log *slog.Logger) error {
 			c.Upstreams = servers
 		}
 	}
-	// Never forward to ourselves.
+	// Never forward to ourselves: our listen addresses on any slot port (the listen
+	// port, one per nameserver, one more for capture-all). Another port on the same
+	// address is someone else's server and fine.
+	ours := func(a netip.Addr, port uint16, checkPort bool) bool {
+		for _, l := range c.Listen {
+			if a != l.Addr() {
+				continue
+			}
+			if !checkPort || (port >= l.Port() && int(port) <= int(l.Port())+len(c.Nameservers)) {
+				return true
+			}
+		}
+		return false
+	}
 	c.Upstreams = slices.DeleteFunc(c.Upstreams, func(u netip.AddrPort) bool {
-		for _, l := range c.Listen {
-			if u.Addr() == l.Addr() {
-				log.Warn("ignoring upstream that is our own listen address", "upstream", u)
-				return true
-			}
+		if ours(u.Addr(), u.Port(), true) {
+			log.Warn("ignoring upstream that is our own listen address", "upstream", u)
+			return true
 		}
 		return false
 	})
-	c.Nameservers = slices.DeleteFunc(c.Nameservers, func(n netip.Addr) bool {
-		for _, l := range c.Listen {
-			if n == l.Addr() {
-				return true
-			}
-		}
-		return false
-	})
+	c.Nameservers = slices.DeleteFunc(c.Nameservers, func(n netip.Addr) bool { return ours(n, 0, false) })
 	if len(c.Upstreams) == 0 {
 		return fmt.Errorf("no upstream nameserver: give --upstream or a nameserver in %s", c.ResolvConf)
 	}

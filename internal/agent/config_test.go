@@ -101,6 +101,9 @@ func TestFillFromResolvConf(t *testing.T) {
 			[]string{"169.254.53.9"}, []string{"127.0.0.1:5300"}, ""},
 		{"own listen address never upstream nor captured", "nameserver 169.254.20.53\nnameserver 169.254.53.1\n", nil,
 			[]string{"169.254.53.1"}, []string{"169.254.53.1:53"}, ""},
+		{"same address, other port is a real upstream", "nameserver 169.254.53.1\n",
+			[]string{"--listen", "127.0.0.1:5353", "--upstream", "127.0.0.1:5300,127.0.0.1:5353,127.0.0.1:5354"},
+			[]string{"169.254.53.1"}, []string{"127.0.0.1:5300"}, ""},
 		{"nothing upstream", "search only\n", nil, nil, nil, "no nameserver"},
 		{"nothing to capture", "nameserver 169.254.53.1\n", []string{"--nameservers", "169.254.20.53"}, nil, nil, "nothing to capture"},
 	}

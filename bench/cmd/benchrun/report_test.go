@@ -1,0 +1,194 @@
+package main
+
+import (
+	"fmt"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/meshdns/meshdns-ebpf/bench/internal/dnsperf"
+	"github.com/meshdns/meshdns-ebpf/bench/internal/meshdata"
+)
+
+// satRun fakes a saturation run: qps over 10 s with the given core use.
+func satRun(qps, server, gen float64) run {
+	return run{
+		res:       dnsperf.Result{QPS: qps, RunTime: 10, Completed: uint64(qps * 10), Rcodes: map[string]uint64{"NOERROR": uint64(qps * 10)}},
+		serverCPU: time.Duration(server * 10 * float64(time.Second)),
+		genBusy:   gen,
+	}
+}
+
+func TestSummarizeAndBound(t *testing.T) {
+	for _, tc := range []struct {
+		name    string
+		runs    []run
+		qps     float64
+		bound   string
+		genOnly bool
+	}{
+		{"server", []run{satRun(100, 0.99, 0.5), satRun(300, 0.98, 0.6), satRun(200, 0.97, 0.5)}, 200, "server", false},
+		{"generator", []run{satRun(300e3, 0.6, 0.97), satRun(310e3, 0.62, 0.99)}, 305e3, "generator", true},
+		{"both", []run{satRun(1, 0.95, 0.95)}, 1, "server+generator", false},
+		{"neither", []run{satRun(1, 0.5, 0.5)}, 1, "neither (latency/-q)", false},
+	} {
+		s := summarize(&scenarioResult{sat: tc.runs})
+		if !s.ok || s.qps != tc.qps || s.bound() != tc.bound || s.genBound() != tc.genOnly {
+			t.Errorf("%s: qps %v bound %q genBound %v; want %v %q %v", tc.name, s.qps, s.bound(), s.genBound(), tc.qps, tc.bound, tc.genOnly)
+		}
+	}
+	if s := summarize(nil); s.ok {
+		t.Error("nil scenario summarized as ok")
+	}
+	// µs/query: 1 core for 10 s over 1e6 queries = 10 µs.
+	if r := satRun(1e5, 1, 0); r.usPerQuery() != 10 || r.serverBusy() != 1 {
+		t.Errorf("usPerQuery %v serverBusy %v", r.usPerQuery(), r.serverBusy())
+	}
+}
+
+func TestQPSRatio(t *testing.T) {
+	srv := func(q float64) summary { return summarize(&scenarioResult{sat: []run{satRun(q, 0.99, 0.5)}}) }
+	gen := func(q float64) summary { return summarize(&scenarioResult{sat: []run{satRun(q, 0.5, 0.99)}}) }
+	for _, tc := range []struct {
+		name      string
+		sub, peer summary
+		want      string
+	}{
+		{"both server-bound", srv(250), srv(100), "2.50x"},
+		{"peer gen-bound", srv(200), gen(100), "≤2.00x"},
+		{"subject gen-bound", gen(300), srv(100), "≥3.00x"},
+		{"both gen-bound", gen(300), gen(300), "~1.00x (both gen-bound: see CPU)"},
+		{"missing", summary{}, srv(1), "-"},
+	} {
+		if got := qpsRatio(tc.sub, tc.peer); got != tc.want {
+			t.Errorf("%s: %q, want %q", tc.name, got, tc.want)
+		}
+	}
+}
+
+func TestHelpers(t *testing.T) {
+	for _, tc := range []struct {
+		in   string
+		want int
+	}{{"0-1", 2}, {"0", 1}, {"0-3,6,8-9", 7}, {"x", 0}, {"3-1", 0}} {
+		if got := countCPUs(tc.in); got != tc.want {
+			t.Errorf("countCPUs(%q) = %d, want %d", tc.in, got, tc.want)
+		}
+	}
+	for _, tc := range []struct {
+		v    float64
+		want string
+	}{{1234567.8, "1,234,568"}, {999, "999"}, {1000, "1,000"}, {0, "-"}} {
+		if got := fmtQPS(tc.v); got != tc.want {
+			t.Errorf("fmtQPS(%v) = %q, want %q", tc.v, got, tc.want)
+		}
+	}
+	if m := median([]float64{3, 1, 2}); m != 2 {
+		t.Errorf("median = %v", m)
+	}
+	if m := median([]float64{4, 1, 2, 3}); m != 2.5 {
+		t.Errorf("median = %v", m)
+	}
+	if got := rcodeMix(map[string]uint64{"NXDOMAIN": 3, "NOERROR": 1}); got != "NOERROR 25%, NXDOMAIN 75%" {
+		t.Errorf("rcodeMix = %q", got)
+	}
+}
+
+func TestBuildTimeSources(t *testing.T) {
+	dir := t.TempDir()
+	for _, tc := range []struct {
+		name, log string
+		want      time.Duration
+		ok        bool
+	}{
+		{"text", "time=x level=INFO msg=\"name table loaded\" hosts=1000 skipped=0 exists=true duration=1.5ms\n", 1500 * time.Microsecond, true},
+		{"micro", "level=INFO msg=\"name table loaded\" hosts=3 duration=812.3µs\n", 812300 * time.Nanosecond, true},
+		{"json", `{"level":"INFO","msg":"name table loaded","hosts":5,"duration":2500000}` + "\n", 2500 * time.Microsecond, true},
+		{"floor", "level=INFO msg=\"floor table loaded\" names=10 took=3ms\n", 3 * time.Millisecond, true},
+		{"none", "level=INFO msg=serving\n", 0, false},
+	} {
+		p := filepath.Join(dir, tc.name)
+		if err := os.WriteFile(p, []byte(tc.log), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		got, ok := logBuildTime(p)
+		if got != tc.want || ok != tc.ok {
+			t.Errorf("%s: %v %v, want %v %v", tc.name, got, ok, tc.want, tc.ok)
+		}
+	}
+	for _, tc := range []struct {
+		name, body string
+		want       time.Duration
+	}{
+		{"gauge", "# HELP x\nmeshdns_nametable_build_seconds 0.25\nmeshdns_dns_requests_total 5\n", 250 * time.Millisecond},
+		{"histogram", "meshdns_nametable_load_duration_seconds_bucket{le=\"1\"} 2\nmeshdns_nametable_load_duration_seconds_sum 0.5\nmeshdns_nametable_load_duration_seconds_count 2\n", 250 * time.Millisecond},
+		{"absent", "meshdns_nametable_hosts 1000\nmeshdns_nametable_last_reload_success_timestamp_seconds 1.7e9\n", 0},
+	} {
+		srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) { fmt.Fprint(w, tc.body) }))
+		got, _ := scrapeBuildTime(strings.TrimPrefix(srv.URL, "http://"))
+		srv.Close()
+		if got != tc.want {
+			t.Errorf("%s: %v, want %v", tc.name, got, tc.want)
+		}
+	}
+}
+
+// render must lead with the ratio table for meshdns and state missing parts.
+func TestRender(t *testing.T) {
+	cfg := config{scenarios: []string{"table"}, reps: 1, duration: time.Second, latQPS: 20000, latDuration: time.Second,
+		tableSize: 1000, clients: 4, outstanding: 200, serverCPU: 1, genCPU: 0, scale: true, datapath: true,
+		coreDNS: "/nonexistent/coredns", unboundBin: "/nonexistent/unbound", dnsmasq: "/nonexistent/dnsmasq"}
+	fixed := satRun(20000, 0.2, 0.2)
+	fixed.res.Latencies = []float64{40e-6, 50e-6, 90e-6}
+	b := &bench{cfg: cfg, tab: meshdata.NewTable(10, 0), started: time.Now(), datapath: datapathReport{skipped: "needs the agent"}}
+	b.results = []peerResult{
+		{peer: peer{name: "meshdns"}, scen: map[string]*scenarioResult{"table": {name: "table", sat: []run{satRun(300e3, 0.99, 0.8)}, fixed: &fixed}}},
+		{peer: peer{name: "coredns-prod"}, scen: map[string]*scenarioResult{"table": {name: "table", sat: []run{satRun(100e3, 0.99, 0.5)}, fixed: &fixed}}},
+		{peer: peer{name: "floor"}, skipped: "not built"},
+	}
+	b.scale = []scaleResult{
+		{server: "meshdns", size: 100000, ready: 800 * time.Millisecond, steady: &fixed, reload: &fixed},
+		{server: "floor", size: 100000, ready: 1500 * time.Millisecond, steady: &fixed, reload: &fixed},
+	}
+	noisy := satRun(100e3, 0.5, 0.5)
+	noisy.serverCore, noisy.genCore = 0.9, 0.5
+	b.results[1].scen["fwd"] = &scenarioResult{name: "fwd", sat: []run{noisy}}
+	b.cfg.scenarios = []string{"table", "fwd"}
+	out := b.render()
+	for _, want := range []string{
+		"## Ratios: meshdns vs each peer",
+		"| coredns-prod | 3.00x | - | 1.00x / - | 100,000 / 100,000 | srv/neither |",
+		"| floor | - | - | - | - | skipped: not built |",
+		">= 2.5x coredns-prod QPS: PASS (3.00x)",
+		"in-table p99 @20000 QPS <= 100 µs: PASS (90 µs)",
+		"100k services built in < 1 s: PASS",
+		"datapath targets: NOT MEASURED (needs the agent)",
+		"NOISY: coredns-prod / cached forward: other work used 40% of a core",
+	} {
+		if !strings.Contains(out, want) {
+			t.Errorf("render lacks %q:\n%s", want, out)
+		}
+	}
+	if strings.Index(out, "## Ratios") > strings.Index(out, "## Saturation") {
+		t.Error("ratios do not lead")
+	}
+	if n := strings.Count(out, "100k services built"); n != 1 {
+		t.Errorf("100k target judged %d times, want once (meshdns only)", n)
+	}
+}
+
+func TestKeepManual(t *testing.T) {
+	manual := manualMarker + "\n\n## What was tried\n\n- pre-packed answers: +40%\n"
+	for _, tc := range []struct{ name, old, want string }{
+		{"first run", "", "# new\n\n" + manualMarker + "\n\n## What was tried (optimisation log)\n\n_Nothing yet._\n"},
+		{"kept", "# old table\n\n" + manual, "# new\n\n" + manual},
+	} {
+		if got := keepManual("# new\n", tc.old); got != tc.want {
+			t.Errorf("%s:\n%q\nwant\n%q", tc.name, got, tc.want)
+		}
+	}
+}

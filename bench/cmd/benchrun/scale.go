@@ -1,0 +1,314 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"net/http"
+	"os"
+	"path/filepath"
+	"regexp"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/meshdns/meshdns-ebpf/bench/internal/dnsperf"
+	"github.com/meshdns/meshdns-ebpf/bench/internal/meshdata"
+	"github.com/meshdns/meshdns-ebpf/bench/internal/procstat"
+)
+
+// scaleResult is one table size against one server.
+type scaleResult struct {
+	server string
+	size   int
+	// ready is exec -> first correct answer for the table's last name: an upper
+	// bound of the build time that includes process start.
+	ready time.Duration
+	// build is the server's own table build/load time when it exports one as a
+	// meshdns_*_seconds metric (0: not exported).
+	build     time.Duration
+	buildFrom string
+	mem       procstat.Mem // after load
+	memAfter  procstat.Mem // after the reload run
+	steady    *run         // fixed rate, no reload
+	reload    *run         // fixed rate while the file is rewritten
+	reloadLat []time.Duration
+	reloadErr string
+	err       string
+}
+
+func (s scaleResult) buildText() string {
+	if s.build > 0 {
+		return fmt.Sprintf("build %s (%s), ready %s", s.build.Round(time.Millisecond), s.buildFrom, s.ready.Round(time.Millisecond))
+	}
+	return fmt.Sprintf("ready %s after exec (no build-time metric)", s.ready.Round(time.Millisecond))
+}
+
+// scaleReloads is how many times the table is rewritten during the reload run.
+const scaleReloads = 3
+
+// runScale measures table sizes on meshdns and, as a reference, on the floor
+// (which reloads by polling its hosts file every 250 ms).
+func (b *bench) runScale(ctx context.Context) {
+	servers := []string{"floor"}
+	if _, err := os.Stat(b.cfg.meshBin); err == nil {
+		servers = append([]string{"meshdns"}, servers...)
+	} else {
+		b.scaleErr = fmt.Sprintf("meshdns not measured: %s not found", b.cfg.meshBin)
+		fmt.Fprintf(os.Stderr, "benchrun: scale: SKIP meshdns: %s not found; running the floor only\n", b.cfg.meshBin)
+	}
+	for _, srv := range servers {
+		for _, n := range b.cfg.scaleSizes {
+			if ctx.Err() != nil {
+				return
+			}
+			sc := b.scaleOne(ctx, srv, n)
+			if sc.err != "" {
+				fmt.Fprintf(os.Stderr, "benchrun: scale %s %d: %s\n", srv, n, sc.err)
+			}
+			b.scale = append(b.scale, sc)
+		}
+	}
+}
+
+func (b *bench) scaleOne(ctx context.Context, server string, n int) scaleResult {
+	sc := scaleResult{server: server, size: n}
+	dir := filepath.Join(b.cfg.work, "scale", fmt.Sprintf("%s-%d", server, n))
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		sc.err = err.Error()
+		return sc
+	}
+	port := b.cfg.basePort + 10 + portOf[server]
+	listen := fmt.Sprintf("127.0.0.1:%d", port)
+	var file string
+	write := func(gen int) error {
+		tab := meshdata.NewTable(n, gen)
+		var data []byte
+		if server == "meshdns" {
+			var err error
+			if data, err = tab.NameTableJSON(); err != nil {
+				return err
+			}
+		} else {
+			data = []byte(tab.Hosts())
+		}
+		// Atomic replace, as a config-map update or a careful writer does.
+		tmp := file + ".tmp"
+		if err := os.WriteFile(tmp, data, 0o644); err != nil {
+			return fmt.Errorf("write %s: %w", tmp, err)
+		}
+		return os.Rename(tmp, file)
+	}
+	var argv []string
+	if server == "meshdns" {
+		file = filepath.Join(dir, "nametable.json")
+		argv = b.meshArgv(listen, file, b.cfg.basePort+10+offMeshAdmin)
+	} else {
+		file = filepath.Join(dir, "table.hosts")
+		argv = []string{b.cfg.floorBin, "-listen", listen, "-hosts", file, "-upstream", b.upstreamAddr(), "-reload", "250ms"}
+	}
+	if err := write(0); err != nil {
+		sc.err = err.Error()
+		return sc
+	}
+	tab := meshdata.NewTable(n, 0)
+	qfile := filepath.Join(dir, "q-table.txt")
+	if err := os.WriteFile(qfile, []byte(meshdata.QueryFile(tab.InTableQueries(uint64(n)))), 0o644); err != nil {
+		sc.err = err.Error()
+		return sc
+	}
+	fmt.Fprintf(os.Stderr, "benchrun: scale %s %d services\n", server, n)
+	t0 := time.Now()
+	srv, err := start(fmt.Sprintf("scale-%s-%d", server, n), b.cfg.serverCPU, argv, nil, b.logDir)
+	if err != nil {
+		sc.err = err.Error()
+		return sc
+	}
+	defer srv.stop()
+	last := len(tab.Services) - 1
+	wctx, cancel := context.WithTimeout(ctx, 60*time.Second)
+	err = waitAnswer(wctx, srv, listen, tab.Services[last].FQDN(), tab.Services[last].IP)
+	cancel()
+	if err != nil {
+		sc.err = err.Error()
+		return sc
+	}
+	sc.ready = time.Since(t0)
+	if server == "meshdns" {
+		sc.build, sc.buildFrom = scrapeBuildTime(fmt.Sprintf("127.0.0.1:%d", b.cfg.basePort+10+offMeshAdmin))
+	}
+	if sc.build == 0 {
+		if d, ok := logBuildTime(srv.log.Name()); ok {
+			sc.build, sc.buildFrom = d, "its log"
+		}
+	}
+	time.Sleep(time.Second) // let the runtime settle (GC after load)
+	if sc.mem, err = procstat.Memory(srv.pid()); err != nil {
+		sc.err = err.Error()
+		return sc
+	}
+	o := dnsperf.Options{Server: "127.0.0.1", Port: port, DataFile: qfile, Clients: b.cfg.clients, Threads: 1,
+		Outstand: b.cfg.outstanding, MaxQPS: b.cfg.latQPS, Verbose: true, Duration: b.cfg.latDuration.Seconds()}
+	warm := o
+	warm.MaxQPS, warm.Verbose, warm.Duration, warm.Passes = 0, false, 0, 1
+	if _, err := b.dnsperfRun(ctx, warm, 0); err != nil {
+		sc.err = fmt.Sprintf("warm-up: %v", err)
+		return sc
+	}
+	steady, err := b.dnsperfRun(ctx, o, srv.pid())
+	if err != nil {
+		sc.err = err.Error()
+		return sc
+	}
+	sc.steady = &steady
+
+	// Reload run: rewrite the table while dnsperf runs at the fixed rate and time
+	// how long each new generation takes to show in answers.
+	o.Duration = float64(scaleReloads*3 + 1)
+	type out struct {
+		r   run
+		err error
+	}
+	done := make(chan out, 1)
+	go func() {
+		r, err := b.dnsperfRun(ctx, o, srv.pid())
+		done <- out{r, err}
+	}()
+	probe := tab.Services[last]
+	for gen := 1; gen <= scaleReloads; gen++ {
+		select {
+		case <-time.After(2 * time.Second):
+		case <-ctx.Done():
+		}
+		t := time.Now()
+		if err := write(gen); err != nil {
+			sc.reloadErr = err.Error()
+			break
+		}
+		want := meshdata.ServiceIP(last, gen)
+		wctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+		err := waitAnswer(wctx, nil, listen, probe.FQDN(), want)
+		cancel()
+		if err != nil {
+			sc.reloadErr = fmt.Sprintf("generation %d not served within 5 s: %v", gen, err)
+			break
+		}
+		sc.reloadLat = append(sc.reloadLat, time.Since(t))
+	}
+	res := <-done
+	if res.err != nil {
+		sc.err = res.err.Error()
+		return sc
+	}
+	sc.reload = &res.r
+	if sc.memAfter, err = procstat.Memory(srv.pid()); err != nil {
+		sc.err = err.Error()
+	}
+	return sc
+}
+
+var (
+	logText = regexp.MustCompile(`table (?:re)?loaded.*?\b(?:duration|took)=([0-9.]+[a-zµ]+)`)
+	logJSON = regexp.MustCompile(`table (?:re)?loaded.*?"(?:duration|took)":\s*([0-9]+)`)
+)
+
+// logBuildTime finds the first "... table loaded ... duration=X" line a server
+// logged (slog text: a Go duration; slog JSON: nanoseconds).
+func logBuildTime(path string) (time.Duration, bool) {
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return 0, false
+	}
+	for line := range strings.SplitSeq(string(data), "\n") {
+		if m := logText.FindStringSubmatch(line); m != nil {
+			if d, err := time.ParseDuration(m[1]); err == nil {
+				return d, true
+			}
+		}
+		if m := logJSON.FindStringSubmatch(line); m != nil {
+			if ns, err := strconv.ParseInt(m[1], 10, 64); err == nil {
+				return time.Duration(ns), true
+			}
+		}
+	}
+	return 0, false
+}
+
+var buildMetric = regexp.MustCompile(`^(meshdns_[a-z_]*_(?:build|load)_(?:duration_)?seconds(?:_sum|_count)?)(\{[^}]*\})?\s+([0-9.eE+-]+)$`)
+
+// scrapeBuildTime looks for a table build/load duration in our admin metrics: a
+// gauge, or a histogram/summary's _sum divided by _count.
+func scrapeBuildTime(admin string) (time.Duration, string) {
+	c := http.Client{Timeout: 2 * time.Second}
+	resp, err := c.Get("http://" + admin + "/metrics")
+	if err != nil {
+		return 0, ""
+	}
+	defer resp.Body.Close()
+	body, _ := io.ReadAll(resp.Body)
+	vals := map[string]float64{}
+	for line := range strings.SplitSeq(string(body), "\n") {
+		m := buildMetric.FindStringSubmatch(strings.TrimSpace(line))
+		if m == nil || strings.HasSuffix(m[1], "_bucket") {
+			continue
+		}
+		v, err := strconv.ParseFloat(m[3], 64)
+		if err == nil {
+			vals[m[1]] += v
+		}
+	}
+	for name, v := range vals {
+		if base, ok := strings.CutSuffix(name, "_sum"); ok {
+			if cnt := vals[base+"_count"]; cnt > 0 {
+				// First load is the only observation right after start.
+				return time.Duration(v / cnt * float64(time.Second)), base + " (mean)"
+			}
+			continue
+		}
+		if strings.HasSuffix(name, "_count") || strings.HasSuffix(name, "_total") {
+			continue
+		}
+		return time.Duration(v * float64(time.Second)), name
+	}
+	return 0, ""
+}
+
+func (b *bench) renderScale(w *strings.Builder) {
+	p := func(format string, a ...any) { fmt.Fprintf(w, format, a...) }
+	p("\n## Scale: name table size\n\n")
+	if !b.cfg.scale {
+		p("Not run (-scale=false).\n")
+		return
+	}
+	if b.scaleErr != "" {
+		p("> %s. The floor rows are a reference only (it reloads by polling every 250 ms).\n\n", b.scaleErr)
+	}
+	p("Fixed rate %d QPS of in-table queries over all names; reload run = the table file atomically replaced (write + rename) %d times with new addresses while dnsperf runs; reload latency = rewrite -> the new address answered.\n\n", b.cfg.latQPS, scaleReloads)
+	p("| server | services | build / ready | VmRSS after load | VmHWM after reloads | p50 / p99 µs steady | p50 / p99 / max µs during reloads | lost | reload latency |\n")
+	p("|---|---:|---|---:|---:|---|---|---:|---|\n")
+	for _, s := range b.scale {
+		if s.err != "" {
+			p("| %s | %d | ERROR: %s | | | | | | |\n", s.server, s.size, s.err)
+			continue
+		}
+		steady, during, lost := "-", "-", uint64(0)
+		if s.steady != nil {
+			steady = fmt.Sprintf("%.0f / %.0f", s.steady.res.Percentile(50)*1e6, s.steady.res.Percentile(99)*1e6)
+			lost += s.steady.res.Lost
+		}
+		if s.reload != nil {
+			during = fmt.Sprintf("%.0f / %.0f / %.0f", s.reload.res.Percentile(50)*1e6, s.reload.res.Percentile(99)*1e6, s.reload.res.Percentile(100)*1e6)
+			lost += s.reload.res.Lost
+		}
+		var lat []string
+		for _, d := range s.reloadLat {
+			lat = append(lat, d.Round(time.Millisecond).String())
+		}
+		rl := strings.Join(lat, ", ")
+		if s.reloadErr != "" {
+			rl += " ERROR: " + s.reloadErr
+		}
+		p("| %s | %d | %s | %.1f MB | %.1f MB | %s | %s | %d | %s |\n", s.server, s.size, s.buildText(),
+			mb(s.mem.RSS), mb(s.memAfter.HWM), steady, during, lost, rl)
+	}
+}

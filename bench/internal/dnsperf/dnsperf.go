@@ -1,0 +1,179 @@
+// Package dnsperf runs the dnsperf load generator and parses its report: the
+// summary statistics and, in verbose mode, the per-query latencies from which it
+// computes percentiles (dnsperf itself only prints mean and stddev).
+package dnsperf
+
+import (
+	"bufio"
+	"fmt"
+	"io"
+	"math"
+	"slices"
+	"strconv"
+	"strings"
+)
+
+// Result is one dnsperf run.
+type Result struct {
+	Version               string // "2.10.0"
+	Sent, Completed, Lost uint64
+	RunTime               float64 // seconds
+	QPS                   float64
+	Rcodes                map[string]uint64
+	AvgLatency            float64 // seconds
+	// Latencies holds the per-query latencies in seconds (verbose runs only),
+	// sorted ascending.
+	Latencies []float64
+	// VerboseRcodes counts rcodes from the verbose lines, "T" for timeouts.
+	VerboseRcodes map[string]uint64
+}
+
+// Parse reads dnsperf's output (stdout; verbose lines "> RCODE name type latency").
+func Parse(r io.Reader) (Result, error) {
+	res := Result{Rcodes: map[string]uint64{}}
+	sc := bufio.NewScanner(r)
+	sc.Buffer(make([]byte, 64*1024), 1024*1024)
+	sawStats := false
+	for sc.Scan() {
+		line := sc.Text()
+		if strings.HasPrefix(line, "> ") {
+			f := strings.Fields(line[2:])
+			if res.VerboseRcodes == nil {
+				res.VerboseRcodes = map[string]uint64{}
+			}
+			if len(f) == 0 {
+				continue
+			}
+			res.VerboseRcodes[f[0]]++
+			if len(f) >= 4 {
+				if lat, err := strconv.ParseFloat(f[len(f)-1], 64); err == nil {
+					res.Latencies = append(res.Latencies, lat)
+				}
+			}
+			continue
+		}
+		if v, ok := strings.CutPrefix(line, "Version "); ok && res.Version == "" {
+			res.Version = strings.TrimSpace(v)
+			continue
+		}
+		key, val, ok := strings.Cut(strings.TrimSpace(line), ":")
+		if !ok {
+			continue
+		}
+		val = strings.TrimSpace(val)
+		var err error
+		switch key {
+		case "Statistics":
+			sawStats = true
+		case "Queries sent":
+			res.Sent, err = firstUint(val)
+		case "Queries completed":
+			res.Completed, err = firstUint(val)
+		case "Queries lost":
+			res.Lost, err = firstUint(val)
+		case "Run time (s)":
+			res.RunTime, err = firstFloat(val)
+		case "Queries per second":
+			res.QPS, err = firstFloat(val)
+		case "Average Latency (s)":
+			res.AvgLatency, err = firstFloat(val)
+		case "Response codes":
+			// "NOERROR 19713 (66.67%), NXDOMAIN 9856 (33.33%)"
+			for part := range strings.SplitSeq(val, ",") {
+				f := strings.Fields(part)
+				if len(f) >= 2 {
+					n, perr := strconv.ParseUint(f[1], 10, 64)
+					if perr != nil {
+						err = perr
+						break
+					}
+					res.Rcodes[f[0]] = n
+				}
+			}
+		}
+		if err != nil {
+			return res, fmt.Errorf("parse dnsperf %q: %w", line, err)
+		}
+	}
+	if err := sc.Err(); err != nil {
+		return res, fmt.Errorf("read dnsperf output: %w", err)
+	}
+	if !sawStats {
+		return res, fmt.Errorf("no statistics in dnsperf output")
+	}
+	slices.Sort(res.Latencies)
+	return res, nil
+}
+
+// Percentile returns the p-th percentile (0-100, nearest rank) of the verbose
+// latencies in seconds, or NaN without samples.
+func (r Result) Percentile(p float64) float64 {
+	n := len(r.Latencies)
+	if n == 0 {
+		return math.NaN()
+	}
+	rank := int(math.Ceil(p / 100 * float64(n)))
+	rank = min(max(rank, 1), n)
+	return r.Latencies[rank-1]
+}
+
+func firstUint(s string) (uint64, error) {
+	f := strings.Fields(s)
+	if len(f) == 0 {
+		return 0, fmt.Errorf("empty value")
+	}
+	return strconv.ParseUint(f[0], 10, 64)
+}
+
+func firstFloat(s string) (float64, error) {
+	f := strings.Fields(s)
+	if len(f) == 0 {
+		return 0, fmt.Errorf("empty value")
+	}
+	return strconv.ParseFloat(f[0], 64)
+}
+
+// Options are the dnsperf flags the harness uses.
+type Options struct {
+	Server   string // IP
+	Port     int
+	DataFile string
+	Duration float64 // -l seconds
+	Passes   int     // -n (0: unset)
+	Clients  int     // -c
+	Threads  int     // -T
+	Outstand int     // -q
+	MaxQPS   int     // -Q (0: unlimited)
+	Timeout  float64 // -t seconds (0: default)
+	Verbose  bool    // -v
+}
+
+// Args renders the options as dnsperf arguments.
+func (o Options) Args() []string {
+	a := []string{"-s", o.Server, "-p", strconv.Itoa(o.Port), "-d", o.DataFile}
+	if o.Duration > 0 {
+		a = append(a, "-l", strconv.FormatFloat(o.Duration, 'f', -1, 64))
+	}
+	if o.Passes > 0 {
+		a = append(a, "-n", strconv.Itoa(o.Passes))
+	}
+	if o.Clients > 0 {
+		a = append(a, "-c", strconv.Itoa(o.Clients))
+	}
+	if o.Threads > 0 {
+		a = append(a, "-T", strconv.Itoa(o.Threads))
+	}
+	if o.Outstand > 0 {
+		a = append(a, "-q", strconv.Itoa(o.Outstand))
+	}
+	if o.MaxQPS > 0 {
+		a = append(a, "-Q", strconv.Itoa(o.MaxQPS))
+	}
+	if o.Timeout > 0 {
+		a = append(a, "-t", strconv.FormatFloat(o.Timeout, 'f', -1, 64))
+	}
+	if o.Verbose {
+		a = append(a, "-v")
+	}
+	return a
+}

@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# bench/run.sh: the `make bench` entry point. Builds the harness (benchrun, the
+# fake upstream, the floor server) and our binary, checks the peers are
+# installed, and runs bench/cmd/benchrun, which prints the results table and
+# writes bench/RESULTS.md.
+#
+# Environment:
+#   BENCH_QUICK=1          smoke run: 1 x 3 s per scenario, scale 1k/10k only
+#   BENCH_WORK=DIR         scratch dir (default ${TMPDIR:-/tmp}/meshdns-bench)
+#   BENCH_PEERS=a,b        subset of meshdns,coredns-prod,coredns-hosts,floor,unbound,dnsmasq
+#   BENCH_WAIT_IDLE=10m    first wait (up to 10m) until both cores are idle
+#   BENCH_NO_INSTALL=1     do not run scripts/install-bench-deps.sh when something is missing
+#   BENCH_NO_BUILD=1       do not (re)build bin/meshdns-ebpf
+#   BENCH_MESHDNS_ARGS=".."  extra flags for our resolver (default --authoritative)
+#   COREDNS=PATH           CoreDNS binary (default: the install script's cache dir)
+# Extra arguments are passed to benchrun (see `benchrun -h`), e.g. -reps 5 -duration 20s.
+set -euo pipefail
+
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$repo"
+work="${BENCH_WORK:-${TMPDIR:-/tmp}/meshdns-bench}"
+bin_cache="${MESHDNS_BENCH_BIN:-${XDG_CACHE_HOME:-$HOME/.cache}/meshdns-bench/bin}"
+coredns="${COREDNS:-$bin_cache/coredns}"
+mkdir -p "$work/bin"
+
+# One benchmark at a time on this machine: the lock is held (fd 9) until
+# benchrun exits.
+exec 9>"${TMPDIR:-/tmp}/meshdns-bench.lock"
+if ! flock -n 9; then
+	printf 'bench: another benchmark is running (lock %s)\n' "${TMPDIR:-/tmp}/meshdns-bench.lock" >&2
+	exit 1
+fi
+
+log() { printf 'bench: %s\n' "$*" >&2; }
+
+if [ "$(nproc)" -lt 2 ]; then
+	log "need at least 2 cores (server and load generator on different cores); have $(nproc)"
+	exit 1
+fi
+
+missing=()
+for t in dnsperf unbound dnsmasq taskset; do
+	command -v "$t" >/dev/null 2>&1 || [ -x "/usr/sbin/$t" ] || missing+=("$t")
+done
+[ -x "$coredns" ] || missing+=("coredns ($coredns)")
+if [ "${#missing[@]}" -gt 0 ]; then
+	if [ "${BENCH_NO_INSTALL:-0}" = 1 ]; then
+		log "missing: ${missing[*]}; run scripts/install-bench-deps.sh"
+		exit 1
+	fi
+	log "missing: ${missing[*]}; running scripts/install-bench-deps.sh"
+	MESHDNS_BENCH_BIN="$bin_cache" "$repo/scripts/install-bench-deps.sh"
+fi
+PATH="$PATH:/usr/sbin:/sbin"
+
+log "building harness into $work/bin"
+go build -o "$work/bin/benchrun" ./bench/cmd/benchrun
+go build -o "$work/bin/fakeupstream" ./bench/fakeupstream
+go build -o "$work/bin/floor" ./bench/floor
+
+meshdns="$repo/bin/meshdns-ebpf"
+skip=""
+if [ "${BENCH_NO_BUILD:-0}" != 1 ]; then
+	if [ -d "$repo/cmd/meshdns-ebpf" ]; then
+		log "building bin/meshdns-ebpf"
+		if ! go build -o "$repo/bin/meshdns-ebpf" ./cmd/meshdns-ebpf; then
+			log "WARNING: go build ./cmd/meshdns-ebpf failed; meshdns is skipped in this run"
+			skip="go build ./cmd/meshdns-ebpf failed (see the make bench output)"
+		fi
+	else
+		log "cmd/meshdns-ebpf does not exist yet; meshdns is skipped in this run"
+		skip="cmd/meshdns-ebpf does not exist yet"
+	fi
+fi
+
+args=(-repo "$repo" -work "$work" -fakeupstream "$work/bin/fakeupstream" -floor "$work/bin/floor"
+	-coredns "$coredns" -meshdns "$meshdns" -out "$repo/bench/RESULTS.md")
+[ -n "$skip" ] && args+=(-meshdns-skip "$skip")
+[ "${BENCH_QUICK:-0}" = 1 ] && args+=(-quick)
+[ -n "${BENCH_PEERS:-}" ] && args+=(-peers "$BENCH_PEERS")
+[ -n "${BENCH_WAIT_IDLE:-}" ] && args+=(-wait-idle "$BENCH_WAIT_IDLE")
+[ -n "${BENCH_MESHDNS_ARGS+x}" ] && args+=(-meshdns-args "$BENCH_MESHDNS_ARGS")
+
+# The harness itself stays on the generator's core; servers go to core 1.
+exec taskset -c 0 "$work/bin/benchrun" "${args[@]}" "$@"
