@@ -101,9 +101,6 @@ func Run(ctx context.Context, cfg Config, log *slog.Logger) (err error) {
 			}
 			rcfg.Cgroup = cfg.Cgroup
 		}
-		if err := checkCgroup(cfg.Cgroup); err != nil {
-			return err
-		}
 		mounted, err := ensureBPFFS(cfg.BPFFS)
 		if err != nil {
 			return err

@@ -43,25 +43,6 @@ func checkPrivileges(mode string) error {
 	return nil
 }
 
-// checkCgroup verifies dir is a directory on a cgroup2 filesystem.
-func checkCgroup(dir string) error {
-	fi, err := os.Stat(dir)
-	if err != nil {
-		return fmt.Errorf("cgroup %s: %w", dir, err)
-	}
-	if !fi.IsDir() {
-		return fmt.Errorf("cgroup %s: not a directory", dir)
-	}
-	var st unix.Statfs_t
-	if err := unix.Statfs(dir, &st); err != nil {
-		return fmt.Errorf("cgroup %s: %w", dir, err)
-	}
-	if st.Type != unix.CGROUP2_SUPER_MAGIC {
-		return fmt.Errorf("cgroup %s is not on a cgroup2 filesystem (cgroup v1 cannot run socket programs)", dir)
-	}
-	return nil
-}
-
 // ensureBPFFS makes sure pinDir's parent is on a bpffs. The default location's parent,
 // /sys/fs/bpf, is mounted when it is not (as Cilium does); any other location must
 // already be a bpffs.

@@ -211,7 +211,7 @@ func TestBadInput(t *testing.T) {
 		want string
 	}{
 		{"not-root", 1000, nil, "must run as root"},
-		{"cgroup-missing", 0, []string{"--cgroup", "/sys/fs/cgroup/no-such-meshdns-group"}, "no such file or directory"},
+		{"cgroup-missing", 0, []string{"--cgroup", "/sys/fs/cgroup/no-such-meshdns-group"}, "cgroup directory /sys/fs/cgroup/no-such-meshdns-group does not exist"},
 		{"names-unreadable", 0, []string{"--names", badTable}, "not-an-ip"},
 		{"listen-in-use", 0, nil, "address already in use"},
 		{"kernel-lacks-hook", 0, []string{"--x-force-no-ebpf", "cgroup/recvmsg4 not supported"}, "cannot work here"},

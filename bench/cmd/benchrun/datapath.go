@@ -1,7 +1,6 @@
 package main
 
 import (
-	"bufio"
 	"context"
 	"crypto/rand"
 	"encoding/hex"
@@ -17,6 +16,7 @@ import (
 
 	"github.com/meshdns/meshdns-ebpf/bench/internal/dnsperf"
 	"github.com/meshdns/meshdns-ebpf/bench/internal/meshdata"
+	"github.com/meshdns/meshdns-ebpf/internal/redirect"
 )
 
 // ---------------------------------------------------------------------------
@@ -117,23 +117,6 @@ func runCmd(name string, args ...string) error {
 	return nil
 }
 
-// cgroup2Mount finds the cgroup2 mount point.
-func cgroup2Mount() (string, error) {
-	f, err := os.Open("/proc/self/mounts")
-	if err != nil {
-		return "", fmt.Errorf("read mounts: %w", err)
-	}
-	defer f.Close()
-	sc := bufio.NewScanner(f)
-	for sc.Scan() {
-		fl := strings.Fields(sc.Text())
-		if len(fl) >= 3 && fl[2] == "cgroup2" {
-			return fl[1], nil
-		}
-	}
-	return "", errors.New("no cgroup2 mount")
-}
-
 func newDPEnv(work string) (*dpEnv, error) {
 	if os.Geteuid() != 0 {
 		return nil, errors.New("needs root (netns, cgroup, bpffs)")
@@ -156,7 +139,7 @@ func newDPEnv(work string) (*dpEnv, error) {
 	}
 	e.undo = append(e.undo, func() error { return os.RemoveAll(e.dir) })
 
-	mnt, err := cgroup2Mount()
+	mnt, err := redirect.FindCgroup2Mount()
 	if err != nil {
 		return fail(err)
 	}
