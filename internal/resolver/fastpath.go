@@ -10,7 +10,15 @@ import (
 	"github.com/miekg/dns"
 
 	"github.com/meshdns/meshdns-ebpf/internal/resolver/nametable"
+	"github.com/meshdns/meshdns-ebpf/internal/resolver/upstream"
 )
+
+// wireCache is a Forwarder whose cache hits can be served as bytes
+// (*upstream.Forwarder). With it the fast path also answers forwarded
+// names that are in the cache.
+type wireCache interface {
+	Cached(lname string, qtype, qclass uint16, do, cd bool, room int) (upstream.CachedAnswer, bool)
+}
 
 // maxFastAddrs is the most addresses the wire fast path writes; larger
 // answers take the general path.
@@ -18,12 +26,14 @@ const maxFastAddrs = 64
 
 // fastPath answers the common UDP query (one A or AAAA question, class IN,
 // optional plain OPT; name in the table exactly or by autopath, or, when
-// authoritative, unknown under the cluster domain; answer fits) straight
-// from and into wire bytes: no unpacking, no allocation, no lock. Everything else returns
+// authoritative, unknown under the cluster domain, or a forwarded name with
+// a fresh cache entry; answer fits) straight from and into wire bytes: no
+// unpacking, no allocation, no lock, no goroutine. Everything else returns
 // ok == false and takes the general path, which produces the same answer
 // (a test compares the two).
 type fastPath struct {
 	s     *Server
+	cache wireCache // nil: forwarded names always take the general path
 	lname [256]byte
 	perm  [maxFastAddrs]uint8
 	// Packed SOA records for negative answers, per table (one cache per
@@ -32,7 +42,11 @@ type fastPath struct {
 	soaWire  map[*dns.SOA][]byte
 }
 
-func newFastPath(s *Server) *fastPath { return &fastPath{s: s} }
+func newFastPath(s *Server) *fastPath {
+	f := &fastPath{s: s}
+	f.cache, _ = s.fwd.(wireCache)
+	return f
+}
 
 // soa returns the wire form of a table SOA with the server's TTL.
 func (f *fastPath) soa(t *nametable.Table, soa *dns.SOA) []byte {
@@ -53,17 +67,19 @@ func (f *fastPath) soa(t *nametable.Table, soa *dns.SOA) []byte {
 	return buf[:n:n]
 }
 
-func (f *fastPath) answer(pkt, out []byte, client netip.Addr) ([]byte, bool) {
+// answer returns the response to pkt written into out and its source
+// (srcTable or srcCache), or ok == false for the general path.
+func (f *fastPath) answer(pkt, out []byte, client netip.Addr) (resp []byte, src source, ok bool) {
 	if len(pkt) < 12+5 || pkt[2]&0xfa != 0 || // QR, opcode, TC
 		binary.BigEndian.Uint32(pkt[4:]) != 0x00010000 || // QD=1, AN=0
 		pkt[8] != 0 || pkt[9] != 0 || pkt[10] != 0 || pkt[11] > 1 {
-		return nil, false
+		return nil, 0, false
 	}
 	// Question name: plain labels only, lower-cased into f.lname.
 	off, ln := 12, 0
 	for {
 		if off >= len(pkt) {
-			return nil, false
+			return nil, 0, false
 		}
 		l := int(pkt[off])
 		off++
@@ -71,7 +87,7 @@ func (f *fastPath) answer(pkt, out []byte, client netip.Addr) ([]byte, bool) {
 			break
 		}
 		if l > 63 || off+l > len(pkt) || ln+l+1 > 254 {
-			return nil, false
+			return nil, 0, false
 		}
 		for _, c := range pkt[off : off+l] {
 			switch {
@@ -79,7 +95,7 @@ func (f *fastPath) answer(pkt, out []byte, client netip.Addr) ([]byte, bool) {
 			case c >= 'A' && c <= 'Z':
 				c += 'a' - 'A'
 			default:
-				return nil, false // needs escaping: general path
+				return nil, 0, false // needs escaping: general path
 			}
 			f.lname[ln] = c
 			ln++
@@ -89,11 +105,11 @@ func (f *fastPath) answer(pkt, out []byte, client netip.Addr) ([]byte, bool) {
 		off += l
 	}
 	if ln == 0 || off+4 > len(pkt) {
-		return nil, false
+		return nil, 0, false
 	}
 	qtype := binary.BigEndian.Uint16(pkt[off:])
 	if (qtype != dns.TypeA && qtype != dns.TypeAAAA) || binary.BigEndian.Uint16(pkt[off+2:]) != dns.ClassINET {
-		return nil, false
+		return nil, 0, false
 	}
 	qend := off + 4
 	limit, edns, do := dns.MinMsgSize, false, false
@@ -102,17 +118,17 @@ func (f *fastPath) answer(pkt, out []byte, client netip.Addr) ([]byte, bool) {
 		if o+11 > len(pkt) || pkt[o] != 0 || binary.BigEndian.Uint16(pkt[o+1:]) != dns.TypeOPT ||
 			pkt[o+5] != 0 || pkt[o+6] != 0 || // extended rcode, version
 			o+11+int(binary.BigEndian.Uint16(pkt[o+9:])) != len(pkt) {
-			return nil, false
+			return nil, 0, false
 		}
 		edns, do = true, pkt[o+7]&0x80 != 0
 		limit = max(limit, int(binary.BigEndian.Uint16(pkt[o+3:])))
 	} else if qend != len(pkt) {
-		return nil, false
+		return nil, 0, false
 	}
 
 	t := f.s.tables.Table()
 	if t == nil {
-		return nil, false
+		return nil, 0, false
 	}
 	// The name aliases f.lname: valid only during this call, and nothing
 	// below retains it (the table returns its own strings; wildcard
@@ -120,7 +136,7 @@ func (f *fastPath) answer(pkt, out []byte, client netip.Addr) ([]byte, bool) {
 	lname := unsafe.String(&f.lname[0], ln)
 	n, wild := t.Find(lname, client)
 	if wild {
-		return nil, false
+		return nil, 0, false
 	}
 	var target string
 	var soa []byte
@@ -129,20 +145,20 @@ func (f *fastPath) answer(pkt, out []byte, client netip.Addr) ([]byte, bool) {
 		if f.s.autopathCandidate(lname) {
 			n, target, wild = f.s.autopathTarget(t, lname)
 			if wild {
-				return nil, false
+				return nil, 0, false
 			}
 		}
 		if n == nil {
 			// Authoritative NXDOMAIN (or NODATA for an empty non-terminal)
 			// under the cluster domain; anything else is forwarded.
 			if !f.s.authoritative || !(strings.HasSuffix(lname, f.s.dotDomain) || lname == f.s.domain) {
-				return nil, false
+				return f.cached(pkt, out, lname, qtype, qend, edns, do, limit)
 			}
 			if !t.IsEmptyNonTerminal(lname) {
 				rcode = dns.RcodeNameError
 			}
 			if soa = f.soa(t, t.DomainSOA()); soa == nil {
-				return nil, false
+				return nil, 0, false
 			}
 		}
 	}
@@ -156,16 +172,16 @@ func (f *fastPath) answer(pkt, out []byte, client netip.Addr) ([]byte, bool) {
 		}
 		if len(addrs) == 0 {
 			if target != "" {
-				return nil, false // CNAME without data: general path
+				return nil, 0, false // CNAME without data: general path
 			}
 			if soa = f.soa(t, h.SOA); soa == nil {
-				return nil, false
+				return nil, 0, false
 			}
 		}
 	}
 	k := len(addrs)
 	if k > maxFastAddrs {
-		return nil, false
+		return nil, 0, false
 	}
 	size := qend + k*(12+rdlen) + len(soa)
 	if target != "" {
@@ -175,7 +191,7 @@ func (f *fastPath) answer(pkt, out []byte, client netip.Addr) ([]byte, bool) {
 		size += 11
 	}
 	if size > limit || size > len(out) {
-		return nil, false
+		return nil, 0, false
 	}
 
 	b := out[:qend]
@@ -223,15 +239,62 @@ func (f *fastPath) answer(pkt, out []byte, client netip.Addr) ([]byte, bool) {
 	}
 	b = append(b, soa...)
 	if edns {
-		var flags byte
-		if do {
-			flags = 0x80
-		}
-		b = append(b, 0, 0, byte(dns.TypeOPT), byte(ourUDPSize>>8), byte(ourUDPSize&0xff), 0, 0, flags, 0, 0, 0)
+		b = appendOPT(b, do)
 	}
 	f.s.m.requests[protoUDP][qtypeIndex(qtype)].Inc()
 	f.s.m.responses[rcode][srcTable].Inc()
-	return b, true
+	return b, srcTable, true
+}
+
+// cached answers a forwarded name from a fresh upstream cache entry: the
+// client's header bits and question, the cached sections, our OPT. It
+// matches what Server.forward and finish produce for the same hit.
+func (f *fastPath) cached(pkt, out []byte, lname string, qtype uint16, qend int, edns, do bool, limit int) ([]byte, source, bool) {
+	if f.cache == nil {
+		return nil, 0, false
+	}
+	room := min(limit, len(out)) - qend
+	if edns {
+		room -= 11
+	}
+	cd := pkt[3]&0x10 != 0
+	a, ok := f.cache.Cached(lname, qtype, dns.ClassINET, do, cd, room)
+	if !ok {
+		return nil, 0, false
+	}
+	b := out[:qend]
+	copy(b, pkt[:qend])
+	b[2] = 0x80 | pkt[2]&0x01 // QR, RD
+	if a.Authoritative {
+		b[2] |= 0x04
+	}
+	b[3] = 0x80 | pkt[3]&0x10 | a.Rcode // RA, CD
+	if a.AuthenticData && (do || pkt[3]&0x20 != 0) {
+		b[3] |= 0x20
+	}
+	extra := a.Extra
+	if edns {
+		extra++
+	}
+	binary.BigEndian.PutUint16(b[6:], a.Answer)
+	binary.BigEndian.PutUint16(b[8:], a.Authority)
+	binary.BigEndian.PutUint16(b[10:], extra)
+	b = append(b, a.Records...)
+	if edns {
+		b = appendOPT(b, do)
+	}
+	f.s.m.requests[protoUDP][qtypeIndex(qtype)].Inc()
+	f.s.m.responses[rcodeIndex(int(a.Rcode))][srcCache].Inc()
+	return b, srcCache, true
+}
+
+// appendOPT appends our OPT record (UDP size ourUDPSize, the client's DO).
+func appendOPT(b []byte, do bool) []byte {
+	var flags byte
+	if do {
+		flags = 0x80
+	}
+	return append(b, 0, 0, byte(dns.TypeOPT), byte(ourUDPSize>>8), byte(ourUDPSize&0xff), 0, 0, flags, 0, 0, 0)
 }
 
 // autopathCandidate is a cheap pre-check (no allocation) that the name

@@ -34,7 +34,7 @@ func handlePacket(s *Server, fp *fastPath, pkt, out []byte, proto proto) []byte 
 		return nil
 	}
 	if proto == protoUDP {
-		if b, ok := fp.answer(pkt, out, client); ok {
+		if b, _, ok := fp.answer(pkt, out, client); ok {
 			return b
 		}
 	}

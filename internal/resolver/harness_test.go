@@ -44,6 +44,10 @@ func startUpstream(t *testing.T) *fakeUpstream {
 		switch {
 		case name == "ext.example.org." && q.Qtype == dns.TypeA:
 			m.Answer = []dns.RR{mustRR(t, "ext.example.org. 300 IN A 192.0.2.80")}
+		case name == "many.example.org." && q.Qtype == dns.TypeA:
+			for i := range 40 {
+				m.Answer = append(m.Answer, mustRR(t, fmt.Sprintf("many.example.org. 300 IN A 192.0.2.%d", i+1)))
+			}
 		case name == "big.example.org." && q.Qtype == dns.TypeTXT:
 			for i := range 40 {
 				m.Answer = append(m.Answer, mustRR(t, fmt.Sprintf("big.example.org. 300 IN TXT \"%s-%02d\"", strings.Repeat("x", 60), i)))

@@ -3,6 +3,7 @@ package resolver
 import (
 	"context"
 	"fmt"
+	"log/slog"
 	"net"
 	"net/netip"
 	"strings"
@@ -10,8 +11,10 @@ import (
 	"time"
 
 	"github.com/miekg/dns"
+	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/meshdns/meshdns-ebpf/internal/resolver/nametable"
+	"github.com/meshdns/meshdns-ebpf/internal/resolver/upstream"
 )
 
 const k8s = nametable.RegistryKubernetes
@@ -458,7 +461,7 @@ func TestFastPathMatchesGeneralPath(t *testing.T) {
 				}
 				pkt, _ := req.Pack()
 				out := make([]byte, dns.MaxMsgSize)
-				fast, ok := fp.answer(pkt, out, netip.MustParseAddr("127.0.0.1"))
+				fast, _, ok := fp.answer(pkt, out, netip.MustParseAddr("127.0.0.1"))
 				if ok != n.fast {
 					t.Fatalf("fast path taken = %v, want %v", ok, n.fast)
 				}
@@ -476,5 +479,132 @@ func TestFastPathMatchesGeneralPath(t *testing.T) {
 				}
 			})
 		}
+	}
+}
+
+// Forwarded names with a fresh cache entry are answered by the fast path
+// (no unpack, no goroutine) with what the general path would send: the
+// same header bits, question (case echoed), sections, TTLs and OPT.
+func TestFastPathCacheMatchesGeneralPath(t *testing.T) {
+	up := startUpstream(t)
+	reg := prometheus.NewRegistry()
+	fwd, err := upstream.New(upstream.NewConfig(netip.MustParseAddrPort(up.addr)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { fwd.Close() })
+	table := &staticTable{}
+	tb, err := nametable.Build(testFile(), nametable.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	table.t.Store(tb)
+	s, err := New(Config{Listen: []string{"127.0.0.1:0"}, Table: table, Forwarder: fwd,
+		Authoritative: true, Registerer: reg, Logger: slog.New(slog.DiscardHandler)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	fp := newFastPath(s)
+	client := netip.MustParseAddr("127.0.0.1")
+	general := func(req *dns.Msg) *dns.Msg {
+		ri := reqInfo{proto: protoUDP, client: client}
+		m, _ := s.respond(context.Background(), req, &ri)
+		return m
+	}
+	cases := []struct {
+		name  string
+		qtype uint16
+		opts  string // e: EDNS 1400, d: EDNS with DO, c: CD, a: AD
+		fast  bool
+	}{
+		{"ext.example.org.", dns.TypeA, "", true},
+		{"EXT.Example.ORG.", dns.TypeA, "", true}, // 0x20 case echoed in the question
+		{"ext.example.org.", dns.TypeA, "e", true},
+		{"ext.example.org.", dns.TypeA, "d", true},
+		{"ext.example.org.", dns.TypeA, "c", true},
+		{"ext.example.org.", dns.TypeA, "da", true},
+		{"ext.example.org.", dns.TypeAAAA, "e", true},        // NODATA + SOA
+		{"nope.example.net.", dns.TypeA, "", true},           // NXDOMAIN + SOA
+		{"many.example.org.", dns.TypeA, "", false},          // 40 A: over 512, the general path truncates
+		{"many.example.org.", dns.TypeA, "e", true},          // fits 1400
+		{"big.example.org.", dns.TypeTXT, "e", false},        // only A/AAAA take the fast path
+		{"nope.ns1.svc.cluster.local.", dns.TypeA, "", true}, // still the table's NXDOMAIN
+	}
+	for _, c := range cases {
+		t.Run(fmt.Sprintf("%s/%d/%s", c.name, c.qtype, c.opts), func(t *testing.T) {
+			req := query(c.name, c.qtype)()
+			for _, o := range c.opts {
+				switch o {
+				case 'e':
+					req.SetEdns0(1400, false)
+				case 'd':
+					req.SetEdns0(1400, true)
+				case 'c':
+					req.CheckingDisabled = true
+				case 'a':
+					req.AuthenticatedData = true
+				}
+			}
+			pkt, err := req.Pack()
+			if err != nil {
+				t.Fatal(err)
+			}
+			out := make([]byte, dns.MaxMsgSize)
+			// Warm the cache through the general path (a miss, then a hit).
+			general(req.Copy())
+			fast, src, ok := fp.answer(pkt, out, client)
+			if ok != c.fast {
+				t.Fatalf("fast path taken = %v, want %v", ok, c.fast)
+			}
+			if !ok {
+				return
+			}
+			fm := new(dns.Msg)
+			if err := fm.Unpack(fast); err != nil {
+				t.Fatalf("fast path packet does not unpack: %v", err)
+			}
+			gm := general(req.Copy())
+			if fm.Question[0] != req.Question[0] {
+				t.Fatalf("question %v, want the client's %v", fm.Question[0], req.Question[0])
+			}
+			// TTLs count down in whole seconds: the two answers may straddle one.
+			fc, gc := canon(fm), canon(gm)
+			if fc != gc {
+				fm2 := new(dns.Msg)
+				fast, _, _ = fp.answer(pkt, out, client)
+				_ = fm2.Unpack(fast)
+				fc = canon(fm2)
+			}
+			if fc != gc {
+				t.Fatalf("fast (%s)\n%s\ngeneral\n%s", sourceNames[src], fc, gc)
+			}
+			wantSrc := srcCache
+			if strings.HasSuffix(c.name, ".cluster.local.") {
+				wantSrc = srcTable
+			}
+			if src != wantSrc {
+				t.Fatalf("source %s, want %s", sourceNames[src], sourceNames[wantSrc])
+			}
+		})
+	}
+	// The UDP server uses it: a warm name is answered with the cache's
+	// metric label and no further upstream query.
+	if err := s.Start(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = s.Shutdown(context.Background()) })
+	before := up.queries.Load()
+	cacheBefore := metricValue(t, reg, "meshdns_dns_responses_total", map[string]string{"rcode": "NOERROR", "source": "cache"})
+	for i := range 20 {
+		resp := exchange(t, "udp", s.Addrs()[0], query("Ext.example.org.", dns.TypeA)())
+		if len(resp.Answer) != 1 || resp.Question[0].Name != "Ext.example.org." {
+			t.Fatalf("query %d: %v", i, resp)
+		}
+	}
+	if n := up.queries.Load() - before; n != 0 {
+		t.Fatalf("upstream saw %d queries for a cached name", n)
+	}
+	if d := metricValue(t, reg, "meshdns_dns_responses_total", map[string]string{"rcode": "NOERROR", "source": "cache"}) - cacheBefore; d != 20 {
+		t.Fatalf("cache responses metric grew by %v, want 20", d)
 	}
 }

@@ -448,9 +448,9 @@ func (s *Server) serveUDP(c *net.UDPConn, pktinfo bool) {
 			continue
 		}
 		pkt := buf[:n]
-		if resp, ok := fp.answer(pkt, out, from.Addr().Unmap()); ok {
+		if resp, src, ok := fp.answer(pkt, out, from.Addr().Unmap()); ok {
 			s.writeUDP(c, resp, reply, from)
-			s.m.duration[srcTable].Observe(time.Since(start).Seconds())
+			s.m.duration[src].Observe(time.Since(start).Seconds())
 			continue
 		}
 		req := new(dns.Msg)

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"cmp"
 	"context"
 	"crypto/rand"
 	"encoding/hex"
@@ -9,6 +10,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -21,27 +23,28 @@ import (
 
 // ---------------------------------------------------------------------------
 // DATAPATH COMPARISON: the same resolver reached
-//   (1) directly (client sends to the resolver's listen address; agent --mode off),
-//   (2) through the eBPF capture (agent --mode ebpf --cgroup CG),
-//   (3) through iptables REDIRECT with our conntrack zones (agent --mode iptables),
-// from a client (dnsperf) in a network namespace and a cgroup this run
-// creates. Reported: throughput and round trip (p50/p99 at the fixed rate),
-// ratios to the direct path, and the conntrack entries each path leaves.
+//   (1) directly: a client in a sibling cgroup without the programs sends to
+//       the resolver's listen address,
+//   (2) through the eBPF capture: a client in the captured cgroup sends to the
+//       nameserver address; (1) and (2) hit the same agent process (--mode
+//       ebpf --cgroup CG) and alternate run by run, so machine noise falls on
+//       both alike,
+//   (3) through iptables REDIRECT with our conntrack zones (agent --mode
+//       iptables; the eBPF and the iptables agent take turns, one round each,
+//       so that drift in the machine's speed falls on every path alike),
+// from clients (dnsperf) in a network namespace and cgroups this run creates.
+// Reported: throughput, round trip (p50/p99 at the fixed rate, the median of
+// several runs), ratios to the direct path, and the conntrack entries each
+// path leaves.
 //
 // Isolation (never the host's iptables, never the root cgroup, never
 // /sys/fs/bpf): everything runs inside one fresh network namespace — the agent,
 // its fake upstream and the client — so iptables mode changes only that
 // namespace's tables; the captured "nameserver" 169.254.53.253 is a link-local address on
 // the namespace's lo with nothing listening on :53, so an uncaptured query
-// fails visibly (ICMP port unreachable -> dnsperf losses). The client joins a
-// fresh cgroup under the cgroup2 mount; the agent pins into a private bpffs
+// fails visibly (ICMP port unreachable -> dnsperf losses). The clients join
+// fresh cgroups under the cgroup2 mount; the agent pins into a private bpffs
 // mount under -work. All of it is removed at the end, also on failure.
-//
-// LEAD: the agent flags used are the ones in the brief (run --mode
-// ebpf|iptables --cgroup DIR --listen --nameservers --upstream --names --admin
-// --bpffs) plus --state-dir/--resolv-conf pointing into -work. If the agent
-// needs more (e.g. --capture-loopback because the listen address is loopback),
-// add them in dpArgs below.
 // ---------------------------------------------------------------------------
 
 const (
@@ -53,10 +56,28 @@ const (
 type datapathRow struct {
 	path      string // direct, ebpf, iptables
 	sat       []run
-	fixed     *run
-	conntrack int // entries in the namespace after the fixed-rate run (-1 unknown)
+	fixedRuns []run
+	fixed     *run // the fixed-rate run with the median p50 (nil: none)
+	conntrack int  // entries in the namespace after the last fixed-rate run (-1 unknown)
 	err       string
 }
+
+// medianRun returns the run whose key is the median (the lower middle for an
+// even count); nil for none.
+func medianRun(runs []run, key func(*run) float64) *run {
+	if len(runs) == 0 {
+		return nil
+	}
+	idx := make([]int, len(runs))
+	for i := range idx {
+		idx[i] = i
+	}
+	slices.SortStableFunc(idx, func(a, b int) int { return cmp.Compare(key(&runs[a]), key(&runs[b])) })
+	return &runs[idx[(len(idx)-1)/2]]
+}
+
+func p50(r *run) float64 { return r.res.Percentile(50) }
+func p99(r *run) float64 { return r.res.Percentile(99) }
 
 type datapathReport struct {
 	skipped string
@@ -92,10 +113,11 @@ func (d datapathReport) verdict() string {
 	return strings.Join(parts, "; ")
 }
 
-// dpEnv is the namespace, cgroup and bpffs of one datapath run.
+// dpEnv is the namespace, cgroups and bpffs of one datapath run. cgroup is
+// captured; direct is its uncaptured sibling.
 type dpEnv struct {
-	ns, cgroup, bpffs, dir string
-	undo                   []func() error
+	ns, cgroup, direct, bpffs, dir string
+	undo                           []func() error
 }
 
 func (e *dpEnv) cleanup() []string {
@@ -144,20 +166,23 @@ func newDPEnv(work string) (*dpEnv, error) {
 		return fail(err)
 	}
 	e.cgroup = filepath.Join(mnt, "meshdns-bench-"+id)
-	if err := os.Mkdir(e.cgroup, 0o755); err != nil {
-		return fail(fmt.Errorf("create cgroup: %w", err))
-	}
-	e.undo = append(e.undo, func() error {
-		// dnsperf has exited by now; retry briefly while the kernel reaps it.
-		var err error
-		for range 50 {
-			if err = os.Remove(e.cgroup); err == nil || errors.Is(err, os.ErrNotExist) {
-				return nil
-			}
-			time.Sleep(100 * time.Millisecond)
+	e.direct = filepath.Join(mnt, "meshdns-bench-"+id+"-direct")
+	for _, cg := range []string{e.cgroup, e.direct} {
+		if err := os.Mkdir(cg, 0o755); err != nil {
+			return fail(fmt.Errorf("create cgroup: %w", err))
 		}
-		return fmt.Errorf("remove cgroup %s: %w", e.cgroup, err)
-	})
+		e.undo = append(e.undo, func() error {
+			// dnsperf has exited by now; retry briefly while the kernel reaps it.
+			var err error
+			for range 50 {
+				if err = os.Remove(cg); err == nil || errors.Is(err, os.ErrNotExist) {
+					return nil
+				}
+				time.Sleep(100 * time.Millisecond)
+			}
+			return fmt.Errorf("remove cgroup %s: %w", cg, err)
+		})
+	}
 
 	if err := runCmd("ip", "netns", "add", e.ns); err != nil {
 		return fail(err)
@@ -195,9 +220,12 @@ func (e *dpEnv) nsPrefix() []string {
 	return []string{"nsenter", "--net=/var/run/netns/" + e.ns, "--"}
 }
 
-// clientPrefix joins the client cgroup, then the namespace, then execs.
-func (e *dpEnv) clientPrefix() []string {
-	return append([]string{"sh", "-c", `echo $$ > "$0/cgroup.procs" && exec "$@"`, e.cgroup}, e.nsPrefix()...)
+// clientPrefix joins the captured client cgroup, then the namespace, then execs.
+func (e *dpEnv) clientPrefix() []string { return e.prefixIn(e.cgroup) }
+
+// prefixIn joins cgroup cg, then the namespace, then execs.
+func (e *dpEnv) prefixIn(cg string) []string {
+	return append([]string{"sh", "-c", `echo $$ > "$0/cgroup.procs" && exec "$@"`, cg}, e.nsPrefix()...)
 }
 
 // digIn resolves name A from inside the namespace.
@@ -253,99 +281,141 @@ func (b *bench) runDatapath(ctx context.Context) datapathReport {
 	if err := os.WriteFile(resolv, []byte("nameserver "+dpNameserver+"\n"), 0o644); err != nil {
 		return datapathReport{skipped: err.Error()}
 	}
-	var rep datapathReport
-	for _, path := range []string{"direct", "ebpf", "iptables"} {
-		if ctx.Err() != nil {
-			break
+	rep := datapathReport{rows: []datapathRow{
+		{path: "direct", conntrack: -1}, {path: "ebpf", conntrack: -1}, {path: "iptables", conntrack: -1}}}
+	port := b.cfg.basePort + 20
+	client := func(i int) dpClient {
+		c := dpClient{row: &rep.rows[i], target: dpNameserver, port: 53, prefix: env.clientPrefix()}
+		if rep.rows[i].path == "direct" {
+			c.target, c.port, c.prefix = dpListenIP, port, env.prefixIn(env.direct)
 		}
-		row := b.datapathOne(ctx, env, path, fakePort, resolv)
-		if row.err != "" {
-			fmt.Fprintf(os.Stderr, "benchrun: datapath %s: %s\n", path, row.err)
+		return c
+	}
+	// The eBPF agent serves both the direct and the captured client; the
+	// iptables agent runs in turn with it, round by round, so that drift in
+	// the machine's speed falls on every path alike.
+	phases := []struct {
+		mode    string
+		clients []dpClient
+	}{{"ebpf", []dpClient{client(0), client(1)}}, {"iptables", []dpClient{client(2)}}}
+	for round := range max(b.cfg.reps, b.cfg.latReps) {
+		for _, ph := range phases {
+			if ctx.Err() != nil {
+				return rep
+			}
+			b.datapathRound(ctx, env, ph.mode, port, fakePort, resolv, ph.clients, round)
 		}
-		rep.rows = append(rep.rows, row)
+	}
+	for i := range rep.rows {
+		rep.rows[i].fixed = medianRun(rep.rows[i].fixedRuns, p50)
 	}
 	return rep
 }
 
-func (b *bench) datapathOne(ctx context.Context, env *dpEnv, path string, fakePort int, resolv string) datapathRow {
-	row := datapathRow{path: path, conntrack: -1}
-	port := b.cfg.basePort + 20
-	mode := map[string]string{"direct": "off", "ebpf": "ebpf", "iptables": "iptables"}[path]
+// dpClient is one way of reaching the agent.
+type dpClient struct {
+	row    *datapathRow
+	target string
+	port   int
+	prefix []string
+}
+
+// datapathRound starts the agent in mode and runs one round for each client
+// (warm-up, a saturation run while round < reps, a fixed-rate run while
+// round < latReps), alternating the clients. A failure is recorded in the
+// client's row, which then takes no further runs.
+func (b *bench) datapathRound(ctx context.Context, env *dpEnv, mode string, port, fakePort int, resolv string, clients []dpClient, round int) {
+	live := clients[:0:0]
+	for _, c := range clients {
+		if c.row.err == "" {
+			live = append(live, c)
+		}
+	}
+	if len(live) == 0 {
+		return
+	}
+	fail := func(err string) {
+		for _, c := range live {
+			c.row.err = err
+		}
+		fmt.Fprintf(os.Stderr, "benchrun: datapath %s: %s\n", mode, err)
+	}
 	args := []string{b.cfg.meshBin, "run", "--mode", mode,
 		"--listen", fmt.Sprintf("%s:%d", dpListenIP, port),
 		"--upstream", fmt.Sprintf("%s:%d", upstreamIP, fakePort),
 		"--names", b.path("nametable.json"),
 		"--admin", fmt.Sprintf("127.0.0.1:%d", b.cfg.basePort+offMeshAdmin),
 		"--resolv-conf", resolv,
-		"--state-dir", filepath.Join(env.dir, "state-"+path)}
-	if mode != "off" {
-		args = append(args, "--cgroup", env.cgroup, "--nameservers", dpNameserver, "--bpffs", filepath.Join(env.bpffs, "meshdns"))
-	}
+		"--state-dir", filepath.Join(env.dir, "state-"+mode),
+		"--cgroup", env.cgroup, "--nameservers", dpNameserver, "--bpffs", filepath.Join(env.bpffs, "meshdns")}
 	args = append(args, strings.Fields(b.cfg.meshArgs)...)
-	fmt.Fprintf(os.Stderr, "benchrun: datapath %s (agent --mode %s in netns %s)\n", path, mode, env.ns)
+	fmt.Fprintf(os.Stderr, "benchrun: datapath round %d: agent --mode %s in netns %s\n", round+1, mode, env.ns)
 	env.conntrackFlush()
-	srv, err := start("dp-"+path, b.cfg.serverCPU, append(env.nsPrefix(), args...), nil, b.logDir)
+	srv, err := start(fmt.Sprintf("dp-%s-%d", mode, round+1), b.cfg.serverCPU, append(env.nsPrefix(), args...), nil, b.logDir)
 	if err != nil {
-		row.err = err.Error()
-		return row
+		fail(err.Error())
+		return
 	}
 	defer srv.stop()
 
-	target, tport := dpListenIP, port
-	if path != "direct" {
-		target, tport = dpNameserver, 53
-	}
 	svc := b.tab.Services[len(b.tab.Services)-1]
-	// Readiness from inside the namespace, through the path under test; dig runs
-	// outside the client cgroup, so for captured paths wait on the listen
-	// address first, then check capture with the client's own prefix below.
+	// Readiness from inside the namespace on the listen address (dig runs
+	// outside the client cgroups); capture is judged by the warm-up below.
 	deadline := time.Now().Add(30 * time.Second)
 	for env.digIn(dpListenIP, port, svc.FQDN()) != svc.IP.String() {
 		if srv.exited() || time.Now().After(deadline) || ctx.Err() != nil {
-			row.err = fmt.Sprintf("agent not answering on %s:%d (exited=%v); see %s", dpListenIP, port, srv.exited(), srv.log.Name())
-			return row
+			fail(fmt.Sprintf("agent not answering on %s:%d (exited=%v); see %s", dpListenIP, port, srv.exited(), srv.log.Name()))
+			return
 		}
 		time.Sleep(100 * time.Millisecond)
 	}
-	if path != "direct" {
-		// Give the agent its first heartbeat/ready before judging capture.
-		time.Sleep(500 * time.Millisecond)
+	// Give the agent its first heartbeat/ready before judging capture.
+	time.Sleep(500 * time.Millisecond)
+	opts := func(c dpClient) dnsperf.Options {
+		return dnsperf.Options{Server: c.target, Port: c.port, DataFile: b.files["table"], Clients: b.cfg.clients, Threads: 1, Outstand: b.cfg.outstanding, Timeout: 1}
 	}
-	base := dnsperf.Options{Server: target, Port: tport, DataFile: b.files["table"], Clients: b.cfg.clients, Threads: 1, Outstand: b.cfg.outstanding, Timeout: 1}
-	warm := base
-	warm.Passes = b.cfg.warmPasses
-	w, err := b.dnsperfRunIn(ctx, env.clientPrefix(), warm, 0)
-	if err != nil {
-		row.err = "warm-up: " + err.Error()
-		return row
-	}
-	if w.res.Completed == 0 || w.res.Lost*100 > w.res.Sent {
-		row.err = fmt.Sprintf("warm-up through %s:%d lost %d of %d queries: capture not working", target, tport, w.res.Lost, w.res.Sent)
-		return row
-	}
-	for i := range b.cfg.reps {
-		o := base
-		o.Duration = b.cfg.duration.Seconds()
-		r, err := b.dnsperfRunIn(ctx, env.clientPrefix(), o, srv.pid())
+	for _, c := range live {
+		warm := opts(c)
+		warm.Passes = b.cfg.warmPasses
+		w, err := b.dnsperfRunIn(ctx, c.prefix, warm, 0)
 		if err != nil {
-			row.err = fmt.Sprintf("run %d: %v", i+1, err)
-			return row
+			c.row.err = "warm-up: " + err.Error()
+			continue
 		}
-		row.sat = append(row.sat, r)
-		fmt.Fprintf(os.Stderr, "  datapath %-8s run %d: %9.0f qps  server %.2f core  gen %.2f core  lost %d\n", path, i+1, r.res.QPS, r.serverBusy(), r.genBusy, r.res.Lost)
+		if w.res.Completed == 0 || w.res.Lost*100 > w.res.Sent {
+			c.row.err = fmt.Sprintf("warm-up through %s:%d lost %d of %d queries: capture not working", c.target, c.port, w.res.Lost, w.res.Sent)
+		}
 	}
-	env.conntrackFlush()
-	o := base
-	o.Duration, o.MaxQPS, o.Verbose = b.cfg.latDuration.Seconds(), b.cfg.latQPS, true
-	r, err := b.dnsperfRunIn(ctx, env.clientPrefix(), o, srv.pid())
-	if err != nil {
-		row.err = "fixed-rate: " + err.Error()
-		return row
+	for _, c := range live {
+		if c.row.err != "" || round >= b.cfg.reps {
+			continue
+		}
+		o := opts(c)
+		o.Duration = b.cfg.duration.Seconds()
+		r, err := b.dnsperfRunIn(ctx, c.prefix, o, srv.pid())
+		if err != nil {
+			c.row.err = fmt.Sprintf("run %d: %v", round+1, err)
+			continue
+		}
+		c.row.sat = append(c.row.sat, r)
+		fmt.Fprintf(os.Stderr, "  datapath %-8s run %d: %9.0f qps  server %.2f core  gen %.2f core  lost %d\n", c.row.path, round+1, r.res.QPS, r.serverBusy(), r.genBusy, r.res.Lost)
 	}
-	row.fixed = &r
-	row.conntrack = env.conntrackCount()
-	fmt.Fprintf(os.Stderr, "  datapath %-8s @%d: p50 %.0f µs  p99 %.0f µs  conntrack %d\n", path, b.cfg.latQPS, r.res.Percentile(50)*1e6, r.res.Percentile(99)*1e6, row.conntrack)
-	return row
+	for _, c := range live {
+		if c.row.err != "" || round >= b.cfg.latReps {
+			continue
+		}
+		env.conntrackFlush()
+		o := opts(c)
+		o.Duration, o.MaxQPS, o.Verbose = b.cfg.latDuration.Seconds(), b.cfg.latQPS, true
+		r, err := b.dnsperfRunIn(ctx, c.prefix, o, srv.pid())
+		if err != nil {
+			c.row.err = fmt.Sprintf("fixed-rate run %d: %v", round+1, err)
+			continue
+		}
+		c.row.fixedRuns = append(c.row.fixedRuns, r)
+		c.row.conntrack = env.conntrackCount()
+		fmt.Fprintf(os.Stderr, "  datapath %-8s @%d run %d: p50 %.0f µs  p99 %.0f µs  conntrack %d\n", c.row.path, b.cfg.latQPS, round+1, p50(&r)*1e6, p99(&r)*1e6, c.row.conntrack)
+	}
 }
 
 func (b *bench) renderDatapath(w *strings.Builder) {
@@ -359,18 +429,21 @@ func (b *bench) renderDatapath(w *strings.Builder) {
 		p("**NOT MEASURED**: %s.\n", b.datapath.skipped)
 		return
 	}
-	p("Agent, fake upstream and client (dnsperf, in its own cgroup) inside one fresh network namespace; direct = to %s:PORT, captured = to %s:53. "+
-		"Saturation %d x %s (median), fixed rate %d QPS for %s. Ratios are to the direct path. Conntrack = entries in the namespace after the fixed-rate run (flushed before).\n\n",
-		dpListenIP, dpNameserver, b.cfg.reps, b.cfg.duration, b.cfg.latQPS, b.cfg.latDuration)
-	p("| path | QPS median | QPS vs direct | bound | p50 / p99 µs | p50 vs direct | server µs/q | lost | conntrack entries |\n|---|---:|---:|---|---|---:|---:|---:|---:|\n")
+	p("Agent, fake upstream and clients (dnsperf) inside one fresh network namespace. direct and ebpf are served by the same agent (`--mode ebpf`): "+
+		"direct = a client in a sibling cgroup without the programs, to %s:PORT; ebpf = a client in the captured cgroup, to %s:53; their runs alternate. "+
+		"iptables = the agent in `--mode iptables`, the captured client to %s:53; the two agents take turns, one saturation and one fixed-rate run per path per turn. "+
+		"Saturation %d x %s (median QPS), fixed rate %d QPS for %s x %d: p50 / p99 of the run with the median p50 (all runs' p50s listed). "+
+		"Ratios are to the direct path. Conntrack = entries in the namespace after a fixed-rate run (flushed before).\n\n",
+		dpListenIP, dpNameserver, dpNameserver, b.cfg.reps, b.cfg.duration, b.cfg.latQPS, b.cfg.latDuration, b.cfg.latReps)
+	p("| path | QPS median | QPS vs direct | bound | p50 / p99 µs | p50 vs direct | p50 of each run µs | server µs/q | lost | conntrack entries |\n|---|---:|---:|---|---|---:|---|---:|---:|---:|\n")
 	direct := b.datapath.row("direct")
 	for _, r := range b.datapath.rows {
 		if r.err != "" {
-			p("| %s | ERROR: %s | | | | | | | |\n", r.path, r.err)
+			p("| %s | ERROR: %s | | | | | | | | |\n", r.path, r.err)
 			continue
 		}
 		s := summarize(&scenarioResult{sat: r.sat})
-		qr, lr, lat, usq, lost := "-", "-", "-", "-", s.lost
+		qr, lr, lat, usq, lost, each := "-", "-", "-", "-", s.lost, "-"
 		if direct != nil {
 			ds := summarize(&scenarioResult{sat: direct.sat})
 			if ds.qps > 0 {
@@ -380,7 +453,12 @@ func (b *bench) renderDatapath(w *strings.Builder) {
 		if r.fixed != nil {
 			lat = fmt.Sprintf("%.0f / %.0f", r.fixed.res.Percentile(50)*1e6, r.fixed.res.Percentile(99)*1e6)
 			usq = fmtF(r.fixed.usPerQuery(), 1)
-			lost += r.fixed.res.Lost
+			var ps []string
+			for i := range r.fixedRuns {
+				lost += r.fixedRuns[i].res.Lost
+				ps = append(ps, fmt.Sprintf("%.0f", p50(&r.fixedRuns[i])*1e6))
+			}
+			each = strings.Join(ps, ", ")
 			if direct != nil && direct.fixed != nil {
 				lr = fmt.Sprintf("%.3f", r.fixed.res.Percentile(50)/direct.fixed.res.Percentile(50))
 			}
@@ -389,6 +467,6 @@ func (b *bench) renderDatapath(w *strings.Builder) {
 		if r.conntrack >= 0 {
 			ct = strconv.Itoa(r.conntrack)
 		}
-		p("| %s | %s | %s | %s | %s | %s | %s | %d | %s |\n", r.path, fmtQPS(s.qps), qr, s.bound(), lat, lr, usq, lost, ct)
+		p("| %s | %s | %s | %s | %s | %s | %s | %s | %d | %s |\n", r.path, fmtQPS(s.qps), qr, s.bound(), lat, lr, each, usq, lost, ct)
 	}
 }

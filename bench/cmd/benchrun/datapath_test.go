@@ -37,6 +37,11 @@ func TestDPEnv(t *testing.T) {
 	if !strings.Contains(string(out), "/"+cg) || !strings.Contains(string(out), dpNameserver+"/32") {
 		t.Errorf("client not in cgroup %s / netns %s:\n%s", cg, env.ns, out)
 	}
+	// The direct client's sibling cgroup exists too.
+	argv = append(env.prefixIn(env.direct), "cat", "/proc/self/cgroup")
+	if out, err := exec.Command(argv[0], argv[1:]...).CombinedOutput(); err != nil || !strings.Contains(string(out), "/"+filepath.Base(env.direct)) {
+		t.Errorf("direct client not in cgroup %s: %v: %s", env.direct, err, out)
+	}
 	mounts, _ := os.ReadFile("/proc/self/mounts")
 	if !strings.Contains(string(mounts), env.bpffs+" bpf") {
 		t.Errorf("bpffs not mounted at %s", env.bpffs)
@@ -45,8 +50,10 @@ func TestDPEnv(t *testing.T) {
 	if errs := env.cleanup(); len(errs) > 0 {
 		t.Fatalf("cleanup: %v", errs)
 	}
-	if _, err := os.Stat(env.cgroup); !os.IsNotExist(err) {
-		t.Errorf("cgroup %s still exists: %v", env.cgroup, err)
+	for _, cg := range []string{env.cgroup, env.direct} {
+		if _, err := os.Stat(cg); !os.IsNotExist(err) {
+			t.Errorf("cgroup %s still exists: %v", cg, err)
+		}
 	}
 	if _, err := os.Stat("/var/run/netns/" + env.ns); !os.IsNotExist(err) {
 		t.Errorf("netns %s still exists: %v", env.ns, err)

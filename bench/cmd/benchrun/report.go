@@ -164,16 +164,16 @@ func (b *bench) render() string {
 	p("Method: server pinned to CPU %d, dnsperf and the fake upstream to CPU %d (taskset); all on 127.0.0.1. "+
 		"%d-name mesh table (TTL %d) served by every peer, everything else forwarded to the same fake upstream (TTL 300). "+
 		"Warm-up: %d passes over each query file. Saturation: dnsperf -c %d -T 1 -q %d, %d x %s, median. "+
-		"Fixed rate: dnsperf -Q %d for %s, percentiles from per-query latencies. "+
+		"Fixed rate: dnsperf -Q %d for %s, repeated %d times, percentiles from per-query latencies; p50 / p99 and CPU/query are from the run with the median p99 (every run's p99 is listed in the details). "+
 		"CPU = the server's thread run time from /proc/PID/task/*/schedstat; a row is server-bound when the server used >= %.0f%% of its core, "+
 		"generator-bound when dnsperf used >= %.0f%% of its core (then compare CPU/query, not QPS). "+
 		"Loopback charges part of each side's network stack to the other, so treat absolute CPU/query as approximate; ratios come from this run. "+
-		"Scenarios: in-table = A queries for the %[14]d table names; cached forward = 1,000 external names, cached after warm-up; "+
+		"Scenarios: in-table = A queries for the %[15]d table names; cached forward = 1,000 external names, cached after warm-up; "+
 		"ndots:5 = glibc's expansion of 1,000 lookups (half mesh names written without the trailing dot, half external names) from pods in random namespaces: "+
 		"3 search suffixes then the name, A+AAAA each, 8 queries per lookup. The expansion is fixed: a server that answers search-expanded mesh names with an autopath-style CNAME "+
 		"(higher NOERROR share in the rcodes column) is still sent all 8 queries, so its saving in client round trips is not credited here.\n\n",
 		b.cfg.serverCPU, b.cfg.genCPU, b.cfg.tableSize, 30, b.cfg.warmPasses, b.cfg.clients, b.cfg.outstanding,
-		b.cfg.reps, b.cfg.duration, b.cfg.latQPS, b.cfg.latDuration, serverBoundAt*100, generatorBoundAt*100, b.cfg.tableSize)
+		b.cfg.reps, b.cfg.duration, b.cfg.latQPS, b.cfg.latDuration, b.cfg.latReps, serverBoundAt*100, generatorBoundAt*100, b.cfg.tableSize)
 
 	subject := "meshdns"
 	if b.result(subject) == nil {
@@ -238,11 +238,11 @@ func (b *bench) render() string {
 
 	// Details.
 	p("\n## Saturation and fixed-rate details\n\n")
-	p("| server | scenario | QPS median | runs | bound | server core | gen core | other work | µs/q (sat) | p50 / p99 µs @%dk | µs/q @%dk | lost (sat+fixed) | upstream q | rcodes |\n", b.cfg.latQPS/1000, b.cfg.latQPS/1000)
-	p("|---|---|---:|---|---|---:|---:|---:|---:|---|---:|---:|---:|---|\n")
+	p("| server | scenario | QPS median | runs | bound | server core | gen core | other work | µs/q (sat) | p50 / p99 µs @%dk | p99 of each run | µs/q @%dk | lost (sat+fixed) | upstream q | rcodes |\n", b.cfg.latQPS/1000, b.cfg.latQPS/1000)
+	p("|---|---|---:|---|---|---:|---:|---:|---:|---|---|---:|---:|---:|---|\n")
 	for _, r := range b.results {
 		if r.skipped != "" {
-			p("| %s | - | skipped | | | | | | | | | | | %s |\n", r.peer.name, r.skipped)
+			p("| %s | - | skipped | | | | | | | | | | | | %s |\n", r.peer.name, r.skipped)
 			continue
 		}
 		for _, s := range scen {
@@ -255,11 +255,18 @@ func (b *bench) render() string {
 			for _, q := range ss.allQPS {
 				runs = append(runs, fmtQPS(q))
 			}
-			lat, usq, lost := "-", "-", ss.lost
+			lat, usq, lost, each := "-", "-", ss.lost, "-"
 			if sr.fixed != nil {
 				lat = fmt.Sprintf("%.0f / %.0f", sr.fixed.res.Percentile(50)*1e6, sr.fixed.res.Percentile(99)*1e6)
 				usq = fmtF(sr.fixed.usPerQuery(), 1)
-				lost += sr.fixed.res.Lost
+			}
+			var p99s []string
+			for i := range sr.fixedRuns {
+				lost += sr.fixedRuns[i].res.Lost
+				p99s = append(p99s, fmt.Sprintf("%.0f", p99(&sr.fixedRuns[i])*1e6))
+			}
+			if len(p99s) > 0 {
+				each = strings.Join(p99s, ", ")
 			}
 			note := rcodeMix(ss.rcodes)
 			if sr.errText != "" {
@@ -272,9 +279,9 @@ func (b *bench) render() string {
 					other = "**" + other + "**"
 				}
 			}
-			p("| %s | %s | %s | %s | %s | %.2f | %.2f | %s | %s | %s | %s | %d | %d | %s |\n",
+			p("| %s | %s | %s | %s | %s | %.2f | %.2f | %s | %s | %s | %s | %s | %d | %d | %s |\n",
 				r.peer.name, scenarioTitle[s], fmtQPS(ss.qps), strings.Join(runs, ", "), ss.bound(),
-				ss.serverBusy, ss.genBusy, other, fmtF(ss.usq, 1), lat, usq, lost, ss.upstream, note)
+				ss.serverBusy, ss.genBusy, other, fmtF(ss.usq, 1), lat, each, usq, lost, ss.upstream, note)
 		}
 	}
 	p("\n\"upstream q\" = queries the fake upstream received during the saturation runs (0 = served from the peer's cache/table). "+
@@ -389,7 +396,7 @@ func (b *bench) renderTargets(w *strings.Builder) {
 	}
 	if sr := sub.scen["table"]; sr != nil && sr.fixed != nil {
 		p99 := sr.fixed.res.Percentile(99) * 1e6
-		p("- in-table p99 @%d QPS <= 100 µs: %s (%.0f µs)\n", b.cfg.latQPS, verdict(p99 <= 100), p99)
+		p("- in-table p99 @%d QPS <= 100 µs: %s (%.0f µs, the median of %d runs)\n", b.cfg.latQPS, verdict(p99 <= 100), p99, len(sr.fixedRuns))
 	}
 	for _, sc := range b.scale {
 		if sc.server == "meshdns" && sc.size == 100000 && sc.err == "" {

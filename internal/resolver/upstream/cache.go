@@ -50,11 +50,13 @@ type entry struct {
 	snap  atomic.Pointer[snapshot]
 }
 
-// snapshot is the entry's records with every TTL set to one value. Clients of the same
-// second share a snapshot; it is rebuilt at most once per second per entry.
+// snapshot is the entry's records with every TTL set to one value, and the same records
+// packed. Clients of the same second share a snapshot; it is rebuilt at most once per
+// second per entry.
 type snapshot struct {
-	ttl uint32
-	rrs []dns.RR
+	ttl  uint32
+	rrs  []dns.RR
+	wire []byte // rrs packed without compression (position independent); nil if they do not pack
 }
 
 // records returns the entry's records with TTL ttl (or as received for an uncached
@@ -63,17 +65,41 @@ func (e *entry) records(ttl uint32) []dns.RR {
 	if e.kind == kindUncached {
 		return e.rrs
 	}
+	return e.snapshot(ttl).rrs
+}
+
+// snapshot returns the entry's snapshot for ttl, building it if the current one is for
+// another second.
+func (e *entry) snapshot(ttl uint32) *snapshot {
 	if s := e.snap.Load(); s != nil && s.ttl == ttl {
-		return s.rrs
+		return s
 	}
 	s := &snapshot{ttl: ttl, rrs: make([]dns.RR, len(e.rrs))}
+	size := 0
 	for i, rr := range e.rrs {
 		c := dns.Copy(rr)
 		c.Header().Ttl = ttl
 		s.rrs[i] = c
+		size += dns.Len(c)
 	}
+	s.wire = packRecords(s.rrs, size)
 	e.snap.Store(s)
-	return s.rrs
+	return s
+}
+
+// packRecords packs rrs one after the other without name compression, so the bytes
+// can be placed after any question; nil if a record does not pack.
+func packRecords(rrs []dns.RR, size int) []byte {
+	buf := make([]byte, size)
+	off := 0
+	for _, rr := range rrs {
+		n, err := dns.PackRR(rr, buf, off, nil, false)
+		if err != nil {
+			return nil
+		}
+		off = n
+	}
+	return buf[:off:off]
 }
 
 // remaining returns the whole seconds (rounded up) until e expires at now, 0 if expired.

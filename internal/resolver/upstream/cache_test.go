@@ -2,6 +2,7 @@ package upstream
 
 import (
 	"context"
+	"encoding/binary"
 	"fmt"
 	"math/rand/v2"
 	"strings"
@@ -325,6 +326,88 @@ func TestHashKeyCaseInsensitive(t *testing.T) {
 		}
 		if hashKey(n, 1, 1, 0) == hashKey(n, 28, 1, 0) || hashKey(n, 1, 1, 0) == hashKey(n, 1, 1, flagDO) {
 			t.Errorf("hashKey(%q) ignores type or flags", n)
+		}
+	}
+}
+
+// Cached serves exactly the hits Forward serves (same key, TTL, sections, metrics) as
+// bytes, and declines (counting nothing) what Forward must handle.
+func TestCachedWire(t *testing.T) {
+	up := startFake(t, answerA(100))
+	cfg := NewConfig(up.addr)
+	cfg.StaleTTL = time.Hour
+	f, reg, clk := testForwarder(t, cfg)
+	hits := func() float64 {
+		return metricValue(t, reg, "meshdns_cache_hits_total", "type", "success") +
+			metricValue(t, reg, "meshdns_cache_hits_total", "type", "denial")
+	}
+	if _, ok := f.Cached("w.example.", dns.TypeA, dns.ClassINET, false, false, 512); ok {
+		t.Fatal("Cached hit before anything was fetched")
+	}
+	forward(t, f, query("W.Example.", dns.TypeA, 1))
+	forward(t, f, query("w.example.", dns.TypeAAAA, 2))
+	base := hits()
+
+	steps := []struct {
+		name    string
+		advance time.Duration
+		qtype   uint16
+		do, cd  bool
+		room    int
+		ok      bool
+		ttl     uint32
+	}{
+		{"positive", 0, dns.TypeA, false, false, 512, true, 100},
+		{"ttl counts down", 40 * time.Second, dns.TypeA, false, false, 512, true, 60},
+		{"denial (SOA minimum 60)", 0, dns.TypeAAAA, false, false, 512, true, 20},
+		{"do is another key", 0, dns.TypeA, true, false, 512, false, 0},
+		{"cd is another key", 0, dns.TypeA, false, true, 512, false, 0},
+		{"no room", 0, dns.TypeA, false, false, 10, false, 0},
+		{"expired: stale belongs to Forward", 60 * time.Second, dns.TypeA, false, false, 512, false, 0},
+	}
+	wantHits := base
+	for _, s := range steps {
+		clk.advance(s.advance)
+		a, ok := f.Cached("w.example.", s.qtype, dns.ClassINET, s.do, s.cd, s.room)
+		if ok != s.ok {
+			t.Fatalf("%s: ok = %v, want %v", s.name, ok, s.ok)
+		}
+		if ok {
+			wantHits++
+			// The same hit through Forward (counted too), packed the way the resolver
+			// does, must carry the same sections and TTLs.
+			req := query("w.example.", s.qtype, 7)
+			resp, src := forward(t, f, req)
+			wantHits++
+			if src != SourceCache {
+				t.Fatalf("%s: Forward source %q, want cache", s.name, src)
+			}
+			m := new(dns.Msg)
+			m.Id, m.Response, m.Rcode = 7, true, int(a.Rcode)
+			m.Question = req.Question
+			pkt, err := m.Pack()
+			if err != nil {
+				t.Fatal(err)
+			}
+			binary.BigEndian.PutUint16(pkt[6:], a.Answer)
+			binary.BigEndian.PutUint16(pkt[8:], a.Authority)
+			binary.BigEndian.PutUint16(pkt[10:], a.Extra)
+			got := new(dns.Msg)
+			if err := got.Unpack(append(pkt, a.Records...)); err != nil {
+				t.Fatalf("%s: wire records do not unpack: %v", s.name, err)
+			}
+			if fmt.Sprint(got.Answer, got.Ns, got.Extra) != fmt.Sprint(resp.Answer, resp.Ns, resp.Extra) || got.Rcode != resp.Rcode {
+				t.Fatalf("%s: wire %v %v %v rcode %d; Forward %v %v %v rcode %d", s.name,
+					got.Answer, got.Ns, got.Extra, got.Rcode, resp.Answer, resp.Ns, resp.Extra, resp.Rcode)
+			}
+			for _, rr := range append(got.Answer, got.Ns...) {
+				if rr.Header().Ttl != s.ttl {
+					t.Fatalf("%s: TTL %d, want %d", s.name, rr.Header().Ttl, s.ttl)
+				}
+			}
+		}
+		if h := hits(); h != wantHits {
+			t.Fatalf("%s: cache hits metric %v, want %v", s.name, h, wantHits)
 		}
 	}
 }

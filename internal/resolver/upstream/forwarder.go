@@ -206,14 +206,7 @@ func (f *Forwarder) Forward(ctx context.Context, req *dns.Msg) (*dns.Msg, string
 		if e := f.cache.get(h, q.Name, q.Qtype, q.Qclass, flags); e != nil {
 			now := f.now()
 			if ttl := e.remaining(now); ttl > 0 {
-				if e.kind == kindDenial {
-					f.m.hitDenial.Inc()
-				} else {
-					f.m.hitSuccess.Inc()
-				}
-				if f.cfg.Prefetch {
-					f.maybePrefetch(e, now)
-				}
+				f.hit(e, now)
 				return render(e, req, ttl, flags), SourceCache, nil
 			}
 			if now < e.exp+f.stale {
@@ -244,6 +237,71 @@ func (f *Forwarder) Forward(ctx context.Context, req *dns.Msg) (*dns.Msg, string
 		ttl = e.ttl
 	}
 	return render(e, req, ttl, flags), SourceUpstream, nil
+}
+
+// CachedAnswer is a fresh cache hit in wire form, for a caller that writes the response
+// packet itself (the resolver's UDP fast path). Records and the counts describe the
+// answer, authority and additional sections (no OPT); the bytes are shared with the
+// cache and must not be modified.
+type CachedAnswer struct {
+	Records                      []byte // packed without compression, every TTL set to the remaining lifetime
+	Answer, Authority, Extra     uint16 // record counts
+	Rcode                        uint8  // at most 15 (extended rcodes are not served here)
+	Authoritative, AuthenticData bool   // AuthenticData: the AD bit as the upstream set it
+}
+
+// Cached answers a query from a fresh cache entry without building a message: the same
+// hit as Forward would serve (same key, metrics and prefetch), as bytes. lname is the
+// lower-cased question name; room is the most bytes the records may take. ok is false
+// (and nothing is counted) when Forward must be used instead: no entry, an expired one
+// (serve-stale and refresh belong to Forward), records larger than room (the caller
+// truncates), or an entry that cannot be served this way.
+func (f *Forwarder) Cached(lname string, qtype, qclass uint16, do, cd bool, room int) (a CachedAnswer, ok bool) {
+	if f.cache == nil {
+		return a, false
+	}
+	var flags uint8
+	if do {
+		flags |= flagDO
+	}
+	if cd {
+		flags |= flagCD
+	}
+	e := f.cache.get(hashKey(lname, qtype, qclass, flags), lname, qtype, qclass, flags)
+	if e == nil || e.hdr.Rcode > 0xF {
+		return a, false
+	}
+	now := f.now()
+	ttl := e.remaining(now)
+	if ttl == 0 {
+		return a, false
+	}
+	snap := e.snapshot(ttl)
+	if snap.wire == nil || len(snap.wire) > room {
+		return a, false
+	}
+	f.hit(e, now)
+	return CachedAnswer{
+		Records:       snap.wire,
+		Answer:        uint16(e.na),
+		Authority:     uint16(e.nns),
+		Extra:         uint16(len(e.rrs) - e.na - e.nns),
+		Rcode:         uint8(e.hdr.Rcode),
+		Authoritative: e.hdr.Authoritative,
+		AuthenticData: e.hdr.AuthenticatedData,
+	}, true
+}
+
+// hit counts a fresh cache hit on e and starts a prefetch when it is due.
+func (f *Forwarder) hit(e *entry, now int64) {
+	if e.kind == kindDenial {
+		f.m.hitDenial.Inc()
+	} else {
+		f.m.hitSuccess.Inc()
+	}
+	if f.cfg.Prefetch {
+		f.maybePrefetch(e, now)
+	}
 }
 
 // render builds the client's answer from e with every TTL set to ttl.
