@@ -163,16 +163,7 @@ func (r *Rules) flushStale() (int, error) {
 			want, ok := r.expectedTarget(dst)
 			return !ok || !f.Status.DstNAT() || replySrc(f) != want
 		}
-		if !f.Status.DstNAT() {
-			return false
-		}
-		src := replySrc(f)
-		for _, t := range targets {
-			if t.has(src) {
-				return true
-			}
-		}
-		return false
+		return natedToTarget(f, targets)
 	})
 }
 
@@ -183,17 +174,22 @@ func flushZones(zones []uint16, targets []slotTarget) (int, error) {
 		if f.Zone != 0 && slices.Contains(zones, f.Zone) {
 			return true
 		}
-		if f.TupleOrig.Proto.Protocol != protoUDP || !f.Status.DstNAT() {
-			return false
-		}
-		src := replySrc(f)
-		for _, t := range targets {
-			if t.has(src) {
-				return true
-			}
-		}
-		return false
+		return f.TupleOrig.Proto.Protocol == protoUDP && natedToTarget(f, targets)
 	})
+}
+
+// natedToTarget reports whether f is DNATed to one of the resolver's slots.
+func natedToTarget(f conntrack.Flow, targets []slotTarget) bool {
+	if !f.Status.DstNAT() {
+		return false
+	}
+	src := replySrc(f)
+	for _, t := range targets {
+		if t.has(src) {
+			return true
+		}
+	}
+	return false
 }
 
 // ZoneEntries counts the port-53 conntrack entries (original destination port
