@@ -13,6 +13,7 @@ import (
 	"github.com/miekg/dns"
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/meshdns/meshdns-ebpf/internal/metrictest"
 	"github.com/meshdns/meshdns-ebpf/internal/resolver/nametable"
 	"github.com/meshdns/meshdns-ebpf/internal/resolver/upstream"
 )
@@ -319,7 +320,7 @@ func TestMalformedPackets(t *testing.T) {
 			}
 		}
 	}
-	before := metricValue(t, ts.reg, "meshdns_dns_dropped_total", nil)
+	before := metrictest.Value(t, ts.reg, "meshdns_dns_dropped_total")
 	formerrResp := []byte{0x12, 0x34, 0x80, 0x01, 0, 0, 0, 0, 0, 0, 0, 0}
 	c, err := net.Dial("udp", ts.addr)
 	if err != nil {
@@ -334,10 +335,10 @@ func TestMalformedPackets(t *testing.T) {
 		t.Fatalf("got a %d-byte answer to a FORMERR response", n)
 	}
 	deadline := time.Now().Add(2 * time.Second)
-	for metricValue(t, ts.reg, "meshdns_dns_dropped_total", nil) != before+1 && time.Now().Before(deadline) {
+	for metrictest.Value(t, ts.reg, "meshdns_dns_dropped_total") != before+1 && time.Now().Before(deadline) {
 		time.Sleep(10 * time.Millisecond)
 	}
-	if got := metricValue(t, ts.reg, "meshdns_dns_dropped_total", nil); got != before+1 {
+	if got := metrictest.Value(t, ts.reg, "meshdns_dns_dropped_total"); got != before+1 {
 		t.Fatalf("dropped = %v, want %v", got, before+1)
 	}
 }
@@ -350,7 +351,7 @@ func TestForwarderFailureIsServfail(t *testing.T) {
 		{name: "servfail edns", req: queryEDNS("ext.example.org.", dns.TypeA, 1232, false), rcode: dns.RcodeServerFailure,
 			opt: "OPT udp=1232 do=false ver=0 ext=0 opts=0"},
 	})
-	if got := metricValue(t, ts.reg, "meshdns_dns_responses_total", map[string]string{"rcode": "SERVFAIL", "source": "error"}); got != 4 {
+	if got := metrictest.Value(t, ts.reg, "meshdns_dns_responses_total", "rcode", "SERVFAIL", "source", "error"); got != 4 {
 		t.Fatalf("SERVFAIL/error responses = %v, want 4", got)
 	}
 }
@@ -594,7 +595,7 @@ func TestFastPathCacheMatchesGeneralPath(t *testing.T) {
 	}
 	t.Cleanup(func() { _ = s.Shutdown(context.Background()) })
 	before := up.queries.Load()
-	cacheBefore := metricValue(t, reg, "meshdns_dns_responses_total", map[string]string{"rcode": "NOERROR", "source": "cache"})
+	cacheBefore := metrictest.Value(t, reg, "meshdns_dns_responses_total", "rcode", "NOERROR", "source", "cache")
 	for i := range 20 {
 		resp := exchange(t, "udp", s.Addrs()[0], query("Ext.example.org.", dns.TypeA)())
 		if len(resp.Answer) != 1 || resp.Question[0].Name != "Ext.example.org." {
@@ -604,7 +605,7 @@ func TestFastPathCacheMatchesGeneralPath(t *testing.T) {
 	if n := up.queries.Load() - before; n != 0 {
 		t.Fatalf("upstream saw %d queries for a cached name", n)
 	}
-	if d := metricValue(t, reg, "meshdns_dns_responses_total", map[string]string{"rcode": "NOERROR", "source": "cache"}) - cacheBefore; d != 20 {
+	if d := metrictest.Value(t, reg, "meshdns_dns_responses_total", "rcode", "NOERROR", "source", "cache") - cacheBefore; d != 20 {
 		t.Fatalf("cache responses metric grew by %v, want 20", d)
 	}
 }

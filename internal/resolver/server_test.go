@@ -13,6 +13,7 @@ import (
 	"github.com/miekg/dns"
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/meshdns/meshdns-ebpf/internal/metrictest"
 	"github.com/meshdns/meshdns-ebpf/internal/resolver/nametable"
 )
 
@@ -129,21 +130,21 @@ func TestMultipleListenersAndMetrics(t *testing.T) {
 	exchange(t, "tcp", addrs[0], query("productpage.ns1.svc.cluster.local.", dns.TypeMX)())
 	for _, c := range []struct {
 		name   string
-		labels map[string]string
+		labels []string
 		want   float64
 	}{
-		{"meshdns_dns_requests_total", map[string]string{"proto": "udp", "qtype": "A"}, 4},
-		{"meshdns_dns_requests_total", map[string]string{"proto": "tcp", "qtype": "A"}, 3},
-		{"meshdns_dns_requests_total", map[string]string{"proto": "tcp", "qtype": "MX"}, 1},
-		{"meshdns_dns_responses_total", map[string]string{"rcode": "NOERROR", "source": "table"}, 7},
-		{"meshdns_dns_responses_total", map[string]string{"rcode": "NOERROR", "source": "upstream"}, 1},
-		{"meshdns_dns_request_duration_seconds", map[string]string{"source": "table"}, 7},
-		{"meshdns_dns_request_duration_seconds", map[string]string{"source": "upstream"}, 1},
+		{"meshdns_dns_requests_total", []string{"proto", "udp", "qtype", "A"}, 4},
+		{"meshdns_dns_requests_total", []string{"proto", "tcp", "qtype", "A"}, 3},
+		{"meshdns_dns_requests_total", []string{"proto", "tcp", "qtype", "MX"}, 1},
+		{"meshdns_dns_responses_total", []string{"rcode", "NOERROR", "source", "table"}, 7},
+		{"meshdns_dns_responses_total", []string{"rcode", "NOERROR", "source", "upstream"}, 1},
+		{"meshdns_dns_request_duration_seconds", []string{"source", "table"}, 7},
+		{"meshdns_dns_request_duration_seconds", []string{"source", "upstream"}, 1},
 	} {
 		var got float64
 		deadline := time.Now().Add(time.Second)
 		for {
-			got = metricValue(t, ts.reg, c.name, c.labels)
+			got = metrictest.Value(t, ts.reg, c.name, c.labels...)
 			if got == c.want || time.Now().After(deadline) {
 				break
 			}
@@ -266,7 +267,7 @@ func TestReloadThroughResolver(t *testing.T) {
 	if got := answer(); got != "10.9.0.2" {
 		t.Fatalf("after a bad file: %s, want the previous 10.9.0.2", got)
 	}
-	if got := metricValue(t, reg, "meshdns_nametable_reload_errors_total", nil); got != 1 {
+	if got := metrictest.Value(t, reg, "meshdns_nametable_reload_errors_total"); got != 1 {
 		t.Fatalf("reload errors = %v", got)
 	}
 	if err := s.Ready(); err != nil {

@@ -11,6 +11,8 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/meshdns/meshdns-ebpf/internal/metrictest"
 )
 
 // kubeletWrite mimics the ConfigMap volume update: a new timestamped
@@ -105,13 +107,13 @@ func TestWatcherConfigMapSwap(t *testing.T) {
 			waitFor(t, w, "new address after ..data swap", func(tb *Table) bool { return hostIP(tb, "a.example.com.") == "192.0.2.2" })
 
 			// A bad file keeps the old table, counts, and says why.
-			before := gauge(t, reg, "meshdns_nametable_reload_errors_total")
+			before := metrictest.Value(t, reg, "meshdns_nametable_reload_errors_total")
 			kubeletWrite(t, dir, file, "table:\n  a.example.com:\n    ips: [not-an-ip]\n", 3)
 			deadline := time.Now().Add(2 * time.Second)
-			for gauge(t, reg, "meshdns_nametable_reload_errors_total") == before && time.Now().Before(deadline) {
+			for metrictest.Value(t, reg, "meshdns_nametable_reload_errors_total") == before && time.Now().Before(deadline) {
 				time.Sleep(10 * time.Millisecond)
 			}
-			if got := gauge(t, reg, "meshdns_nametable_reload_errors_total"); got != before+1 {
+			if got := metrictest.Value(t, reg, "meshdns_nametable_reload_errors_total"); got != before+1 {
 				t.Fatalf("reload errors = %v, want %v", got, before+1)
 			}
 			if got := hostIP(w.Table(), "a.example.com."); got != "192.0.2.2" {
@@ -120,7 +122,7 @@ func TestWatcherConfigMapSwap(t *testing.T) {
 			if err := w.LastError(); err == nil || !strings.Contains(err.Error(), "ips[0]") || !strings.Contains(err.Error(), file) {
 				t.Fatalf("LastError = %v, want the file and field", err)
 			}
-			if got := gauge(t, reg, "meshdns_nametable_hosts"); got != 1 {
+			if got := metrictest.Value(t, reg, "meshdns_nametable_hosts"); got != 1 {
 				t.Fatalf("hosts gauge = %v", got)
 			}
 
@@ -132,7 +134,7 @@ func TestWatcherConfigMapSwap(t *testing.T) {
 			}
 			kubeletWrite(t, dir, file, "", 5)
 			waitFor(t, w, "empty table", func(tb *Table) bool { return tb != nil && tb.Len() == 0 })
-			if ts := gauge(t, reg, "meshdns_nametable_last_reload_success_timestamp_seconds"); ts < float64(time.Now().Add(-time.Minute).Unix()) {
+			if ts := metrictest.Value(t, reg, "meshdns_nametable_last_reload_success_timestamp_seconds"); ts < float64(time.Now().Add(-time.Minute).Unix()) {
 				t.Fatalf("last success timestamp %v", ts)
 			}
 		})
@@ -178,25 +180,4 @@ func TestWatcherFirstLoadBad(t *testing.T) {
 	if w.Table() != nil {
 		t.Fatalf("a table is served after a failed first load")
 	}
-}
-
-// gauge reads a label-less counter or gauge from the registry.
-func gauge(t *testing.T, reg *prometheus.Registry, name string) float64 {
-	t.Helper()
-	mfs, err := reg.Gather()
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, mf := range mfs {
-		if mf.GetName() != name {
-			continue
-		}
-		m := mf.GetMetric()[0]
-		if c := m.GetCounter(); c != nil {
-			return c.GetValue()
-		}
-		return m.GetGauge().GetValue()
-	}
-	t.Fatalf("metric %s not registered", name)
-	return 0
 }

@@ -11,6 +11,8 @@ import (
 	"time"
 
 	"github.com/miekg/dns"
+
+	"github.com/meshdns/meshdns-ebpf/internal/metrictest"
 )
 
 func TestCachePolicy(t *testing.T) {
@@ -75,14 +77,14 @@ func TestCachePolicy(t *testing.T) {
 						t.Errorf("cached record %s: TTL %d, want %d (aged 1s)", rr, rr.Header().Ttl, tc.wantTTL-1)
 					}
 				}
-				if got := metricValue(t, reg, "meshdns_cache_hits_total", "type", tc.hitType); got != 1 {
+				if got := metrictest.Value(t, reg, "meshdns_cache_hits_total", "type", tc.hitType); got != 1 {
 					t.Errorf("meshdns_cache_hits_total{type=%s} = %v, want 1", tc.hitType, got)
 				}
 			}
 			if src2 != wantSrc || up.count() != wantUp {
 				t.Errorf("second answer: source %q, upstream saw %d queries; want %q and %d", src2, up.count(), wantSrc, wantUp)
 			}
-			if got := metricValue(t, reg, "meshdns_cache_misses_total"); got != float64(wantUp) {
+			if got := metrictest.Value(t, reg, "meshdns_cache_misses_total"); got != float64(wantUp) {
 				t.Errorf("meshdns_cache_misses_total = %v, want %d", got, wantUp)
 			}
 		})
@@ -226,7 +228,7 @@ func TestServeStale(t *testing.T) {
 	if el := time.Since(start); src != SourceStale || el > 50*time.Millisecond {
 		t.Errorf("all upstreams down: source %q after %s, want stale at once", src, el)
 	}
-	if got := metricValue(t, reg, "meshdns_cache_hits_total", "type", "stale"); got != 3 {
+	if got := metrictest.Value(t, reg, "meshdns_cache_hits_total", "type", "stale"); got != 3 {
 		t.Errorf("meshdns_cache_hits_total{type=stale} = %v, want 3", got)
 	}
 
@@ -269,7 +271,7 @@ func TestPrefetch(t *testing.T) {
 		resp, src := forward(t, f, popular)
 		return src == SourceCache && resp.Answer[0].Header().Ttl == 100
 	})
-	if got := metricValue(t, reg, "meshdns_cache_prefetch_total"); got != 1 {
+	if got := metrictest.Value(t, reg, "meshdns_cache_prefetch_total"); got != 1 {
 		t.Errorf("meshdns_cache_prefetch_total = %v, want 1", got)
 	}
 }
@@ -289,11 +291,11 @@ func TestCacheBounded(t *testing.T) {
 			for i := range tc.names {
 				forward(t, f, query(fmt.Sprintf("n%d.example.", i), dns.TypeA, uint16(i)))
 			}
-			got := metricValue(t, reg, "meshdns_cache_entries")
+			got := metrictest.Value(t, reg, "meshdns_cache_entries")
 			if int(got) > tc.size || int(got) < tc.want*9/10 {
 				t.Errorf("meshdns_cache_entries = %v after %d names, want <= %d and about %d", got, tc.names, tc.size, tc.want)
 			}
-			if ev := metricValue(t, reg, "meshdns_cache_evictions_total"); int(ev)+int(got) != tc.names {
+			if ev := metrictest.Value(t, reg, "meshdns_cache_evictions_total"); int(ev)+int(got) != tc.names {
 				t.Errorf("evictions %v + entries %v != %d names", ev, got, tc.names)
 			}
 			// The most recent name is still cached.
@@ -338,8 +340,8 @@ func TestCachedWire(t *testing.T) {
 	cfg.StaleTTL = time.Hour
 	f, reg, clk := testForwarder(t, cfg)
 	hits := func() float64 {
-		return metricValue(t, reg, "meshdns_cache_hits_total", "type", "success") +
-			metricValue(t, reg, "meshdns_cache_hits_total", "type", "denial")
+		return metrictest.Value(t, reg, "meshdns_cache_hits_total", "type", "success") +
+			metrictest.Value(t, reg, "meshdns_cache_hits_total", "type", "denial")
 	}
 	if _, ok := f.Cached("w.example.", dns.TypeA, dns.ClassINET, false, false, 512); ok {
 		t.Fatal("Cached hit before anything was fetched")

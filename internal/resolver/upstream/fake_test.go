@@ -15,7 +15,6 @@ import (
 
 	"github.com/miekg/dns"
 	"github.com/prometheus/client_golang/prometheus"
-	dto "github.com/prometheus/client_model/go"
 )
 
 // seenQuery is one query a fake upstream received.
@@ -296,51 +295,6 @@ func checkAnswers(t testing.TB, req, resp *dns.Msg) {
 	if _, err := resp.Pack(); err != nil {
 		t.Errorf("answer does not pack: %v", err)
 	}
-}
-
-// metricValue returns the value of the metric name with exactly the given labels.
-func metricValue(t testing.TB, reg *prometheus.Registry, name string, labels ...string) float64 {
-	t.Helper()
-	mfs, err := reg.Gather()
-	if err != nil {
-		t.Fatalf("gather: %v", err)
-	}
-	want := map[string]string{}
-	for i := 0; i+1 < len(labels); i += 2 {
-		want[labels[i]] = labels[i+1]
-	}
-	for _, mf := range mfs {
-		if mf.GetName() != name {
-			continue
-		}
-		for _, m := range mf.GetMetric() {
-			if !labelsMatch(m, want) {
-				continue
-			}
-			switch {
-			case m.Counter != nil:
-				return m.Counter.GetValue()
-			case m.Gauge != nil:
-				return m.Gauge.GetValue()
-			case m.Histogram != nil:
-				return float64(m.Histogram.GetSampleCount())
-			}
-		}
-	}
-	t.Fatalf("metric %s%v not found", name, labels)
-	return 0
-}
-
-func labelsMatch(m *dto.Metric, want map[string]string) bool {
-	if len(m.GetLabel()) != len(want) {
-		return false
-	}
-	for _, l := range m.GetLabel() {
-		if want[l.GetName()] != l.GetValue() {
-			return false
-		}
-	}
-	return true
 }
 
 func waitFor(t testing.TB, timeout time.Duration, what string, cond func() bool) {

@@ -12,6 +12,8 @@ import (
 	"time"
 
 	"github.com/miekg/dns"
+
+	"github.com/meshdns/meshdns-ebpf/internal/metrictest"
 )
 
 // deadAddr returns a 127.0.0.1 port nothing listens on (queries are refused).
@@ -61,10 +63,10 @@ func TestFailover(t *testing.T) {
 	if h[0].Healthy || !h[1].Healthy || h[0].LastError == "" || h[0].Server != dead.addr {
 		t.Fatalf("health after the failure: %+v", h)
 	}
-	if got := metricValue(t, reg, "meshdns_upstream_healthy", "upstream", dead.addr.String()); got != 0 {
+	if got := metrictest.Value(t, reg, "meshdns_upstream_healthy", "upstream", dead.addr.String()); got != 0 {
 		t.Errorf("meshdns_upstream_healthy{dead} = %v, want 0", got)
 	}
-	if got := metricValue(t, reg, "meshdns_upstream_failures_total", "upstream", dead.addr.String(), "reason", "timeout"); got != 1 {
+	if got := metrictest.Value(t, reg, "meshdns_upstream_failures_total", "upstream", dead.addr.String(), "reason", "timeout"); got != 1 {
 		t.Errorf("meshdns_upstream_failures_total{dead,timeout} = %v, want 1", got)
 	}
 	// From now on the dead one is skipped: fast answers, no queries to it.
@@ -82,7 +84,7 @@ func TestFailover(t *testing.T) {
 	waitFor(t, 2*time.Second, "health probes of the dead upstream", func() bool { return dead.probes() >= 2 })
 	alive.Store(true)
 	waitFor(t, 2*time.Second, "the recovered upstream to be healthy", func() bool { return f.Healthy()[0].Healthy })
-	if got := metricValue(t, reg, "meshdns_upstream_healthy", "upstream", dead.addr.String()); got != 1 {
+	if got := metrictest.Value(t, reg, "meshdns_upstream_healthy", "upstream", dead.addr.String()); got != 1 {
 		t.Errorf("meshdns_upstream_healthy{recovered} = %v, want 1", got)
 	}
 	before := dead.count()
@@ -124,7 +126,7 @@ func TestAllUpstreamsFail(t *testing.T) {
 			}
 			if tc.wantReason != "" {
 				for _, s := range servers {
-					if got := metricValue(t, reg, "meshdns_upstream_failures_total", "upstream", s.String(), "reason", tc.wantReason); got < 1 {
+					if got := metrictest.Value(t, reg, "meshdns_upstream_failures_total", "upstream", s.String(), "reason", tc.wantReason); got < 1 {
 						t.Errorf("failures{%s,%s} = %v, want >= 1", s, tc.wantReason, got)
 					}
 				}
@@ -161,7 +163,7 @@ func TestTCPRetryOnTruncation(t *testing.T) {
 	if len(qs) != 2 || qs[0].proto != "udp" || qs[1].proto != "tcp" {
 		t.Fatalf("upstream saw %+v, want udp then tcp", qs)
 	}
-	if got := metricValue(t, reg, "meshdns_upstream_requests_total", "upstream", up.addr.String(), "proto", "tcp"); got != 1 {
+	if got := metrictest.Value(t, reg, "meshdns_upstream_requests_total", "upstream", up.addr.String(), "proto", "tcp"); got != 1 {
 		t.Errorf("requests{tcp} = %v, want 1", got)
 	}
 	// The full answer is cached, not the truncated one.
@@ -183,10 +185,10 @@ func TestTruncatedEverywhereNotCached(t *testing.T) {
 	if _, _, err := f.Forward(context.Background(), query("tc.example.", dns.TypeA, 1)); err == nil {
 		t.Fatal("answer truncated over UDP and TCP: want an error")
 	}
-	if got := metricValue(t, reg, "meshdns_upstream_failures_total", "upstream", up.addr.String(), "reason", "truncated"); got < 1 {
+	if got := metrictest.Value(t, reg, "meshdns_upstream_failures_total", "upstream", up.addr.String(), "reason", "truncated"); got < 1 {
 		t.Errorf("failures{truncated} = %v, want >= 1", got)
 	}
-	if got := metricValue(t, reg, "meshdns_cache_entries"); got != 0 {
+	if got := metrictest.Value(t, reg, "meshdns_cache_entries"); got != 0 {
 		t.Errorf("cache holds %v entries, want 0", got)
 	}
 }
@@ -292,7 +294,7 @@ func TestMismatchedRepliesDropped(t *testing.T) {
 	if len(resp.Answer) != 1 || resp.Answer[0].(*dns.A).A.String() != "192.0.2.99" {
 		t.Fatalf("answer %v, want only the matching reply 192.0.2.99", resp.Answer)
 	}
-	if got := metricValue(t, reg, "meshdns_upstream_failures_total", "upstream", up.addr.String(), "reason", "mismatch"); got != 5 {
+	if got := metrictest.Value(t, reg, "meshdns_upstream_failures_total", "upstream", up.addr.String(), "reason", "mismatch"); got != 5 {
 		t.Errorf("failures{mismatch} = %v, want 5", got)
 	}
 }
@@ -321,7 +323,7 @@ func TestMaxInFlight(t *testing.T) {
 			t.Errorf("query within the cap: %v", err)
 		}
 	}
-	if got := metricValue(t, reg, "meshdns_upstream_failures_total", "upstream", "", "reason", "overload"); got != 1 {
+	if got := metrictest.Value(t, reg, "meshdns_upstream_failures_total", "upstream", "", "reason", "overload"); got != 1 {
 		t.Errorf("failures{overload} = %v, want 1", got)
 	}
 	// Capacity is released.
@@ -349,23 +351,23 @@ func TestMetricsPrecreated(t *testing.T) {
 	_, reg, _ := testForwarder(t, NewConfig(a.addr, b.addr))
 	for _, s := range []string{a.addr.String(), b.addr.String()} {
 		for _, p := range []string{"udp", "tcp"} {
-			if got := metricValue(t, reg, "meshdns_upstream_requests_total", "upstream", s, "proto", p); got != 0 {
+			if got := metrictest.Value(t, reg, "meshdns_upstream_requests_total", "upstream", s, "proto", p); got != 0 {
 				t.Errorf("requests{%s,%s} = %v, want 0", s, p, got)
 			}
 		}
 		for _, r := range failureReasons {
-			metricValue(t, reg, "meshdns_upstream_failures_total", "upstream", s, "reason", r)
+			metrictest.Value(t, reg, "meshdns_upstream_failures_total", "upstream", s, "reason", r)
 		}
-		if got := metricValue(t, reg, "meshdns_upstream_healthy", "upstream", s); got != 1 {
+		if got := metrictest.Value(t, reg, "meshdns_upstream_healthy", "upstream", s); got != 1 {
 			t.Errorf("healthy{%s} = %v, want 1", s, got)
 		}
-		metricValue(t, reg, "meshdns_upstream_request_duration_seconds", "upstream", s)
+		metrictest.Value(t, reg, "meshdns_upstream_request_duration_seconds", "upstream", s)
 	}
 	for _, ty := range []string{"success", "denial", "stale"} {
-		metricValue(t, reg, "meshdns_cache_hits_total", "type", ty)
+		metrictest.Value(t, reg, "meshdns_cache_hits_total", "type", ty)
 	}
 	for _, n := range []string{"meshdns_cache_misses_total", "meshdns_cache_entries", "meshdns_cache_prefetch_total", "meshdns_cache_evictions_total"} {
-		metricValue(t, reg, n)
+		metrictest.Value(t, reg, n)
 	}
 }
 
