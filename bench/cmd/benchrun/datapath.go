@@ -77,6 +77,20 @@ func medianRun(runs []run, key func(*run) float64) *run {
 }
 
 func p50(r *run) float64 { return r.res.Percentile(50) }
+
+// eachRun lists key (in µs) of every run, comma-separated ("-" for none), and
+// the queries the runs lost.
+func eachRun(runs []run, key func(*run) float64) (list string, lost uint64) {
+	if len(runs) == 0 {
+		return "-", 0
+	}
+	vs := make([]string, len(runs))
+	for i := range runs {
+		lost += runs[i].res.Lost
+		vs[i] = fmt.Sprintf("%.0f", key(&runs[i])*1e6)
+	}
+	return strings.Join(vs, ", "), lost
+}
 func p99(r *run) float64 { return r.res.Percentile(99) }
 
 type datapathReport struct {
@@ -453,12 +467,9 @@ func (b *bench) renderDatapath(w *strings.Builder) {
 		if r.fixed != nil {
 			lat = fmt.Sprintf("%.0f / %.0f", r.fixed.res.Percentile(50)*1e6, r.fixed.res.Percentile(99)*1e6)
 			usq = fmtF(r.fixed.usPerQuery(), 1)
-			var ps []string
-			for i := range r.fixedRuns {
-				lost += r.fixedRuns[i].res.Lost
-				ps = append(ps, fmt.Sprintf("%.0f", p50(&r.fixedRuns[i])*1e6))
-			}
-			each = strings.Join(ps, ", ")
+			var fixedLost uint64
+			each, fixedLost = eachRun(r.fixedRuns, p50)
+			lost += fixedLost
 			if direct != nil && direct.fixed != nil {
 				lr = fmt.Sprintf("%.3f", r.fixed.res.Percentile(50)/direct.fixed.res.Percentile(50))
 			}

@@ -255,19 +255,13 @@ func (b *bench) render() string {
 			for _, q := range ss.allQPS {
 				runs = append(runs, fmtQPS(q))
 			}
-			lat, usq, lost, each := "-", "-", ss.lost, "-"
+			lat, usq := "-", "-"
 			if sr.fixed != nil {
 				lat = fmt.Sprintf("%.0f / %.0f", sr.fixed.res.Percentile(50)*1e6, sr.fixed.res.Percentile(99)*1e6)
 				usq = fmtF(sr.fixed.usPerQuery(), 1)
 			}
-			var p99s []string
-			for i := range sr.fixedRuns {
-				lost += sr.fixedRuns[i].res.Lost
-				p99s = append(p99s, fmt.Sprintf("%.0f", p99(&sr.fixedRuns[i])*1e6))
-			}
-			if len(p99s) > 0 {
-				each = strings.Join(p99s, ", ")
-			}
+			each, fixedLost := eachRun(sr.fixedRuns, p99)
+			lost := ss.lost + fixedLost
 			note := rcodeMix(ss.rcodes)
 			if sr.errText != "" {
 				note += " ERROR: " + sr.errText
