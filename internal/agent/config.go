@@ -44,6 +44,7 @@ type Config struct {
 	TTL             time.Duration
 	ClusterDomain   string
 	Authoritative   bool
+	PodRecords      bool
 	LinkName        string
 	LogLevel        string
 	LogFormat       string
@@ -107,6 +108,18 @@ func (c *Config) RegisterFlags(fs *flag.FlagSet) {
 	fs.DurationVar(&c.TTL, "ttl", 30*time.Second, "TTL of answers from the name table")
 	fs.StringVar(&c.ClusterDomain, "cluster-domain", "cluster.local", "Kubernetes cluster domain")
 	fs.BoolVar(&c.Authoritative, "authoritative", false, "answer NXDOMAIN locally for unknown names under the cluster domain")
+	fs.Func("pods", "pod records <a-b-c-d>.<ns>.pod.<cluster domain>: insecure (answer the address in the name, as CoreDNS's \"pods insecure\") or disabled (default insecure)", func(s string) error {
+		switch s {
+		case "insecure":
+			c.PodRecords = true
+		case "disabled":
+			c.PodRecords = false
+		default:
+			return fmt.Errorf("want insecure or disabled, got %q", s)
+		}
+		return nil
+	})
+	c.PodRecords = true
 	fs.StringVar(&c.LinkName, "link", DefaultLinkName, "dummy link that carries the node-local listen address")
 	fs.StringVar(&c.LogLevel, "log-level", "info", "debug, info, warn or error")
 	fs.StringVar(&c.LogFormat, "log-format", "text", "text or json")
