@@ -15,7 +15,10 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 
+	"k8s.io/client-go/rest"
+
 	"github.com/meshdns/meshdns-ebpf/internal/ctzone"
+	"github.com/meshdns/meshdns-ebpf/internal/kubesource"
 	"github.com/meshdns/meshdns-ebpf/internal/names"
 	"github.com/meshdns/meshdns-ebpf/internal/names/filesource"
 	"github.com/meshdns/meshdns-ebpf/internal/redirect"
@@ -53,6 +56,15 @@ func Run(ctx context.Context, cfg Config, log *slog.Logger) (err error) {
 			undo[i]()
 		}
 	}()
+
+	// The Kubernetes source: its API server, and the cluster DNS Service to
+	// capture.
+	var kubeRest *rest.Config
+	if cfg.Kubernetes() {
+		if kubeRest, err = cfg.setupKubernetes(ctx, log); err != nil {
+			return err
+		}
+	}
 
 	// Nameservers and upstreams come from resolv.conf, read before capture starts.
 	if err := cfg.fillFromResolvConf(log); err != nil {
@@ -159,7 +171,7 @@ func Run(ctx context.Context, cfg Config, log *slog.Logger) (err error) {
 	undo = append(undo, stopBackground)
 
 	// Name sources and the store that merges them into the name table.
-	store, err := cfg.newNameStore(reg, log)
+	store, err := cfg.newNameStore(reg, kubeRest, log)
 	if err != nil {
 		return err
 	}
@@ -426,8 +438,9 @@ func (c *Config) ctzoneConfig(log *slog.Logger) ctzone.Config {
 }
 
 // newNameStore creates the name store with the configured sources: the
-// names file, or the embedded demo table when no other source is given.
-func (c *Config) newNameStore(reg prometheus.Registerer, log *slog.Logger) (*names.Store, error) {
+// names file, the Kubernetes API server, or the embedded demo table when
+// no other source is given.
+func (c *Config) newNameStore(reg prometheus.Registerer, kubeRest *rest.Config, log *slog.Logger) (*names.Store, error) {
 	m, err := names.NewMetrics(reg)
 	if err != nil {
 		return nil, err
@@ -455,7 +468,19 @@ func (c *Config) newNameStore(reg prometheus.Registerer, log *slog.Logger) (*nam
 			return nil, err
 		}
 	}
-	if c.NamesFile == "" {
+	if kubeRest != nil {
+		ks, err := kubesource.New(kubesource.Config{
+			Name: "kubernetes", Rest: kubeRest, Domain: c.ClusterDomain, NodeName: c.NodeName,
+			Logger: log.With("component", "names"),
+		})
+		if err != nil {
+			return nil, err
+		}
+		if err := store.Add(ks, names.SourceOptions{Priority: names.PriorityKubernetes}); err != nil {
+			return nil, err
+		}
+	}
+	if c.NamesFile == "" && kubeRest == nil {
 		demo, err := filesource.NewStatic("demo", defaultNames, store.Domain())
 		if err != nil {
 			return nil, err
