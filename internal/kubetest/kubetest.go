@@ -27,10 +27,10 @@ import (
 	"testing"
 	"time"
 
+	discoveryv1 "k8s.io/api/discovery/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/dynamic"
 	"k8s.io/client-go/kubernetes"
-	"k8s.io/client-go/rest"
 
 	"github.com/meshdns/meshdns-ebpf/internal/testenv"
 )
@@ -107,7 +107,6 @@ type ControlPlane struct {
 	port       int
 	kcm        *process
 
-	admin    *rest.Config
 	client   kubernetes.Interface
 	dynamic  dynamic.Interface
 	readyzOK func() error
@@ -267,12 +266,12 @@ func (cp *ControlPlane) startAPIServerFirst(t testing.TB, extra []string) {
 	cp.port = ports[0]
 	cp.apiArgs = args(ports)
 	cp.readyzOK = func() error { return httpOK(httpc, cp.Host()+"/readyz", cp.pki.adminToken, "ok") }
-	cp.admin = cp.RESTConfig(t, Admin)
+	admin := cp.RESTConfig(t, Admin)
 	var err error
-	if cp.client, err = kubernetes.NewForConfig(cp.admin); err != nil {
+	if cp.client, err = kubernetes.NewForConfig(admin); err != nil {
 		t.Fatalf("kubetest: admin client: %v", err)
 	}
-	if cp.dynamic, err = dynamic.NewForConfig(cp.admin); err != nil {
+	if cp.dynamic, err = dynamic.NewForConfig(admin); err != nil {
 		t.Fatalf("kubetest: dynamic client: %v", err)
 	}
 	cp.Timings.APIServer = cp.waitBootstrapped(t)
@@ -312,6 +311,7 @@ func (cp *ControlPlane) startControllerManager(t testing.TB) {
 	cp.kcm = cp.newProcess("kube-controller-manager")
 	kubeconfig := cp.writeKubeconfig(t, filepath.Join(cp.dir, "kcm.kubeconfig"), cp.pki.kcmUserName, cp.pki.kcmToken)
 	const ns, probe = "kube-system", "kubetest-kcm-probe"
+	cp.EnsureNamespace(t, ns)
 	cp.CreateService(t, Service{Namespace: ns, Name: probe, Selector: map[string]string{"kubetest-probe": "none"}})
 	_, took := cp.kcm.startRetrying(t, 1, kcmTimeout,
 		func(p []int) []string {
@@ -334,8 +334,11 @@ func (cp *ControlPlane) startControllerManager(t testing.TB) {
 			}
 			return err
 		})
-	cp.DeleteService(t, ns, probe)
 	cp.Timings.ControllerManager = took
+	// Tests start from a clean cluster: the probe and its slice (deleted by the
+	// garbage collector) are gone when Start returns.
+	cp.DeleteService(t, ns, probe)
+	cp.WaitEndpointSlices(t, ns, probe, func(s []discoveryv1.EndpointSlice) bool { return len(s) == 0 })
 }
 
 // StopAPIServer kills kube-apiserver (SIGKILL, as a crash) and waits for it to exit;
