@@ -36,7 +36,11 @@ func (p *process) start(args []string) error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if p.cmd != nil {
-		return fmt.Errorf("%s is already running (pid %d)", p.name, p.cmd.Process.Pid)
+		select {
+		case <-p.done: // it exited on its own: start it again
+		default:
+			return fmt.Errorf("%s is already running (pid %d)", p.name, p.cmd.Process.Pid)
+		}
 	}
 	f, err := os.OpenFile(p.logPath, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
 	if err != nil {
