@@ -11,6 +11,7 @@ require (
 	github.com/ti-mo/conntrack v0.6.0
 	github.com/vishvananda/netlink v1.3.1
 	golang.org/x/sys v0.49.0
+	istio.io/api v1.31.4
 	k8s.io/api v0.37.2
 	k8s.io/apimachinery v0.37.2
 	k8s.io/client-go v0.37.2
