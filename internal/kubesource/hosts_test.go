@@ -55,7 +55,7 @@ func render(hs []nametable.Host) string {
 		if h.CNAME != "" {
 			fmt.Fprintf(&b, " CNAME %s", h.CNAME)
 		}
-		for _, a := range append(append(h.V4[:len(h.V4):len(h.V4)], h.V6...)) {
+		for _, a := range append(h.V4[:len(h.V4):len(h.V4)], h.V6...) {
 			fmt.Fprintf(&b, " %s", a)
 		}
 		for _, p := range h.Ports {
@@ -98,7 +98,7 @@ func TestServiceHosts(t *testing.T) {
 		},
 		{
 			name: "headless: ready endpoints only, hostnames, dashed names, SRV per endpoint",
-			svc: &corev1.Service{ObjectMeta: metav1.ObjectMeta{Name: "db", Namespace: "ns"}, Spec: corev1.ServiceSpec{ClusterIP: "None"}},
+			svc:  &corev1.Service{ObjectMeta: metav1.ObjectMeta{Name: "db", Namespace: "ns"}, Spec: corev1.ServiceSpec{ClusterIP: "None"}},
 			slices: []*discoveryv1.EndpointSlice{
 				slice("db-b", "db", discoveryv1.AddressTypeIPv6, tcp, ep("fd00:244::7", ptr(true), "")),
 				slice("db-a", "db", discoveryv1.AddressTypeIPv4, tcp,

@@ -271,9 +271,12 @@ func keyOf(obj any) string {
 
 // health tracks whether the API server answers the informers' lists and
 // watches. While it does not, the calls are retried here, every 100 ms
-// growing to 1 s, instead of failing into the reflector's own backoff
+// growing to 500 ms, instead of failing into the reflector's own backoff
 // (800 ms doubling to 30 s): a restarted API server is seen again within
-// about a second, and the last state keeps serving meanwhile.
+// about half a second, and the last state keeps serving meanwhile. That
+// includes refusals (403 right after an API server restart, before its
+// RBAC caches fill; or a ClusterRole that lacks a rule, fixed later): they
+// are reported at once and retried, so a fixed role takes effect at once.
 type health struct {
 	sink    names.Sink
 	log     *slog.Logger
@@ -303,21 +306,14 @@ func (h *health) call(ctx context.Context, what string, fn func() error) error {
 			return ctx.Err()
 		case <-t.C:
 		}
-		delay = min(2*delay, time.Second)
+		delay = min(2*delay, 500*time.Millisecond)
 	}
 }
 
-// retriable reports whether err means the API server is unreachable or
-// busy (wait for it), rather than a refusal it will repeat (RBAC, a
-// missing API) that the caller must see.
+// retriable reports whether the call should be retried here; a resource
+// version that is too old is the reflector's to handle (it lists anew).
 func retriable(err error) bool {
-	switch {
-	case apierrors.IsForbidden(err), apierrors.IsUnauthorized(err), apierrors.IsNotFound(err),
-		apierrors.IsMethodNotSupported(err), apierrors.IsBadRequest(err), apierrors.IsInvalid(err),
-		apierrors.IsGone(err), apierrors.IsResourceExpired(err):
-		return false
-	}
-	return true
+	return !apierrors.IsGone(err) && !apierrors.IsResourceExpired(err)
 }
 
 func (h *health) report(what string, err error) {

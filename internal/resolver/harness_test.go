@@ -67,14 +67,21 @@ func startUpstream(t *testing.T) *fakeUpstream {
 		}
 		_ = w.WriteMsg(m)
 	})
-	pc, err := net.ListenPacket("udp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	u.addr = pc.LocalAddr().String()
-	ln, err := net.Listen("tcp", u.addr)
-	if err != nil {
-		t.Fatal(err)
+	var pc net.PacketConn
+	var ln net.Listener
+	for attempt := 0; ; attempt++ {
+		var err error
+		if pc, err = net.ListenPacket("udp", "127.0.0.1:0"); err != nil {
+			t.Fatal(err)
+		}
+		u.addr = pc.LocalAddr().String()
+		if ln, err = net.Listen("tcp", u.addr); err == nil {
+			break
+		}
+		pc.Close() // the TCP port of that number is taken (a wildcard listener): pick again
+		if attempt == 20 {
+			t.Fatal(err)
+		}
 	}
 	us := &dns.Server{PacketConn: pc, Handler: h}
 	ts := &dns.Server{Listener: ln, Handler: h}
