@@ -2,10 +2,12 @@ package deploy
 
 import (
 	"archive/tar"
+	"bufio"
 	"bytes"
 	"context"
 	"errors"
 	"fmt"
+	"net"
 	"net/http"
 	"net/netip"
 	"os"
@@ -115,7 +117,7 @@ func sizeTable(log string) string {
 		if strings.HasPrefix(l, "ARCH ") {
 			in = true
 		}
-		if in && strings.TrimSpace(l) != "" && !strings.HasPrefix(l, "wrote ") {
+		if in && strings.TrimSpace(l) != "" && !strings.HasPrefix(l, "wrote ") && !strings.HasPrefix(l, "make") {
 			keep = append(keep, l)
 		}
 	}
@@ -259,7 +261,7 @@ COMMIT
 				}
 				// A new network and mount namespace: /proc for iptables-legacy-save,
 				// nothing the host's tables can see. Both end with the shell.
-				script := `mount -t proc proc "$1/proc" && chroot "$1" /usr/sbin/$2-restore --noflush --wait /tmp/rules && chroot "$1" /usr/sbin/$2-save`
+				script := `mount -t proc proc "$1/proc" && chroot "$1" /usr/sbin/$2-restore --noflush --wait <"$1/tmp/rules" && chroot "$1" /usr/sbin/$2-save`
 				out, err := exec.Command("unshare", "--net", "--mount", "--propagation", "private", "--",
 					"sh", "-c", script, "sh", root, fam+"-"+backend).CombinedOutput()
 				if err != nil {
@@ -284,14 +286,13 @@ func TestImageIptablesFallback(t *testing.T) {
 	root, _ := rootfs(t)
 	ns := testenv.NewNetns(t, "img")
 	// The cluster DNS address must be routable for a client to send to it.
-	ns.IP(t, "link", "add", "svc0", "type", "dummy")
-	ns.IP(t, "addr", "add", "10.96.0.1/16", "dev", "svc0")
-	ns.IP(t, "link", "set", "svc0", "up")
+	ns.IP(t, "route", "add", "10.96.0.0/16", "dev", "lo")
 	up := testenv.StartFakeDNS(t, ns, "127.0.0.1:0", map[string][]netip.Addr{"example.test.": {netip.MustParseAddr("192.0.2.7")}})
 
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	script := `mount -t proc proc "$0/proc" && exec chroot "$0" /usr/local/bin/meshdns-ebpf "$@"`
+	// What a container runtime gives a container: /proc and /dev.
+	script := `mount -t proc proc "$0/proc" && mount --bind /dev "$0/dev" && exec chroot "$0" /usr/local/bin/meshdns-ebpf "$@"`
 	cmd := exec.CommandContext(ctx, "nsenter", "--net="+ns.Path(), "--", "unshare", "--mount", "--propagation", "private", "--",
 		"sh", "-c", script, root, "run", "--mode=iptables", "--nameservers=10.96.0.10", "--upstream="+up.Addr,
 		"--admin=127.0.0.1:9153", "--state-dir=/run/meshdns", "--log-level=debug")
@@ -312,20 +313,38 @@ func TestImageIptablesFallback(t *testing.T) {
 		}
 	})
 
+	var exitErr error
 	ready := testenv.WaitFor(20*time.Second, func() bool {
+		select {
+		case exitErr = <-exited:
+			return true
+		default:
+		}
 		ok := false
 		_ = ns.Do(func() error {
-			resp, err := (&http.Client{Timeout: time.Second}).Get("http://127.0.0.1:9153/readyz")
-			if err == nil {
-				ok = resp.StatusCode == http.StatusOK
-				resp.Body.Close()
+			// Dialled here, on the thread inside the namespace (http.Client would
+			// dial from another goroutine, outside it).
+			conn, err := net.DialTimeout("tcp", "127.0.0.1:9153", time.Second)
+			if err != nil {
+				return err
 			}
+			defer conn.Close()
+			_ = conn.SetDeadline(time.Now().Add(2 * time.Second))
+			if _, err := conn.Write([]byte("GET /readyz HTTP/1.0\r\nHost: agent\r\n\r\n")); err != nil {
+				return err
+			}
+			resp, err := http.ReadResponse(bufio.NewReader(conn), nil)
+			if err != nil {
+				return err
+			}
+			resp.Body.Close()
+			ok = resp.StatusCode == http.StatusOK
 			return nil
 		})
 		return ok
 	})
-	if !ready {
-		t.Fatalf("the agent in the image did not become ready:\n%s", log.String())
+	if !ready || exitErr != nil || cmd.ProcessState != nil {
+		t.Fatalf("the agent in the image did not become ready (exit: %v):\n%s", exitErr, log.String())
 	}
 	query := func(name string) (*dns.Msg, error) {
 		var r *dns.Msg
