@@ -36,6 +36,16 @@ func render(t *testing.T, components ...string) []object {
 	return objs
 }
 
+// renderChecked renders and fails on any policy violation.
+func renderChecked(t *testing.T, components ...string) []object {
+	t.Helper()
+	objs := render(t, components...)
+	if v := checkPolicy(objs); len(v) > 0 {
+		t.Fatalf("policy violations:\n%s", strings.Join(v, "\n"))
+	}
+	return objs
+}
+
 func find[T any](t *testing.T, objs []object, kind, name string) T {
 	t.Helper()
 	for _, o := range objs {
@@ -146,10 +156,7 @@ func TestManifestSourcesDecodeStrictly(t *testing.T) {
 }
 
 func TestDefaultInstall(t *testing.T) {
-	objs := render(t)
-	if v := checkPolicy(objs); len(v) > 0 {
-		t.Fatalf("policy violations:\n%s", strings.Join(v, "\n"))
-	}
+	objs := renderChecked(t)
 	want := []string{"ClusterRole/meshdns-ebpf", "ClusterRoleBinding/meshdns-ebpf", "DaemonSet/meshdns-ebpf",
 		"Namespace/meshdns-system", "ResourceQuota/meshdns-ebpf-critical-pods", "ServiceAccount/meshdns-ebpf"}
 	if got := kinds(objs); !slices.Equal(got, want) {
@@ -212,10 +219,7 @@ func TestDefaultInstall(t *testing.T) {
 
 func TestComponents(t *testing.T) {
 	t.Run("ebpf-only", func(t *testing.T) {
-		objs := render(t, "ebpf-only")
-		if v := checkPolicy(objs); len(v) > 0 {
-			t.Fatalf("policy violations:\n%s", strings.Join(v, "\n"))
-		}
+		objs := renderChecked(t, "ebpf-only")
 		c := agent(t, objs)
 		if got := envValue(c, "MESHDNS_MODE"); got != "ebpf" {
 			t.Errorf("MESHDNS_MODE %q, want ebpf", got)
@@ -239,10 +243,7 @@ func TestComponents(t *testing.T) {
 		}
 	})
 	t.Run("istio-remote-secrets", func(t *testing.T) {
-		objs := render(t, "istio-remote-secrets")
-		if v := checkPolicy(objs); len(v) > 0 {
-			t.Fatalf("policy violations:\n%s", strings.Join(v, "\n"))
-		}
+		objs := renderChecked(t, "istio-remote-secrets")
 		role := find[*rbacv1.Role](t, objs, "Role", "meshdns-ebpf-remote-secrets")
 		if got, want := ruleSet(role.Rules), []string{"/secrets[]: get,list,watch"}; !slices.Equal(got, want) || role.Namespace != "meshdns-system" {
 			t.Errorf("Role %s rules %q", role.Namespace, got)
@@ -256,10 +257,7 @@ func TestComponents(t *testing.T) {
 		}
 	})
 	t.Run("prometheus-operator", func(t *testing.T) {
-		objs := render(t, "prometheus-operator")
-		if v := checkPolicy(objs); len(v) > 0 {
-			t.Fatalf("policy violations:\n%s", strings.Join(v, "\n"))
-		}
+		objs := renderChecked(t, "prometheus-operator")
 		svc := find[*corev1.Service](t, objs, "Service", "meshdns-ebpf-metrics")
 		ds := find[*appsv1.DaemonSet](t, objs, "DaemonSet", "meshdns-ebpf")
 		if svc.Spec.ClusterIP != corev1.ClusterIPNone || len(svc.Spec.Ports) != 1 ||
@@ -287,10 +285,7 @@ func TestComponents(t *testing.T) {
 		}
 	})
 	t.Run("names-configmap", func(t *testing.T) {
-		objs := render(t, "names-configmap")
-		if v := checkPolicy(objs); len(v) > 0 {
-			t.Fatalf("policy violations:\n%s", strings.Join(v, "\n"))
-		}
+		objs := renderChecked(t, "names-configmap")
 		find[*corev1.ConfigMap](t, objs, "ConfigMap", "meshdns-names")
 		c := agent(t, objs)
 		if !slices.Contains(c.Args, "--names=/etc/meshdns/names.yaml") || !slices.Contains(c.Args, "--kubernetes") {
@@ -301,10 +296,7 @@ func TestComponents(t *testing.T) {
 		}
 	})
 	t.Run("all", func(t *testing.T) {
-		objs := render(t, "ebpf-only", "istio-remote-secrets", "prometheus-operator", "names-configmap")
-		if v := checkPolicy(objs); len(v) > 0 {
-			t.Fatalf("policy violations:\n%s", strings.Join(v, "\n"))
-		}
+		renderChecked(t, "ebpf-only", "istio-remote-secrets", "prometheus-operator", "names-configmap")
 	})
 }
 
