@@ -107,6 +107,9 @@ func (h *Host) SRVTarget(p *HostPort) string {
 // allowed only as the whole first label of a name with at least two more
 // labels.
 func NormName(s string) (string, error) {
+	if isNormal(s) {
+		return s, nil // the common case (sources build FQDNs): no allocation
+	}
 	n := strings.ToLower(strings.TrimSpace(s))
 	if n == "" || n == "." {
 		return "", fmt.Errorf("empty host name")
@@ -130,6 +133,31 @@ func NormName(s string) (string, error) {
 	return n, nil
 }
 
+// isNormal reports whether s is already a lower-case FQDN of plain labels
+// with the trailing dot, no wildcard.
+func isNormal(s string) bool {
+	if len(s) < 2 || len(s) > 254 || s[len(s)-1] != '.' {
+		return false
+	}
+	label := 0
+	for i := 0; i < len(s); i++ {
+		c := s[i]
+		switch {
+		case c == '.':
+			if label == 0 || label > 63 {
+				return false
+			}
+			label = 0
+			continue
+		case c >= 'a' && c <= 'z', c >= '0' && c <= '9', c == '-', c == '_':
+		default:
+			return false
+		}
+		label++
+	}
+	return true
+}
+
 // isLabel reports whether s is one lower-case DNS label of letters, digits,
 // '-' and '_'.
 func isLabel(s string) bool {
@@ -148,6 +176,9 @@ func isLabel(s string) bool {
 // normAddrs unmaps, de-duplicates and splits addresses by family, keeping
 // their order.
 func normAddrs(v4, v6 []netip.Addr) (o4, o6 []netip.Addr, err error) {
+	if addrsNormal(v4, true) && addrsNormal(v6, false) {
+		return v4, v6, nil // no copy
+	}
 	add := func(a netip.Addr) error {
 		if !a.IsValid() || a.Zone() != "" {
 			return fmt.Errorf("%q is not an IP address", a)
@@ -173,6 +204,17 @@ func normAddrs(v4, v6 []netip.Addr) (o4, o6 []netip.Addr, err error) {
 		}
 	}
 	return o4, o6, nil
+}
+
+// addrsNormal reports whether addrs are valid, unmapped, of the family and
+// without duplicates.
+func addrsNormal(addrs []netip.Addr, v4 bool) bool {
+	for i, a := range addrs {
+		if !a.IsValid() || a.Zone() != "" || a.Is4In6() || a.Is4() != v4 || slices.Contains(addrs[:i], a) {
+			return false
+		}
+	}
+	return true
 }
 
 // normalize checks and completes h (a copy the Builder owns).
@@ -218,7 +260,7 @@ func (b *Builder) normalize(h *Host) error {
 		}
 		h.AltNames = alts
 	}
-	if len(h.Ports) > 0 {
+	if len(h.Ports) > 0 && !portsNormal(h.Ports) {
 		ports := make([]HostPort, len(h.Ports))
 		for i, p := range h.Ports {
 			p.Name = strings.ToLower(p.Name)
@@ -253,6 +295,18 @@ func (b *Builder) normalize(h *Host) error {
 		h.Visible = slices.Compact(vis)
 	}
 	return nil
+}
+
+// portsNormal reports whether ports need no change (lower-case labels,
+// protocol given, targets normal).
+func portsNormal(ports []HostPort) bool {
+	for _, p := range ports {
+		if !isLabel(p.Name) || p.Port == 0 || (p.Protocol != "tcp" && p.Protocol != "udp" && p.Protocol != "sctp") ||
+			(p.Target != "" && !isNormal(p.Target)) {
+			return false
+		}
+	}
+	return true
 }
 
 // sameHost reports whether two normalised hosts answer the same, so that an
