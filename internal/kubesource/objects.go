@@ -71,6 +71,7 @@ func (s *endpointSlice) DeepCopyObject() runtime.Object { return s }
 // pod is a Pod of this node: its IPs are clients of its namespace.
 type pod struct {
 	meta
+	uid string
 	ips []netip.Addr
 }
 
@@ -174,7 +175,7 @@ func transformPod(obj any) (any, error) {
 	if !ok {
 		return obj, nil
 	}
-	out := &pod{meta: meta{name: p.Name, namespace: p.Namespace}}
+	out := &pod{meta: meta{name: p.Name, namespace: p.Namespace}, uid: string(p.UID)}
 	if p.Spec.HostNetwork || p.Status.Phase == corev1.PodSucceeded || p.Status.Phase == corev1.PodFailed {
 		return out, nil
 	}
