@@ -21,8 +21,9 @@ import (
 // readiness is what /readyz asks.
 type readiness interface{ Ready() error }
 
-// serveAdmin serves /healthz, /readyz and /metrics on addr and returns its stop func.
-func serveAdmin(addr string, reg *prometheus.Registry, r readiness, log *slog.Logger) (func(), error) {
+// serveAdmin serves /healthz, /readyz, /metrics and debug (under /debug/) on
+// addr and returns its stop func.
+func serveAdmin(addr string, reg *prometheus.Registry, r readiness, debug http.Handler, log *slog.Logger) (func(), error) {
 	mux := http.NewServeMux()
 	mux.HandleFunc("/healthz", func(w http.ResponseWriter, _ *http.Request) {
 		fmt.Fprintln(w, "ok")
@@ -35,6 +36,9 @@ func serveAdmin(addr string, reg *prometheus.Registry, r readiness, log *slog.Lo
 		fmt.Fprintln(w, "ok")
 	})
 	mux.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{Registry: reg}))
+	if debug != nil {
+		mux.Handle("/debug/", debug)
+	}
 	l, err := net.Listen("tcp", addr)
 	if err != nil {
 		return nil, fmt.Errorf("admin listen %s: %w", addr, err)

@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/meshdns/meshdns-ebpf/internal/ctzone"
+	"github.com/meshdns/meshdns-ebpf/internal/names"
 	"github.com/meshdns/meshdns-ebpf/internal/redirect"
 )
 
@@ -24,6 +25,8 @@ type Status struct {
 	Datapath  *redirect.Status        `json:"datapath,omitempty"`
 	Conntrack *ctzone.ConntrackStatus `json:"conntrack,omitempty"`
 	Errors    []string                `json:"errors,omitempty"`
+	// Sources are the agent's name sources and their sync state.
+	Sources []names.SourceStatus `json:"sources,omitempty"`
 }
 
 // ReadStatus gathers the status; what cannot be read is reported in Errors.
@@ -53,6 +56,7 @@ func ReadStatus(stateDir, pinDir string) *Status {
 	} else {
 		s.Errors = append(s.Errors, "conntrack: "+err.Error())
 	}
+	s.readSourcesInto("")
 	return s
 }
 
@@ -108,6 +112,12 @@ func (s *Status) WriteTable(w io.Writer) error {
 	}
 	if s.Conntrack != nil {
 		if err := s.Conntrack.WriteTable(w); err != nil {
+			return err
+		}
+	}
+	if len(s.Sources) > 0 {
+		fmt.Fprintln(w)
+		if err := writeSources(w, s.Sources); err != nil {
 			return err
 		}
 	}

@@ -176,6 +176,9 @@ func transformPod(obj any) (any, error) {
 		return obj, nil
 	}
 	out := &pod{meta: meta{name: p.Name, namespace: p.Namespace}, uid: string(p.UID)}
+	if m := p.Annotations[corev1.MirrorPodAnnotationKey]; m != "" {
+		out.uid = m // a static Pod's mirror: kubelet's cgroup carries the static Pod's UID
+	}
 	if p.Spec.HostNetwork || p.Status.Phase == corev1.PodSucceeded || p.Status.Phase == corev1.PodFailed {
 		return out, nil
 	}
