@@ -145,11 +145,11 @@ func writeSources(w io.Writer, srcs []names.SourceStatus) error {
 		}
 		last := "-"
 		if !s.LastUpdate.IsZero() {
-			last = now.Sub(s.LastUpdate).Round(time.Second).String() + " ago"
+			last = roughly(now.Sub(s.LastUpdate)) + " ago"
 		}
 		state := "ok"
 		if !s.FailingSince.IsZero() {
-			state = "down for " + now.Sub(s.FailingSince).Round(time.Second).String()
+			state = "down for " + roughly(now.Sub(s.FailingSince))
 		}
 		lastErr := s.LastError
 		if len(lastErr) > 160 {
@@ -158,6 +158,27 @@ func writeSources(w io.Writer, srcs []names.SourceStatus) error {
 		fmt.Fprintf(tw, "%s\t%d\t%s\t%d\t%d\t%s\t%s\t%d\t%s\n", s.Name, s.Priority, synced, s.Objects, s.Clients, last, state, s.Errors, lastErr)
 	}
 	return tw.Flush()
+}
+
+// roughly rounds d for people: tenths of a second below 10 s, else seconds.
+func roughly(d time.Duration) string {
+	if d < 10*time.Second {
+		return d.Round(100 * time.Millisecond).String()
+	}
+	return d.Round(time.Second).String()
+}
+
+// writeMesh prints the name sources, and the agent's readiness when there
+// is no state file to show it (an agent reached with --admin).
+func (s *Status) writeMesh(w io.Writer) error {
+	if len(s.Sources) == 0 {
+		return nil
+	}
+	fmt.Fprintln(w)
+	if s.Agent == nil {
+		fmt.Fprintf(w, "agent ready: %s\n\n", s.Ready)
+	}
+	return writeSources(w, s.Sources)
 }
 
 // readSourcesInto adds the agent's name sources to a status; admin

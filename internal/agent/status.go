@@ -115,11 +115,8 @@ func (s *Status) WriteTable(w io.Writer) error {
 			return err
 		}
 	}
-	if len(s.Sources) > 0 {
-		fmt.Fprintln(w)
-		if err := writeSources(w, s.Sources); err != nil {
-			return err
-		}
+	if err := s.writeMesh(w); err != nil {
+		return err
 	}
 	for _, e := range s.Errors {
 		fmt.Fprintln(w, "note:", e)
