@@ -83,11 +83,11 @@ func TestRemoteClusters(t *testing.T) {
 		qtype uint16
 		want  string
 	}{
-		{"web" + d, dns.TypeA, m.webLocal},                     // local beats remote for ClusterIP
-		{"only-east" + d, dns.TypeA, m.onlyEast},               // remote only: its remote ClusterIP
-		{"db" + d, dns.TypeA, "10.244.1.5 10.245.1.6"},         // headless: the union of both clusters' endpoints
-		{"db-0.db" + d, dns.TypeA, "10.244.1.5"},               // <hostname>.<svc> from every cluster
-		{"db-1.db" + d, dns.TypeA, "10.245.1.6"},               //
+		{"web" + d, dns.TypeA, m.webLocal},                      // local beats remote for ClusterIP
+		{"only-east" + d, dns.TypeA, m.onlyEast},                // remote only: its remote ClusterIP
+		{"db" + d, dns.TypeA, "10.244.1.5 10.245.1.6"},          // headless: the union of both clusters' endpoints
+		{"db-0.db" + d, dns.TypeA, "10.244.1.5"},                // <hostname>.<svc> from every cluster
+		{"db-1.db" + d, dns.TypeA, "10.245.1.6"},                //
 		{reverse("10.245.1.6"), dns.TypePTR, "PTR:db-1.db" + d}, //
 		{"_sql._tcp.db" + d, dns.TypeSRV, "SRV:5432:db-0.db" + d + " SRV:5432:db-1.db" + d},
 	} {
