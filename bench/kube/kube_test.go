@@ -55,6 +55,7 @@ type settings struct {
 	duration time.Duration // each dnsperf run
 	reps     int
 	out      string // markdown report file ("" = stdout only)
+	mesh     int    // ServiceEntries (and Services over two clusters) of the mesh run; 0 skips it
 }
 
 func loadSettings(t *testing.T) settings {
@@ -72,6 +73,14 @@ func loadSettings(t *testing.T) settings {
 			}
 			s.scales = append(s.scales, n)
 		}
+	}
+	s.mesh = 10000
+	if v := os.Getenv("MESHDNS_BENCH_KUBE_MESH"); v != "" {
+		n, err := strconv.Atoi(v)
+		if err != nil {
+			t.Fatalf("MESHDNS_BENCH_KUBE_MESH: %v", err)
+		}
+		s.mesh = n
 	}
 	if v := os.Getenv("MESHDNS_BENCH_KUBE_DURATION"); v != "" {
 		d, err := time.ParseDuration(v)
@@ -114,6 +123,9 @@ func TestKubernetesBench(t *testing.T) {
 		results = append(results, runScale(t, s, n)...)
 	}
 	report := render(results, s)
+	if s.mesh > 0 {
+		report += renderMesh(runMesh(t, s), results)
+	}
 	fmt.Println(report)
 	if s.out != "" {
 		if err := os.WriteFile(s.out, []byte(report), 0o644); err != nil {
@@ -126,15 +138,7 @@ func runScale(t *testing.T, s settings, n int) []result {
 	cp := kubetest.Start(t, kubetest.Options{Users: []string{"bench"},
 		// Room for 100k ClusterIPs (the default /16 has 65k).
 		APIServerArgs: []string{"--service-cluster-ip-range=10.96.0.0/12", "--max-requests-inflight=2000", "--max-mutating-requests-inflight=1000"}})
-	role := &rbacv1.ClusterRole{ObjectMeta: metav1.ObjectMeta{Name: "dns-bench"}, Rules: []rbacv1.PolicyRule{
-		{APIGroups: []string{""}, Resources: []string{"services", "pods", "namespaces"}, Verbs: []string{"get", "list", "watch"}},
-		{APIGroups: []string{"discovery.k8s.io"}, Resources: []string{"endpointslices"}, Verbs: []string{"get", "list", "watch"}},
-	}}
-	if _, err := cp.AdminClient().RbacV1().ClusterRoles().Create(context.Background(), role, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	cp.BindClusterRole(t, role.Name, "bench")
-	kubeconfig := cp.Kubeconfig(t, "bench")
+	kubeconfig := benchUser(t, cp)
 	start := time.Now()
 	headless := populate(t, cp, n)
 	t.Logf("%d Services and EndpointSlices created in %v", n, time.Since(start).Round(time.Second))
@@ -214,6 +218,23 @@ func runScale(t *testing.T, s settings, n int) []result {
 	return out
 }
 
+// benchUser binds the bench user to what both servers read (the agent's
+// ServiceEntry source looks for Istio's CRD too) and returns its
+// kubeconfig.
+func benchUser(t *testing.T, cp *kubetest.ControlPlane) string {
+	role := &rbacv1.ClusterRole{ObjectMeta: metav1.ObjectMeta{Name: "dns-bench"}, Rules: []rbacv1.PolicyRule{
+		{APIGroups: []string{""}, Resources: []string{"services", "pods", "namespaces"}, Verbs: []string{"get", "list", "watch"}},
+		{APIGroups: []string{"discovery.k8s.io"}, Resources: []string{"endpointslices"}, Verbs: []string{"get", "list", "watch"}},
+		{APIGroups: []string{"apiextensions.k8s.io"}, Resources: []string{"customresourcedefinitions"}, Verbs: []string{"get", "list", "watch"}},
+		{APIGroups: []string{"networking.istio.io"}, Resources: []string{"serviceentries"}, Verbs: []string{"get", "list", "watch"}},
+	}}
+	if _, err := cp.AdminClient().RbacV1().ClusterRoles().Create(context.Background(), role, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	cp.BindClusterRole(t, role.Name, "bench")
+	return cp.Kubeconfig(t, "bench")
+}
+
 // readyTimeout bounds the wait for a server's first complete answer.
 func readyTimeout(n int) time.Duration { return time.Minute + time.Duration(n)*time.Millisecond }
 
@@ -228,6 +249,11 @@ func isHeadless(i int) bool { return i%headlessEach == headlessEach-1 }
 // Service without selector), one in ten headless. It returns the headless
 // ones' indexes.
 func populate(t *testing.T, cp *kubetest.ControlPlane, n int) []int {
+	return populateRange(t, cp, 0, n)
+}
+
+// populateRange creates the Services of indexes [from, to) (see populate).
+func populateRange(t *testing.T, cp *kubetest.ControlPlane, from, to int) []int {
 	rc := cp.RESTConfig(t, kubetest.Admin)
 	rc.QPS, rc.Burst = 5000, 5000
 	rc.ContentType = "application/vnd.kubernetes.protobuf"
@@ -253,7 +279,7 @@ func populate(t *testing.T, cp *kubetest.ControlPlane, n int) []int {
 			}
 		}()
 	}
-	for i := range n {
+	for i := from; i < to; i++ {
 		if isHeadless(i) {
 			headless = append(headless, i)
 		}
@@ -344,12 +370,13 @@ func freePort(t *testing.T) int {
 	return 0
 }
 
-func startServer(t *testing.T, s settings, srv, dir, kubeconfig string, port int, upstream string) *exec.Cmd {
+func startServer(t *testing.T, s settings, srv, dir, kubeconfig string, port int, upstream string, extra ...string) *exec.Cmd {
 	var argv []string
 	switch srv {
 	case "meshdns":
 		argv = []string{s.meshdns, "run", "--mode", "off", "--listen", fmt.Sprintf("127.0.0.1:%d", port),
 			"--admin", "", "--kubeconfig", kubeconfig, "--upstream", upstream, "--state-dir", t.TempDir()}
+		argv = append(argv, extra...)
 	default:
 		// The kubernetes zone without a cache (kubeadm's Corefile caches it
 		// for 30 s, which would hide updates), everything else forwarded
