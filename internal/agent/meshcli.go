@@ -54,7 +54,11 @@ func adminURL(admin, path string) string {
 }
 
 func getJSON(admin, path string, v any) error {
-	c := http.Client{Timeout: 10 * time.Second}
+	return getJSONWithin(admin, path, v, 30*time.Second) // a table of 100k names is a few MB
+}
+
+func getJSONWithin(admin, path string, v any, timeout time.Duration) error {
+	c := http.Client{Timeout: timeout}
 	resp, err := c.Get(adminURL(admin, path))
 	if err != nil {
 		return fmt.Errorf("ask the agent: %w", err)
@@ -92,7 +96,7 @@ func ReadNDS(admin, ns string) (*nameview.NameTable, error) {
 // ReadSources returns the agent's name sources.
 func ReadSources(admin string) ([]names.SourceStatus, error) {
 	var out []names.SourceStatus
-	return out, getJSON(admin, "/debug/sources", &out)
+	return out, getJSONWithin(admin, "/debug/sources", &out, 2*time.Second)
 }
 
 // podUID finds a Pod UID in a cgroup path as kubelet names them: with the

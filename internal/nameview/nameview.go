@@ -72,9 +72,12 @@ func List(t *nametable.Table, f Filter) []Entry {
 	t.Each(func(n *nametable.Name) bool {
 		h := n.Host
 		if f.Client != "" {
+			// The client gets the first entry it sees, whatever the
+			// other filters say of it.
 			if n.Owner == taken || !h.VisibleTo(f.Client, true) {
 				return true
 			}
+			taken = n.Owner
 		}
 		owner := strings.TrimSuffix(n.Owner, ".")
 		switch {
@@ -94,9 +97,6 @@ func List(t *nametable.Table, f Filter) []Entry {
 		ns := namespaceOf(h)
 		if f.Namespace != "" && ns != f.Namespace {
 			return true
-		}
-		if f.Client != "" {
-			taken = n.Owner
 		}
 		out = append(out, entryOf(owner, h, ns))
 		return true
@@ -225,10 +225,13 @@ func NDS(t *nametable.Table, ns string) NameTable {
 	taken := ""
 	t.Each(func(n *nametable.Name) bool {
 		h := n.Host
-		if n.Owner != h.Name || n.Owner == taken || !h.VisibleTo(ns, ns != "") || !h.HasData() || h.CNAME != "" {
+		if n.Owner != h.Name || n.Owner == taken || !h.VisibleTo(ns, ns != "") {
 			return true
 		}
 		taken = n.Owner
+		if !h.HasData() || h.CNAME != "" {
+			return true // Istio's table has addresses only
+		}
 		info := NameInfo{IPs: addrs(h), Registry: "External"}
 		if h.Kubernetes || h.Source == "kubernetes" || strings.HasPrefix(h.Source, "cluster/") {
 			info.Registry = nametable.RegistryKubernetes

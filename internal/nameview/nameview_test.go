@@ -83,6 +83,9 @@ func TestList(t *testing.T) {
 		{"source", Filter{Source: "serviceentries", Name: "api"}, "api.example.com=192.0.2.1@apps api.example.com=192.0.2.2@*"},
 		{"client view of apps", Filter{Client: "apps", Name: "api"}, "api.example.com=192.0.2.1@apps"},
 		{"client view of team-b", Filter{Client: "team-b", Name: "api"}, "api.example.com=192.0.2.2@*"},
+		// apps gets apps/private: filtered out, it does not fall back to
+		// the entry other clients get.
+		{"client view filtered", Filter{Client: "apps", Name: "api", Namespace: "infra"}, ""},
 	}
 	for _, tt := range tests {
 		if got := names(List(tab, tt.f)); got != tt.want {
