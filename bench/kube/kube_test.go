@@ -475,11 +475,33 @@ func fixedRate(t *testing.T, s settings, port int, queries string, pid int) dnsp
 // each change is polled until answered (at most 5 s: missed). lat returns
 // the latencies so far.
 func churn(ctx context.Context, t *testing.T, cp *kubetest.ControlPlane, addr string, headless []int) (lat func() []time.Duration, missed, total *atomic.Int64) {
+	cs := cp.AdminClient()
+	return churnLoop(ctx, addr, headless, func(octx context.Context, i, gen int) (string, string, bool) {
+		ns, svc := fmt.Sprintf("bench-%d", i%namespaces), fmt.Sprintf("svc-%d", i)
+		ip := endpointIP(i, gen)
+		es := slice(ns, svc, ip)
+		cur, err := cs.DiscoveryV1().EndpointSlices(ns).Get(octx, svc, metav1.GetOptions{})
+		if err != nil {
+			return "", "", false
+		}
+		es.ResourceVersion = cur.ResourceVersion
+		if _, err := cs.DiscoveryV1().EndpointSlices(ns).Update(octx, es, metav1.UpdateOptions{}); err != nil {
+			return "", "", false // a concurrent update of the same slice: skip
+		}
+		return name(i), ip, true
+	})
+}
+
+// churnLoop makes one change of a random index of idx at churnRate per
+// second until ctx ends. change writes it and returns the name to ask and
+// the answer that shows it (false: nothing written). Each change is timed
+// from the write's return until the name answers so, polled every 1 ms (at
+// most 5 s: missed). lat returns the latencies so far.
+func churnLoop(ctx context.Context, addr string, idx []int, change func(ctx context.Context, i, gen int) (name, want string, ok bool)) (lat func() []time.Duration, missed, total *atomic.Int64) {
 	var mu sync.Mutex
 	var ds []time.Duration
 	var inflight sync.Map
 	missed, total = new(atomic.Int64), new(atomic.Int64)
-	cs := cp.AdminClient()
 	go func() {
 		tick := time.NewTicker(time.Second / churnRate)
 		defer tick.Stop()
@@ -491,31 +513,25 @@ func churn(ctx context.Context, t *testing.T, cp *kubetest.ControlPlane, addr st
 			case <-tick.C:
 			}
 			gen++
-			i := headless[rand.IntN(len(headless))]
-			// One update in flight per Service: a second one would hide
+			i := idx[rand.IntN(len(idx))]
+			// One update in flight per index: a second one would hide
 			// the first (a server that coalesces never answers it).
 			if _, busy := inflight.LoadOrStore(i, true); busy {
 				continue
 			}
-			ns, svc := fmt.Sprintf("bench-%d", i%namespaces), fmt.Sprintf("svc-%d", i)
-			ip := endpointIP(i, gen)
+			g := gen
 			go func() {
 				defer inflight.Delete(i)
 				octx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 				defer cancel()
-				es := slice(ns, svc, ip)
-				cur, err := cs.DiscoveryV1().EndpointSlices(ns).Get(octx, svc, metav1.GetOptions{})
-				if err != nil {
+				qname, want, ok := change(octx, i, g)
+				if !ok {
 					return
-				}
-				es.ResourceVersion = cur.ResourceVersion
-				if _, err := cs.DiscoveryV1().EndpointSlices(ns).Update(octx, es, metav1.UpdateOptions{}); err != nil {
-					return // a concurrent update of the same slice: skip
 				}
 				written := time.Now()
 				total.Add(1)
 				for time.Since(written) < 5*time.Second {
-					if ask(addr, name(i)) == ip {
+					if ask(addr, qname) == want {
 						mu.Lock()
 						ds = append(ds, time.Since(written))
 						mu.Unlock()

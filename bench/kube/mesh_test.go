@@ -3,7 +3,6 @@ package kube
 import (
 	"context"
 	"fmt"
-	"math/rand/v2"
 	"os"
 	"path/filepath"
 	"strings"
@@ -213,71 +212,29 @@ func populateEntries(t *testing.T, cp *kubetest.ControlPlane, n int) {
 }
 
 // entryChurn changes the address of ServiceEntries at churnRate per second
-// until ctx ends; each change is polled until answered (at most 5 s:
-// missed).
+// until ctx ends (churnLoop).
 func entryChurn(ctx context.Context, t *testing.T, cp *kubetest.ControlPlane, addr string, idx []int) (lat func() []time.Duration, missed, total *atomic.Int64) {
-	var mu sync.Mutex
-	var ds []time.Duration
-	var inflight sync.Map
-	missed, total = new(atomic.Int64), new(atomic.Int64)
 	dc := cp.DynamicClient()
-	go func() {
-		tick := time.NewTicker(time.Second / churnRate)
-		defer tick.Stop()
-		gen := 0
-		for ctx.Err() == nil {
-			select {
-			case <-ctx.Done():
-				return
-			case <-tick.C:
-			}
-			gen++
-			i := idx[rand.IntN(len(idx))]
-			if _, busy := inflight.LoadOrStore(i, true); busy {
-				continue
-			}
-			g := gen
-			go func() {
-				ip := seIP(i, g)
-				defer inflight.Delete(i)
-				octx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-				defer cancel()
-				res := dc.Resource(kubetest.ServiceEntryGVR).Namespace(fmt.Sprintf("bench-%d", i%namespaces))
-				cur, err := res.Get(octx, fmt.Sprintf("se-%d", i), metav1.GetOptions{})
-				if err != nil {
-					return
-				}
-				// The other of the entry's two addresses, so every update
-				// changes the answer.
-				if old, _, _ := unstructured.NestedStringSlice(cur.Object, "spec", "addresses"); len(old) > 0 && old[0] == ip {
-					ip = seIP(i, g+1)
-				}
-				if err := unstructured.SetNestedSlice(cur.Object, []any{ip}, "spec", "addresses"); err != nil {
-					return
-				}
-				if _, err := res.Update(octx, cur, metav1.UpdateOptions{}); err != nil {
-					return
-				}
-				written := time.Now()
-				total.Add(1)
-				for time.Since(written) < 5*time.Second {
-					if ask(addr, seHost(i)) == ip {
-						mu.Lock()
-						ds = append(ds, time.Since(written))
-						mu.Unlock()
-						return
-					}
-					time.Sleep(time.Millisecond)
-				}
-				missed.Add(1)
-			}()
+	return churnLoop(ctx, addr, idx, func(octx context.Context, i, gen int) (string, string, bool) {
+		res := dc.Resource(kubetest.ServiceEntryGVR).Namespace(fmt.Sprintf("bench-%d", i%namespaces))
+		cur, err := res.Get(octx, fmt.Sprintf("se-%d", i), metav1.GetOptions{})
+		if err != nil {
+			return "", "", false
 		}
-	}()
-	return func() []time.Duration {
-		mu.Lock()
-		defer mu.Unlock()
-		return append([]time.Duration(nil), ds...)
-	}, missed, total
+		// The other of the entry's two addresses, so every update changes
+		// the answer.
+		ip := seIP(i, gen)
+		if old, _, _ := unstructured.NestedStringSlice(cur.Object, "spec", "addresses"); len(old) > 0 && old[0] == ip {
+			ip = seIP(i, gen+1)
+		}
+		if err := unstructured.SetNestedSlice(cur.Object, []any{ip}, "spec", "addresses"); err != nil {
+			return "", "", false
+		}
+		if _, err := res.Update(octx, cur, metav1.UpdateOptions{}); err != nil {
+			return "", "", false
+		}
+		return seHost(i), ip, true
+	})
 }
 
 // renderMesh prints the mesh run beside the single-cluster meshdns rows.

@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
-	"net/http"
 	"os"
 	"strings"
 	"text/tabwriter"
@@ -67,17 +66,7 @@ func probeReady(st *State) string {
 	if st.Admin == "" {
 		return "unknown: admin endpoint disabled"
 	}
-	c := http.Client{Timeout: time.Second}
-	resp, err := c.Get("http://" + st.Admin + "/readyz")
-	if err != nil {
-		return "unknown: " + err.Error()
-	}
-	defer resp.Body.Close()
-	b, _ := io.ReadAll(io.LimitReader(resp.Body, 512))
-	if resp.StatusCode == http.StatusOK {
-		return "yes"
-	}
-	return "no: " + strings.TrimSpace(string(b))
+	return readyAt(st.Admin)
 }
 
 // WriteTable prints the status for people.

@@ -6,13 +6,19 @@ import (
 	"encoding/json"
 	"fmt"
 	"hash/fnv"
+	"maps"
 	"net/netip"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/miekg/dns"
 
 	rbacv1 "k8s.io/api/rbac/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -237,4 +243,50 @@ func readFile(t *testing.T, path string) []byte {
 		t.Fatal(err)
 	}
 	return b
+}
+
+// query is a name and the answer it must keep getting.
+type query struct{ name, want string }
+
+// queryWhile asks each query every 5 ms (one goroutine each) until the
+// returned function is called; that returns how many were sent, how many
+// failed, and each distinct failure ("name -> answer", sorted).
+func (a *agent) queryWhile(qs ...query) func() (sent, failed int64, failures []string) {
+	var sentN, failedN atomic.Int64
+	var mu sync.Mutex
+	failed := map[string]bool{}
+	stop := make(chan struct{})
+	var wg sync.WaitGroup
+	for _, q := range qs {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			tick := time.NewTicker(5 * time.Millisecond)
+			defer tick.Stop()
+			for {
+				select {
+				case <-stop:
+					return
+				case <-tick.C:
+				}
+				sentN.Add(1)
+				resp, err := a.query("", q.name, dns.TypeA)
+				if err != nil || answer(resp) != q.want {
+					failedN.Add(1)
+					got := fmt.Sprint(err)
+					if resp != nil {
+						got = answer(resp)
+					}
+					mu.Lock()
+					failed[q.name+" -> "+got] = true
+					mu.Unlock()
+				}
+			}
+		}()
+	}
+	return func() (int64, int64, []string) {
+		close(stop)
+		wg.Wait()
+		return sentN.Load(), failedN.Load(), slices.Sorted(maps.Keys(failed))
+	}
 }

@@ -4,8 +4,6 @@ import (
 	"context"
 	"net/http"
 	"strings"
-	"sync"
-	"sync/atomic"
 	"testing"
 	"time"
 
@@ -118,30 +116,10 @@ func TestRemoteClusters(t *testing.T) {
 	dir.write(map[string][]byte{"east": m.eastKubeconfigBytes})
 	a.waitAnswer(time.Now(), "only-east"+d, dns.TypeA, m.onlyEast, 10*time.Second)
 	a.waitAnswer(time.Now(), "db"+d, dns.TypeA, "10.244.1.5 10.245.1.6", 5*time.Second)
-	var sent, failed atomic.Int64
-	var failures sync.Map
-	stop := make(chan struct{})
-	var wg sync.WaitGroup
-	for _, q := range []struct{ name, want string }{
-		{"web" + d, m.webLocal}, {"only-east" + d, m.onlyEast}, {"db" + d, "10.244.1.5 10.245.1.6"}, {"db-1.db" + d, "10.245.1.6"},
-	} {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			for {
-				select {
-				case <-stop:
-					return
-				case <-time.After(5 * time.Millisecond):
-				}
-				sent.Add(1)
-				if got := a.ask("", q.name, dns.TypeA); got != q.want {
-					failed.Add(1)
-					failures.Store(q.name+" -> "+got, true)
-				}
-			}
-		}()
-	}
+	flow := a.queryWhile(
+		query{"web" + d, m.webLocal}, query{"only-east" + d, m.onlyEast},
+		query{"db" + d, "10.244.1.5 10.245.1.6"}, query{"db-1.db" + d, "10.245.1.6"},
+	)
 	m.east.StopAPIServer()
 	down := time.Now()
 	if !testenv.WaitFor(10*time.Second, func() bool { return a.metric(`meshdns_names_source_stale_seconds{source="cluster/east"}`) > 0 }) {
@@ -161,11 +139,10 @@ func TestRemoteClusters(t *testing.T) {
 	if !testenv.WaitFor(10*time.Second, func() bool { return a.metric(`meshdns_names_source_stale_seconds{source="cluster/east"}`) == 0 }) {
 		t.Errorf("cluster/east did not recover after its API server came back")
 	}
-	close(stop)
-	wg.Wait()
-	t.Logf("%d queries of local and cached remote names through the remote outage, %d failed", sent.Load(), failed.Load())
-	if failed.Load() > 0 {
-		failures.Range(func(k, _ any) bool { t.Errorf("failed: %v", k); return true })
+	sent, failed, failures := flow()
+	t.Logf("%d queries of local and cached remote names through the remote outage, %d failed", sent, failed)
+	for _, f := range failures {
+		t.Errorf("failed: %s", f)
 	}
 }
 

@@ -39,34 +39,8 @@ func TestStatsNamePods(t *testing.T) {
 	nodeNS.IP(t, "addr", "add", "10.96.0.10/32", "dev", "lo") // the captured nameserver
 	nodeNS.IP(t, "addr", "add", "169.254.53.1/32", "dev", "lo")
 	testenv.StartFakeDNS(t, nodeNS, "169.254.53.1:53", upstreamNames)
-	apiPort := proxyIntoNetns(t, nodeNS, strings.TrimPrefix(c.Host(), "https://"))
-	kubeconfig := rewriteServer(t, c.kubeconfig, fmt.Sprintf("https://127.0.0.1:%d", apiPort))
-	stateDir := t.TempDir()
-	bpffs := filepath.Join(testenv.NewBPFFS(t), "meshdns")
-	bin := buildAgent(t)
-	var log logBuffer
-	cmd := testenv.Command(context.Background(), testenv.Proc{Netns: nodeNS, Cgroup: cg, NetOnly: true}, bin,
-		"run", "--mode", "ebpf", "--cgroup", cg.Path, "--kubeconfig", kubeconfig, "--node-name", node,
-		"--nameservers", "10.96.0.10", "--upstream", "169.254.53.1", "--listen", "169.254.20.53:53",
-		"--admin", "127.0.0.1:19155", "--bpffs", bpffs, "--state-dir", stateDir, "--log-level", "debug")
-	cmd.Stdout, cmd.Stderr = &log, &log
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	done := make(chan error, 1)
-	go func() { done <- cmd.Wait() }()
-	t.Cleanup(func() {
-		_ = cmd.Process.Signal(syscall.SIGTERM)
-		select {
-		case <-done:
-		case <-time.After(10 * time.Second):
-			_ = cmd.Process.Kill()
-			<-done
-		}
-		if t.Failed() {
-			t.Logf("agent log:\n%s", log.tail(60))
-		}
-	})
+	a := startNodeAgent(t, c, nodeNS, cg, "--nameservers", "10.96.0.10", "--upstream", "169.254.53.1", "--admin", "127.0.0.1:19155")
+	stateDir, bpffs, bin := a.stateDir, a.bpffs, buildAgent(t)
 
 	// dig from a pod's cgroup to the captured nameserver.
 	dig := func(cgDir string) string {
@@ -86,12 +60,7 @@ func TestStatsNamePods(t *testing.T) {
 		return strings.TrimSpace(out.String())
 	}
 	if !testenv.WaitFor(30*time.Second, func() bool {
-		select {
-		case err := <-done:
-			done <- err
-			t.Fatalf("agent exited: %v\n%s", err, log.tail(40))
-		default:
-		}
+		a.checkRunning(t)
 		return dig(cgA) == web.Spec.ClusterIP
 	}) {
 		t.Fatalf("no answer through the agent")
