@@ -65,9 +65,9 @@ type Host struct {
 	soa      *dns.SOA
 	shortLen uint8 // of a Kubernetes host named <short>.<ns>.svc.<domain>: len(<short>)
 	nsLen    uint8 // and len(<ns>)
-	inDomain bool // under the cluster domain
-	linked   bool // has names in the table (false: no data, left out)
-	self     Name // the entry of the canonical name, when it wins alone
+	inDomain bool  // under the cluster domain
+	linked   bool  // has names in the table (false: no data, left out)
+	self     Name  // the entry of the canonical name, when it wins alone
 }
 
 // HostPort is a named port, answered as SRV _<name>._<protocol>.<host>.
