@@ -135,7 +135,6 @@ func apply(t *testing.T, cp *kubetest.ControlPlane, objs []object) error {
 	return nil
 }
 
-
 // Every manifest - the default install and each component - passes
 // server-side apply against a real kube-apiserver (its admission and
 // validation, not a client-side dry run).
