@@ -29,6 +29,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	discoveryv1 "k8s.io/api/discovery/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
 
@@ -256,6 +257,7 @@ func populate(t *testing.T, cp *kubetest.ControlPlane, n int) []int {
 func populateRange(t *testing.T, cp *kubetest.ControlPlane, from, to int) []int {
 	rc := cp.RESTConfig(t, kubetest.Admin)
 	rc.QPS, rc.Burst = 5000, 5000
+	rc.Timeout = time.Minute
 	rc.ContentType = "application/vnd.kubernetes.protobuf"
 	cs, err := kubernetes.NewForConfig(rc)
 	if err != nil {
@@ -268,7 +270,7 @@ func populateRange(t *testing.T, cp *kubetest.ControlPlane, from, to int) []int 
 	work := make(chan int)
 	var wg sync.WaitGroup
 	var firstErr atomic.Pointer[error]
-	for range 32 {
+	for range 16 {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
@@ -300,20 +302,44 @@ func endpointIP(i, gen int) string {
 	return fmt.Sprintf("10.%d.%d.%d", 128+gen%64, i>>8&0xff, i&0xff)
 }
 
+// retryCreate runs a create until it succeeds or finds the object exists:
+// a busy API server times some out.
+func retryCreate(what string, create func(ctx context.Context) error) error {
+	var err error
+	for attempt := range 10 {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+		err = create(ctx)
+		cancel()
+		if err == nil || apierrors.IsAlreadyExists(err) {
+			return nil
+		}
+		time.Sleep(time.Duration(attempt+1) * 200 * time.Millisecond)
+	}
+	return fmt.Errorf("create %s: %w", what, err)
+}
+
+// createOne creates Service i and its EndpointSlice, retrying what a busy
+// API server times out (a create that already happened is fine).
 func createOne(cs kubernetes.Interface, i int) error {
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
 	ns, svcName := fmt.Sprintf("bench-%d", i%namespaces), fmt.Sprintf("svc-%d", i)
 	svc := &corev1.Service{ObjectMeta: metav1.ObjectMeta{Name: svcName, Namespace: ns},
 		Spec: corev1.ServiceSpec{Ports: []corev1.ServicePort{{Name: "http", Port: 80, Protocol: corev1.ProtocolTCP}}}}
 	if isHeadless(i) {
 		svc.Spec.ClusterIP = corev1.ClusterIPNone
 	}
-	if _, err := cs.CoreV1().Services(ns).Create(ctx, svc, metav1.CreateOptions{}); err != nil {
-		return fmt.Errorf("create %s/%s: %w", ns, svcName, err)
+	retry := func(what string, create func(ctx context.Context) error) error {
+		return retryCreate(what+" "+ns+"/"+svcName, create)
 	}
-	_, err := cs.DiscoveryV1().EndpointSlices(ns).Create(ctx, slice(ns, svcName, endpointIP(i, 0)), metav1.CreateOptions{})
-	return err
+	if err := retry("Service", func(ctx context.Context) error {
+		_, err := cs.CoreV1().Services(ns).Create(ctx, svc, metav1.CreateOptions{})
+		return err
+	}); err != nil {
+		return err
+	}
+	return retry("EndpointSlice", func(ctx context.Context) error {
+		_, err := cs.DiscoveryV1().EndpointSlices(ns).Create(ctx, slice(ns, svcName, endpointIP(i, 0)), metav1.CreateOptions{})
+		return err
+	})
 }
 
 func slice(ns, svc, ip string) *discoveryv1.EndpointSlice {

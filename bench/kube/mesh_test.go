@@ -176,6 +176,7 @@ func entry(i, gen int) *unstructured.Unstructured {
 func populateEntries(t *testing.T, cp *kubetest.ControlPlane, n int) {
 	rc := cp.RESTConfig(t, kubetest.Admin)
 	rc.QPS, rc.Burst = 5000, 5000
+	rc.Timeout = time.Minute
 	dc, err := dynamic.NewForConfig(rc)
 	if err != nil {
 		t.Fatal(err)
@@ -183,15 +184,16 @@ func populateEntries(t *testing.T, cp *kubetest.ControlPlane, n int) {
 	work := make(chan int)
 	var wg sync.WaitGroup
 	var firstErr atomic.Pointer[error]
-	for range 32 {
+	for range 16 {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
 			for i := range work {
-				ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 				e := entry(i, 0)
-				_, err := dc.Resource(kubetest.ServiceEntryGVR).Namespace(e.GetNamespace()).Create(ctx, e, metav1.CreateOptions{})
-				cancel()
+				err := retryCreate("ServiceEntry "+e.GetNamespace()+"/"+e.GetName(), func(ctx context.Context) error {
+					_, err := dc.Resource(kubetest.ServiceEntryGVR).Namespace(e.GetNamespace()).Create(ctx, e, metav1.CreateOptions{})
+					return err
+				})
 				if err != nil {
 					firstErr.CompareAndSwap(nil, &err)
 				}

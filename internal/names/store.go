@@ -40,7 +40,7 @@ const (
 
 // DefaultWindow is the shortest time between two snapshots: a burst of
 // changes within it is published as one.
-const DefaultWindow = 20 * time.Millisecond
+const DefaultWindow = 5 * time.Millisecond
 
 // Source feeds the store.
 type Source interface {

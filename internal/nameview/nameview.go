@@ -158,8 +158,8 @@ func addrs(h *nametable.Host) []string {
 // namespaceOf is a Kubernetes host's namespace, or the namespace of the
 // object ("namespace/name") that contributed it.
 func namespaceOf(h *nametable.Host) string {
-	if h.Namespace != "" {
-		return h.Namespace
+	if h.Namespace() != "" {
+		return h.Namespace()
 	}
 	if ns, _, ok := strings.Cut(h.Key(), "/"); ok {
 		return ns
@@ -237,7 +237,7 @@ func NDS(t *nametable.Table, ns string) NameTable {
 			info.Registry = nametable.RegistryKubernetes
 		}
 		if h.Kubernetes {
-			info.Shortname, info.Namespace = h.Shortname, h.Namespace
+			info.Shortname, info.Namespace = h.Shortname(), h.Namespace()
 		}
 		for _, a := range h.AltNames {
 			info.AltHosts = append(info.AltHosts, strings.TrimSuffix(a, "."))

@@ -31,12 +31,16 @@ var shared struct {
 	dir    string
 	builds [2]*imageBuild
 	err    error
+	stale  string // why the committed Debian lock could not be used ("" when it could)
 }
 
 func TestMain(m *testing.M) {
 	code := m.Run()
 	if shared.dir != "" {
 		_ = os.RemoveAll(shared.dir)
+	}
+	if agentBin.path != "" {
+		_ = os.RemoveAll(filepath.Dir(agentBin.path))
 	}
 	os.Exit(code)
 }
@@ -60,6 +64,10 @@ func builds(t *testing.T) [2]*imageBuild {
 			shared.err = err
 			return
 		}
+		if shared.stale, err = ensureDebs(root, shared.dir, &in); err != nil {
+			shared.err = err
+			return
+		}
 		for i := range shared.builds {
 			b, err := buildFromCleanCheckout(root, filepath.Join(shared.dir, fmt.Sprint(i)), in)
 			shared.builds[i] = b
@@ -71,6 +79,9 @@ func builds(t *testing.T) [2]*imageBuild {
 	})
 	if shared.err != nil {
 		t.Fatal(shared.err)
+	}
+	if shared.stale != "" {
+		t.Logf("WARNING: deploy/image/debs.lock is stale (%s); built with a fresh lock of what Debian serves today. Run make image-lock and commit the lock.", shared.stale)
 	}
 	return shared.builds
 }

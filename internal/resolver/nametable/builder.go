@@ -124,8 +124,7 @@ func (b *Builder) Objects(source string) int { return len(b.keys[source]) }
 // after the call. A host that fails validation is an error and nothing
 // changes.
 func (b *Builder) Set(source, key string, hosts []Host) error {
-	prio, ok := b.prio[source]
-	if !ok {
+	if _, ok := b.prio[source]; !ok {
 		return fmt.Errorf("nametable: unknown source %q", source)
 	}
 	nh := make([]*Host, 0, len(hosts))
@@ -135,7 +134,7 @@ func (b *Builder) Set(source, key string, hosts []Host) error {
 		if err := b.normalize(h); err != nil {
 			return fmt.Errorf("host %q: %w", hosts[i].Name, err)
 		}
-		h.Source, h.key, h.prio = source, key, prio
+		h.Source, h.key = source, key
 		nh = append(nh, h)
 	}
 	skeys := b.keys[source]
@@ -442,7 +441,7 @@ func (b *Builder) merge(x string, list []*Host) *Name {
 			}
 			return -1
 		}
-		return cmp.Or(cmp.Compare(q.prio, p.prio), cmp.Compare(p.Source, q.Source),
+		return cmp.Or(cmp.Compare(b.prio[q.Source], b.prio[p.Source]), cmp.Compare(p.Source, q.Source),
 			cmp.Compare(p.Name, q.Name), cmp.Compare(p.key, q.key))
 	})
 	win := sorted[0]
@@ -532,8 +531,8 @@ func (b *Builder) setEntry(x string, e *Name) {
 		b.index(x, e.Host)
 	}
 	for _, n := range []*Name{old, e} {
-		if n != nil && n.Host.Shortname != "" && n.Host.Name == x {
-			b.refreshBare(n.Host.Shortname + ".")
+		if n != nil && n.Host.shortLen > 0 && n.Host.Name == x {
+			b.refreshBare(n.Host.shortLabel())
 			break
 		}
 	}
@@ -557,8 +556,8 @@ func (b *Builder) index(x string, h *Host) {
 	if h.inDomain {
 		b.entAdd(x, +1)
 	}
-	if h.Shortname != "" {
-		b.shortAdd(h.Shortname+".", h.Namespace, +1)
+	if h.shortLen > 0 {
+		b.shortAdd(h.shortLabel(), h.Namespace(), +1)
 	}
 }
 
@@ -578,8 +577,8 @@ func (b *Builder) unindex(x string, h *Host) {
 	if h.inDomain {
 		b.entAdd(x, -1)
 	}
-	if h.Shortname != "" {
-		b.shortAdd(h.Shortname+".", h.Namespace, -1)
+	if h.shortLen > 0 {
+		b.shortAdd(h.shortLabel(), h.Namespace(), -1)
 	}
 }
 

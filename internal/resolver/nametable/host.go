@@ -57,19 +57,17 @@ type Host struct {
 	Wildcard bool
 	// AutoVIP is true when V4 and V6 were allocated by the table.
 	AutoVIP bool
-	// Namespace and Shortname of a Kubernetes host named
-	// <short>.<ns>.svc.<domain>.
-	Namespace, Shortname string
 	// Source is the name of the source that contributed the host (of the
 	// winning one, for a merged host).
 	Source string
 
 	key      string // the source's object key
-	prio     int    // the source's priority
 	soa      *dns.SOA
-	inDomain bool // under the cluster domain
-	linked   bool // has names in the table (false: no data, left out)
-	self     Name // the entry of the canonical name, when it wins alone
+	shortLen uint8 // of a Kubernetes host named <short>.<ns>.svc.<domain>: len(<short>)
+	nsLen    uint8 // and len(<ns>)
+	inDomain bool  // under the cluster domain
+	linked   bool  // has names in the table (false: no data, left out)
+	self     Name  // the entry of the canonical name, when it wins alone
 }
 
 // HostPort is a named port, answered as SRV _<name>._<protocol>.<host>.
@@ -81,6 +79,23 @@ type HostPort struct {
 	// has one entry per endpoint and port, each naming its endpoint.
 	Target string
 }
+
+// Shortname is <short> of a Kubernetes host named <short>.<ns>.svc.<domain>,
+// else "".
+func (h *Host) Shortname() string { return h.Name[:h.shortLen] }
+
+// Namespace is <ns> of a Kubernetes host named <short>.<ns>.svc.<domain>,
+// else "".
+func (h *Host) Namespace() string {
+	if h.shortLen == 0 {
+		return ""
+	}
+	i := int(h.shortLen) + 1
+	return h.Name[i : i+int(h.nsLen)]
+}
+
+// shortLabel is "<short>." (a substring of the name: no allocation).
+func (h *Host) shortLabel() string { return h.Name[:h.shortLen+1] }
 
 // HasData reports whether the host has anything to answer: addresses or a
 // CNAME.
@@ -241,10 +256,11 @@ func (b *Builder) normalize(h *Host) error {
 		}
 	}
 	h.AutoVIP = false
-	h.Namespace, h.Shortname = "", ""
+	h.shortLen, h.nsLen = 0, 0
 	if h.Kubernetes && !h.Wildcard && strings.HasSuffix(n, b.svc) {
-		if parts := strings.Split(strings.TrimSuffix(n, b.svc), "."); len(parts) == 2 {
-			h.Shortname, h.Namespace = n[:len(parts[0])], n[len(parts[0])+1:len(parts[0])+1+len(parts[1])]
+		head := n[:len(n)-len(b.svc)] // "<short>.<ns>"
+		if i := strings.IndexByte(head, '.'); i > 0 && i < len(head)-1 && strings.IndexByte(head[i+1:], '.') < 0 {
+			h.shortLen, h.nsLen = uint8(i), uint8(len(head)-i-1)
 		}
 	}
 	if len(h.AltNames) > 0 {

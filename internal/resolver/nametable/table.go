@@ -238,7 +238,7 @@ func (t *Table) kubeShort(head, ns string) *Name {
 	}
 	full := unsafe.String(&buf[0], n)
 	e, ok := t.names.get(full)
-	if !ok || !e.Host.Kubernetes || e.Host.Shortname == "" {
+	if !ok || !e.Host.Kubernetes || e.Host.shortLen == 0 {
 		return nil
 	}
 	// Only hosts whose canonical name this is (not an alt name).
