@@ -176,7 +176,10 @@ func Run(ctx context.Context, cfg Config, log *slog.Logger) (err error) {
 	if err != nil {
 		return fmt.Errorf("upstream: %w", err)
 	}
-	fwd.Start(runCtx)
+	if err := fwd.Start(ctx); err != nil {
+		_ = fwd.Close()
+		return fmt.Errorf("upstream: %w", err)
+	}
 	undo = append(undo, func() { _ = fwd.Close() })
 
 	// Resolver.
