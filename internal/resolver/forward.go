@@ -100,8 +100,9 @@ func sourceOf(src upstream.Source) source {
 // autopath expansion, then also cname); both may alias the worker's buffer.
 func (w *worker) forwardWire(r *request, out []byte, name, cname string) []byte {
 	s := w.s
-	q := upstream.Query{Name: name, Qtype: r.qtype, Qclass: r.qclass, DO: r.do, CD: r.cd, ClientID: r.id()}
-	if a, ok := s.fwd.Cached(&q); ok {
+	q := &w.q // a field, not a local: passing it through the interface would allocate
+	*q = upstream.Query{Name: name, Qtype: r.qtype, Qclass: r.qclass, DO: r.do, CD: r.cd, ClientID: r.id()}
+	if a, ok := s.fwd.Cached(q); ok {
 		b := encodeWire(out, r.pkt[:r.qend], r.edns, r.do, r.limit, s.ttl, cname, &a)
 		if b == nil {
 			b = s.truncated(out, r.pkt[:r.qend], r.edns, r.do, r.limit, cname, &a)
@@ -114,13 +115,14 @@ func (w *worker) forwardWire(r *request, out []byte, name, cname string) []byte 
 		return w.overload(r, out)
 	}
 	p.nEcho = copy(p.echo[:], r.pkt[:r.qend])
+	pq := *q
 	if cname != "" {
 		p.cname = strings.Clone(cname)
-		q.Name = p.cname
+		pq.Name = p.cname
 	} else {
-		q.Name = strings.Clone(name)
+		pq.Name = strings.Clone(name)
 	}
-	s.fwd.ForwardAsync(&q, p.done)
+	s.fwd.ForwardAsync(&pq, p.done)
 	return nil
 }
 

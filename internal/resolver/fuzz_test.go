@@ -32,9 +32,14 @@ func (c *cannedForwarder) ForwardAsync(_ *upstream.Query, done upstream.Waiter) 
 
 // handlePacket runs one message through the real entry point, Server's worker.serve,
 // exactly as the transports call it, and returns the reply bytes (nil = not answered).
+// Like the transports, it reuses one client struct per worker and protocol.
 func handlePacket(w *worker, pkt, out []byte, proto proto) []byte {
-	c := &client{proto: proto, addr: netip.MustParseAddr("127.0.0.2")}
-	return w.serve(pkt, out, c, time.Now())
+	return w.serve(pkt, out, &testClients[proto], time.Now())
+}
+
+var testClients = [nProtos]client{
+	{proto: protoUDP, addr: netip.MustParseAddr("127.0.0.2")},
+	{proto: protoTCP, addr: netip.MustParseAddr("127.0.0.2")},
 }
 
 func FuzzServeDNS(f *testing.F) {

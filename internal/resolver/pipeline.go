@@ -6,6 +6,8 @@ import (
 	"unsafe"
 
 	"github.com/miekg/dns"
+
+	"github.com/meshdns/meshdns-ebpf/internal/resolver/upstream"
 )
 
 // The one query path. Every transport (the UDP readers, the TCP connections, ServeDNS)
@@ -54,6 +56,7 @@ type worker struct {
 	perm  [maxFastAddrs]uint8
 	soa   soaCache
 	req   request
+	q     upstream.Query
 	// unpacked counts messages that took the unpacked path (tests check which path
 	// served a query).
 	unpacked uint64
