@@ -1,0 +1,132 @@
+package resolver
+
+import (
+	"fmt"
+	"net"
+	"net/netip"
+	"slices"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/miekg/dns"
+)
+
+// Issue 13 (9): during 10,000 simultaneous distinct slow (2 s) upstream misses from 100
+// clients, in-table queries are all answered, and every flood query gets an answer
+// within 5 s: the upstream's, or at once a SERVFAIL/REFUSED when over a bound.
+func TestSlowMissesDoNotStarveTable(t *testing.T) {
+	ts := startServer(t, testFile(), nil)
+	ts.up.SetDelay(2 * time.Second)
+	const clients, perClient = 100, 100
+
+	// In-table prober: one query at a time, from its own address, until the flood ends.
+	stop := make(chan struct{})
+	var lat []time.Duration
+	var lost int
+	probed := make(chan struct{})
+	go func() {
+		defer close(probed)
+		c, err := net.Dial("udp", ts.addr)
+		if err != nil {
+			t.Error(err)
+			return
+		}
+		defer c.Close()
+		buf := make([]byte, 512)
+		for i := 0; ; i++ {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			m := query("productpage.ns1.svc.cluster.local.", dns.TypeA)()
+			m.Id = uint16(i)
+			pkt, _ := m.Pack()
+			start := time.Now()
+			_, _ = c.Write(pkt)
+			_ = c.SetReadDeadline(start.Add(time.Second))
+			for {
+				n, err := c.Read(buf)
+				if err != nil {
+					lost++
+					break
+				}
+				if n >= 2 && uint16(buf[0])<<8|uint16(buf[1]) == uint16(i) {
+					lat = append(lat, time.Since(start))
+					break
+				}
+			}
+			time.Sleep(2 * time.Millisecond)
+		}
+	}()
+
+	var mu sync.Mutex
+	rcodes := map[string]int{}
+	var unanswered int
+	var wg sync.WaitGroup
+	floodStart := time.Now()
+	for ci := range clients {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			src := &net.UDPAddr{IP: net.IPv4(127, 0, 1, byte(ci+1))}
+			c, err := net.DialUDP("udp", src, net.UDPAddrFromAddrPort(mustAddrPort(ts.addr)))
+			if err != nil {
+				t.Error(err)
+				return
+			}
+			defer c.Close()
+			_ = c.SetReadBuffer(1 << 20)
+			for i := range perClient {
+				m := query(fmt.Sprintf("slow%d-%d.example.net.", ci, i), dns.TypeA)()
+				m.Id = uint16(i)
+				pkt, _ := m.Pack()
+				_, _ = c.Write(pkt)
+			}
+			got := map[uint16]bool{}
+			_ = c.SetReadDeadline(floodStart.Add(5 * time.Second))
+			buf := make([]byte, 4096)
+			local := map[string]int{}
+			for len(got) < perClient {
+				n, err := c.Read(buf)
+				if err != nil {
+					break
+				}
+				resp := new(dns.Msg)
+				if resp.Unpack(buf[:n]) != nil || got[resp.Id] {
+					continue
+				}
+				got[resp.Id] = true
+				local[dns.RcodeToString[resp.Rcode]]++
+			}
+			mu.Lock()
+			for k, v := range local {
+				rcodes[k] += v
+			}
+			unanswered += perClient - len(got)
+			mu.Unlock()
+		}()
+	}
+	wg.Wait()
+	close(stop)
+	<-probed
+	slices.Sort(lat)
+	p := func(q float64) time.Duration {
+		if len(lat) == 0 {
+			return 0
+		}
+		return lat[min(len(lat)-1, int(q*float64(len(lat))))]
+	}
+	t.Logf("flood of %d slow misses from %d clients: answered within 5 s by rcode %v, unanswered %d", clients*perClient, clients, rcodes, unanswered)
+	t.Logf("in-table queries during the flood: %d answered, %d lost; p50 %s, p99 %s, max %s",
+		len(lat), lost, p(0.5).Round(time.Microsecond), p(0.99).Round(time.Microsecond), p(1).Round(time.Microsecond))
+	if lost != 0 || len(lat) < 50 {
+		t.Errorf("in-table queries: %d answered, %d lost during the flood; want all answered", len(lat), lost)
+	}
+	if unanswered != 0 {
+		t.Errorf("%d flood queries got no answer within 5 s; want an answer or a fast SERVFAIL/REFUSED for each", unanswered)
+	}
+}
+
+func mustAddrPort(s string) netip.AddrPort { return netip.MustParseAddrPort(s) }
