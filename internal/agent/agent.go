@@ -165,6 +165,7 @@ func Run(ctx context.Context, cfg Config, log *slog.Logger) (err error) {
 	// Upstream forwarder.
 	ucfg := upstream.NewConfig(cfg.Upstreams...)
 	ucfg.Mark = cfg.UpstreamMark
+	ucfg.CacheBytes = cfg.CacheBytes
 	ucfg.Registerer = reg
 	ucfg.Logger = log.With("component", "upstream")
 	if mode == ModeOff {
@@ -190,6 +191,8 @@ func Run(ctx context.Context, cfg Config, log *slog.Logger) (err error) {
 		TTL:           cfg.TTL,
 		ClusterDomain: cfg.ClusterDomain,
 		Authoritative: cfg.Authoritative,
+		MaxPending:    cfg.MaxPending,
+		MaxTCPConns:   cfg.MaxTCPConns,
 		Registerer:    reg,
 		Logger:        log.With("component", "resolver"),
 	})

@@ -202,6 +202,18 @@ func TestAnswers(t *testing.T) {
 			an: []string{"api.example.com.corp.internal. 30 IN CNAME api.example.com.", "api.example.com. 30 IN A " + vip4.String()}},
 		{name: "no autopath to a bare name", req: query("ratings.ns1.svc.cluster.local.", dns.TypeA), aa: true,
 			rcode: dns.RcodeNameError, ns: []string{clusterSOA}},
+		// Autopath for external names: only for a known client (127.0.0.2 is in ns3), only
+		// its own namespace's search suffix.
+		{name: "autopath external name", req: query("www.example.com.ns3.svc.cluster.local.", dns.TypeA), client: "127.0.0.2",
+			an: []string{"www.example.com.ns3.svc.cluster.local. 30 IN CNAME www.example.com.",
+				"www.example.com. 300 IN CNAME edge.example.net.", "edge.example.net. 300 IN A 192.0.2.81"}},
+		{name: "autopath external NODATA", req: query("www.example.com.ns3.svc.cluster.local.", dns.TypeAAAA), client: "127.0.0.2",
+			an: []string{"www.example.com.ns3.svc.cluster.local. 30 IN CNAME www.example.com."},
+			ns: []string{"example.org. 300 IN SOA ns.example.org. h.example.org. 1 2 3 4 300"}},
+		{name: "no external autopath for an unknown client", req: query("www.example.com.ns3.svc.cluster.local.", dns.TypeA), aa: true,
+			rcode: dns.RcodeNameError, ns: []string{clusterSOA}},
+		{name: "no external autopath for another namespace", req: query("www.example.com.ns1.svc.cluster.local.", dns.TypeA), client: "127.0.0.2", aa: true,
+			rcode: dns.RcodeNameError, ns: []string{clusterSOA}},
 		// NODATA and NXDOMAIN.
 		{name: "AAAA of v4-only is NODATA", req: query(pp, dns.TypeAAAA), aa: true, ns: []string{clusterSOA}},
 		{name: "AAAA dual stack", req: query("ratings.ns2.svc.cluster.local.", dns.TypeAAAA), aa: true,
