@@ -17,15 +17,22 @@ export PATH := $(PATH):/usr/local/go/bin
 export GOTOOLCHAIN := local
 export GOFLAGS := -buildvcs=false
 
-.PHONY: all build run test deps test-deps unit generate check-generate vet bench clean
+.PHONY: all build run test deps test-deps kube-bin unit generate check-generate vet bench clean
 
 all: build
 
 deps:
 	@scripts/install-deps.sh --run
 
+# Test dependencies: packages, then the Kubernetes test control plane (etcd,
+# kube-apiserver, kube-controller-manager built from Go modules into .cache/kube-bin;
+# minutes cold, nothing when warm). See docs/testing.md.
 test-deps:
 	@scripts/install-deps.sh
+	@scripts/build-kube.sh
+
+kube-bin:
+	@scripts/build-kube.sh
 
 build:
 	CGO_ENABLED=0 $(GO) build -ldflags "$(LDFLAGS)" -o $(BIN) ./cmd/meshdns-ebpf

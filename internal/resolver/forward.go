@@ -80,6 +80,7 @@ type pending struct {
 	nEcho  int
 	msg    *dns.Msg // the unpacked request, on the unpacked path
 	opt    *dns.OPT
+	prefix []dns.RR // unpacked path: records before the forwarded answer
 }
 
 func unixTime(ns int64) time.Time { return time.Unix(0, ns) }
@@ -132,7 +133,7 @@ func (w *worker) forwardMsg(r *request, out []byte) []byte {
 	s := w.s
 	q := upstream.Query{Name: r.lname, Qtype: r.qtype, Qclass: r.qclass, DO: r.do, CD: r.cd, ClientID: r.msg.Id}
 	if a, ok := s.fwd.Cached(&q); ok {
-		b := s.pack(s.answerMsg(r.msg, r.opt, r.limit, "", &a), out)
+		b := s.pack(s.answerMsg(r.msg, r.opt, r.limit, r.prefix, &a), out)
 		s.record(r.proto, r.qtype, a.Rcode, srcCache, r.start)
 		return b
 	}
@@ -140,7 +141,7 @@ func (w *worker) forwardMsg(r *request, out []byte) []byte {
 	if p == nil {
 		return w.overload(r, out)
 	}
-	p.msg, p.opt = r.msg, r.opt
+	p.msg, p.opt, p.prefix = r.msg, r.opt, r.prefix
 	s.fwd.ForwardAsync(&q, p.done)
 	return nil
 }
@@ -212,10 +213,12 @@ func (p *pending) done(a upstream.Answer, err error) {
 			b = s.truncated(out, p.echo[:p.nEcho], p.edns, p.do, p.limit, p.cname, &a)
 		}
 	} else {
-		b = s.pack(s.answerMsg(p.msg, p.opt, p.limit, "", &a), out)
+		b = s.pack(s.answerMsg(p.msg, p.opt, p.limit, p.prefix, &a), out)
 	}
-	p.reply.send(b)
+	// Counted before sending, as on the inline path: a client that has its answer
+	// sees it in the metrics.
 	s.record(p.proto, p.qtype, rcodeOf(&a, p.edns || p.opt != nil), src, unixTime(p.start))
+	p.reply.send(b)
 }
 
 // rcodeOf is the rcode the client sees: an extended rcode needs EDNS.
@@ -285,12 +288,25 @@ func (s *Server) truncated(out, echo []byte, edns, do bool, limit int, cname str
 	if edns {
 		opt = newOPT(do)
 	}
-	return s.pack(s.answerMsg(m, opt, limit, cname, a), out)
+	return s.pack(s.answerMsg(m, opt, limit, s.cnamePrefix(m, cname), a), out)
+}
+
+// cnamePrefix is the CNAME record of an external autopath answer (none for "").
+func (s *Server) cnamePrefix(req *dns.Msg, cname string) []dns.RR {
+	if cname == "" {
+		return nil
+	}
+	return []dns.RR{&dns.CNAME{
+		Hdr:    dns.RR_Header{Name: req.Question[0].Name, Rrtype: dns.TypeCNAME, Class: dns.ClassINET, Ttl: s.ttl},
+		Target: cname,
+	}}
 }
 
 // answerMsg builds the response to req from a forwarded answer with miekg/dns and
 // truncates it to limit: for unpacked requests and for answers that need truncation.
-func (s *Server) answerMsg(req *dns.Msg, opt *dns.OPT, limit int, cname string, a *upstream.Answer) *dns.Msg {
+// prefix (a CNAME chain leading to the forwarded name) goes before the answer section;
+// with it the response is not authoritative.
+func (s *Server) answerMsg(req *dns.Msg, opt *dns.OPT, limit int, prefix []dns.RR, a *upstream.Answer) *dns.Msg {
 	out := new(dns.Msg)
 	out.Id = req.Id
 	out.Response = true
@@ -301,18 +317,15 @@ func (s *Server) answerMsg(req *dns.Msg, opt *dns.OPT, limit int, cname string, 
 	out.Question = req.Question
 	out.Rcode = rcodeOf(a, opt != nil)
 	if out.Rcode == a.Rcode {
-		out.Authoritative = a.Authoritative && cname == ""
-		out.AuthenticatedData = a.AuthenticData && cname == "" && (opt != nil && opt.Do() || req.AuthenticatedData)
+		out.Authoritative = a.Authoritative && prefix == nil
+		out.AuthenticatedData = a.AuthenticData && prefix == nil && (opt != nil && opt.Do() || req.AuthenticatedData)
 		an, ns, ex, err := a.RRs()
 		if err != nil {
 			s.log.Warn("forwarded answer", "err", err)
 			out.Rcode = dns.RcodeServerFailure
 		} else {
-			if cname != "" {
-				an = append([]dns.RR{&dns.CNAME{
-					Hdr:    dns.RR_Header{Name: req.Question[0].Name, Rrtype: dns.TypeCNAME, Class: dns.ClassINET, Ttl: s.ttl},
-					Target: cname,
-				}}, an...)
+			if prefix != nil {
+				an = append(prefix[:len(prefix):len(prefix)], an...)
 			}
 			out.Answer, out.Ns, out.Extra = nilIfEmpty(an), nilIfEmpty(ns), nilIfEmpty(ex)
 		}

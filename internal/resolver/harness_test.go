@@ -26,7 +26,6 @@ type staticTable struct {
 }
 
 func (s *staticTable) Table() *nametable.Table { return s.t.Load() }
-func (s *staticTable) LastError() error        { return nil }
 
 // fakeUpstream is the shared fake nameserver (internal/dnsfake) on 127.0.0.1 that
 // knows a few external names and answers NXDOMAIN otherwise.
@@ -126,13 +125,47 @@ type testServer struct {
 
 func startServer(t *testing.T, f *nametable.File, mod func(*Config)) *testServer {
 	t.Helper()
-	up := startUpstream(t)
-	ts := &testServer{reg: prometheus.NewRegistry(), table: &staticTable{}, up: up}
+	var tb *nametable.Table
 	if f != nil {
-		tb, err := nametable.Build(f, nametable.Options{})
-		if err != nil {
+		var err error
+		if tb, err = nametable.Build(f, nametable.Options{}); err != nil {
 			t.Fatal(err)
 		}
+	}
+	return startServerTable(t, tb, mod)
+}
+
+// buildTable builds a table from hosts of one source, keyed by name, and
+// clients (IP -> namespace).
+func buildTable(t *testing.T, hosts []nametable.Host, clients map[string]string) *nametable.Table {
+	t.Helper()
+	b, err := nametable.NewBuilder(nametable.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	b.AddSource("test", 0)
+	for _, h := range hosts {
+		if err := b.Set("test", h.Name, []nametable.Host{h}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for ip, ns := range clients {
+		if err := b.SetClients("test", ip, []netip.Addr{netip.MustParseAddr(ip)}, ns); err != nil {
+			t.Fatal(err)
+		}
+	}
+	tb, err := b.Publish()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return tb
+}
+
+func startServerTable(t *testing.T, tb *nametable.Table, mod func(*Config)) *testServer {
+	t.Helper()
+	up := startUpstream(t)
+	ts := &testServer{reg: prometheus.NewRegistry(), table: &staticTable{}, up: up}
+	if tb != nil {
 		ts.table.t.Store(tb)
 	}
 	cfg := Config{

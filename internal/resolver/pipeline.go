@@ -46,6 +46,7 @@ type request struct {
 	opt           *dns.OPT // the client's OPT on the unpacked path
 	overRcode     int      // set by newPending when over a bound
 	pending       bool     // the answer comes later, through client.reply
+	prefix        []dns.RR // unpacked path: records before the forwarded answer (an alias chase)
 }
 
 // worker is the per-thread scratch space of the query path: one per UDP reader or TCP
@@ -262,6 +263,11 @@ func (w *worker) serveUnpacked(r *request, out []byte) []byte {
 		r.edns = ri.opt != nil
 		r.do = r.edns && ri.opt.Do()
 		r.lname = lowerName(q.Name)
+		if ri.chase != "" {
+			// An alias whose target the table does not answer: forward the target
+			// behind the records that lead to it.
+			r.lname, r.prefix = lowerName(ri.chase), ri.prefix
+		}
 		return w.forwardMsg(r, out)
 	case resp == nil:
 		s.recordDrop(r.proto)

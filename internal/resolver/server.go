@@ -38,12 +38,10 @@ type Forwarder interface {
 	ForwardAsync(q *upstream.Query, done upstream.Waiter)
 }
 
-// TableSource provides the current name table; nil means not loaded yet.
-// *nametable.Watcher implements it.
+// TableSource provides the current name table; nil means not published yet.
+// *names.Store implements it.
 type TableSource interface {
 	Table() *nametable.Table
-	// LastError is the last load error (nil if none), for Ready.
-	LastError() error
 }
 
 // Config configures a Server.
@@ -64,6 +62,9 @@ type Config struct {
 	// SearchDomains are extra node search domains stripped by autopath,
 	// besides <ns>.svc.<domain>, svc.<domain> and <domain>.
 	SearchDomains []string
+	// PodRecords answers <a-b-c-d>.<ns>.pod.<domain> with the address in
+	// the name (CoreDNS's "pods insecure").
+	PodRecords bool
 	// MaxPending bounds the queries waiting for the upstream (default 4096; over it:
 	// SERVFAIL at once); MaxPendingPerClient bounds them per client address (default
 	// 256; over it: REFUSED at once).
@@ -95,6 +96,8 @@ type Server struct {
 	searchDomains []string
 	dotDomain     string   // "." + domain
 	dotSearch     []string // "." + each search domain
+	podRecords    bool
+	dotPod        string // ".pod." + domain
 	log           *slog.Logger
 	m             *metrics
 	version       string
@@ -187,6 +190,8 @@ func New(cfg Config) (*Server, error) {
 	}
 	s.domain = d
 	s.dotDomain = "." + d
+	s.podRecords = cfg.PodRecords
+	s.dotPod = ".pod." + d
 	for _, sd := range cfg.SearchDomains {
 		d, err := normDomain(sd)
 		if err != nil {
@@ -355,10 +360,7 @@ func (s *Server) Ready() error {
 	}
 	t := s.tables.Table()
 	if t == nil {
-		if err := s.tables.LastError(); err != nil {
-			return fmt.Errorf("name table not loaded yet: %w", err)
-		}
-		return errors.New("name table not loaded yet")
+		return errors.New("name table not published yet")
 	}
 	if t.Domain() != s.domain {
 		return fmt.Errorf("name table is built for cluster domain %q but the resolver serves %q", t.Domain(), s.domain)

@@ -62,20 +62,23 @@ func (w *worker) tableWire(r *request, out []byte) (b []byte, done bool) {
 	// its own strings; wildcard matches, whose target would be a substring, take the
 	// unpacked path).
 	n, wild := t.Find(lname, r.client.addr)
-	if wild {
-		return w.serveUnpacked(r, out), true
+	if wild || (n != nil && n.Host.CNAME != "") {
+		return w.serveUnpacked(r, out), true // re-owned records or an alias
 	}
 	var target string
 	var soa []byte
 	rcode := dns.RcodeSuccess
 	if n == nil {
 		if s.autopathCandidate(lname) {
-			n, target, wild = s.autopathTarget(t, lname)
-			if wild {
+			n, target, wild = s.autopathTarget(t, lname, r.client.addr)
+			if wild || (n != nil && n.Host.CNAME != "") {
 				return w.serveUnpacked(r, out), true
 			}
 		}
 		if n == nil {
+			if s.podRecords && strings.HasSuffix(lname, s.dotPod) {
+				return w.serveUnpacked(r, out), true // pod records
+			}
 			if ext, ok := s.externalAutopath(t, lname, r.client.addr); ok {
 				return w.forwardWire(r, out, ext, ext), true
 			}
@@ -104,7 +107,7 @@ func (w *worker) tableWire(r *request, out []byte) (b []byte, done bool) {
 			if target != "" {
 				return w.serveUnpacked(r, out), true // CNAME without data
 			}
-			if soa = w.soaWire(t, h.SOA); soa == nil {
+			if soa = w.soaWire(t, t.SOA(h)); soa == nil {
 				return w.serveUnpacked(r, out), true
 			}
 		}
