@@ -11,7 +11,7 @@
 #   BENCH_WAIT_IDLE=10m    first wait (up to 10m) until both cores are idle
 #   BENCH_NO_INSTALL=1     do not run scripts/install-bench-deps.sh when something is missing
 #   BENCH_NO_BUILD=1       do not (re)build bin/meshdns-ebpf
-#   BENCH_MESHDNS_ARGS=".."  extra flags for our resolver (default --authoritative)
+#   BENCH_MESHDNS_ARGS=".."  extra flags for our resolver (default --authoritative=true)
 #   COREDNS=PATH           CoreDNS binary (default: the install script's cache dir)
 # Extra arguments are passed to benchrun (see `benchrun -h`), e.g. -reps 5 -duration 20s.
 set -euo pipefail

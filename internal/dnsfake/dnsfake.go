@@ -214,7 +214,11 @@ func (s *Server) serveConn(c net.Conn) {
 			return
 		}
 		out, err := ms[0].Pack()
-		if err != nil {
+		if err == nil && len(out) > dns.MaxMsgSize {
+			ms[0].Compress = true // the caller asked for a lot: make it fit if it can
+			out, err = ms[0].Pack()
+		}
+		if err != nil || len(out) > dns.MaxMsgSize {
 			return
 		}
 		if _, err := c.Write(append(binary.BigEndian.AppendUint16(nil, uint16(len(out))), out...)); err != nil {

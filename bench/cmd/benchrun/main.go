@@ -64,7 +64,7 @@ func parseConfig() (config, error) {
 	flag.StringVar(&c.work, "work", filepath.Join(os.TempDir(), "meshdns-bench"), "scratch directory (data, configs, logs)")
 	flag.StringVar(&c.out, "out", "bench/RESULTS.md", "results file (relative to -repo)")
 	flag.StringVar(&c.meshBin, "meshdns", "bin/meshdns-ebpf", "our binary (relative to -repo); missing = skipped")
-	flag.StringVar(&c.meshArgs, "meshdns-args", "--authoritative", "extra flags for our resolver (space-separated); every peer is authoritative for the mesh zone")
+	flag.StringVar(&c.meshArgs, "meshdns-args", "--authoritative=true", "extra flags for our resolver (space-separated); every peer is authoritative for the mesh zone")
 	flag.StringVar(&c.meshSkip, "meshdns-skip", "", "skip meshdns with this reason (run.sh sets it when the build fails)")
 	flag.StringVar(&c.coreDNS, "coredns", filepath.Join(cache, "meshdns-bench", "bin", "coredns"), "CoreDNS binary")
 	flag.StringVar(&c.fakeBin, "fakeupstream", "", "fake upstream binary (built by run.sh)")

@@ -87,11 +87,13 @@ type udpAttempt struct {
 }
 
 // dialUDP opens the upstream socket for q and starts its reader.
-func (f *Forwarder) dialUDP(s *server, q *dns.Msg, avoid uint16, replies chan<- reply) (*udpAttempt, error) {
+// The socket's deadline is the resolution's: its reader ends by then at the latest.
+func (f *Forwarder) dialUDP(s *server, q *dns.Msg, avoid uint16, deadline time.Time, replies chan<- reply) (*udpAttempt, error) {
 	conn, err := f.dialer.Dial("udp", s.addrStr)
 	if err != nil {
 		return nil, failed(netReason(err), fmt.Errorf("dial udp %s: %w", s.addrStr, err))
 	}
+	_ = conn.SetReadDeadline(deadline)
 	m := *q // the question and OPT are shared, read only
 	m.Id = randomID(avoid)
 	wire, err := m.Pack()

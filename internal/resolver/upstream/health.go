@@ -147,8 +147,9 @@ func (f *Forwarder) probe(s *server) {
 	q := new(dns.Msg)
 	q.SetQuestion(".", dns.TypeNS)
 	q.SetEdns0(EDNSBufferSize, false)
+	wait := max(s.attemptTimeout(), f.cfg.AttemptTimeout)
 	replies := make(chan reply, 4)
-	a, err := f.dialUDP(s, q, 0, replies)
+	a, err := f.dialUDP(s, q, 0, time.Now().Add(wait), replies)
 	if err != nil {
 		f.probeFailed(s, err)
 		return
@@ -158,7 +159,7 @@ func (f *Forwarder) probe(s *server) {
 		f.probeFailed(s, err)
 		return
 	}
-	t := time.NewTimer(max(s.attemptTimeout(), f.cfg.AttemptTimeout))
+	t := time.NewTimer(wait)
 	defer t.Stop()
 	select {
 	case r := <-replies:

@@ -129,8 +129,11 @@ func (f *Forwarder) fetch(q *dns.Msg, clientID uint16) (*dns.Msg, error) {
 			next++
 			a := attempts[s]
 			if a == nil || a.dead {
+				if a != nil {
+					a.close() // failed or answered uselessly: nothing more to read from it
+				}
 				var err error
-				a, err = f.dialUDP(s, q, clientID, replies)
+				a, err = f.dialUDP(s, q, clientID, deadline, replies)
 				if err != nil {
 					f.markFailed(s, err)
 					lastErr = err

@@ -1,6 +1,9 @@
 package upstream
 
 import (
+	"context"
+	"fmt"
+	"runtime"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -82,4 +85,26 @@ func TestAttemptTimeoutFromRTT(t *testing.T) {
 	if h.SmoothedRTT <= 0 || h.AttemptTimeout != cfg.MinAttemptTimeout {
 		t.Errorf("after 5 fast answers: %+v, want a measured RTT and the %s floor", h, cfg.MinAttemptTimeout)
 	}
+}
+
+// A resolution whose attempts keep failing (a truncated answer whose TCP retry fails)
+// leaves no socket or reader goroutine behind. (The overload test found each replaced
+// attempt leaking one of each, with a 64 KiB buffer.)
+func TestFailedAttemptsLeaveNothingBehind(t *testing.T) {
+	up := startFake(t, func(proto string, req *dns.Msg) []*dns.Msg {
+		m := new(dns.Msg)
+		m.SetReply(req)
+		m.Truncated = true // over UDP and TCP: the TCP retry fails every time
+		return []*dns.Msg{m}
+	})
+	cfg := NewConfig(up.addr)
+	cfg.Timeout = time.Second
+	f, _, _ := testForwarder(t, cfg)
+	before := runtime.NumGoroutine()
+	for i := range 20 {
+		if _, err := f.Forward(context.Background(), &Query{Name: fmt.Sprintf("tc%d.example.", i), Qtype: dns.TypeA, Qclass: dns.ClassINET}); err == nil {
+			t.Fatal("want an error")
+		}
+	}
+	waitFor(t, 2*time.Second, "reader goroutines to end", func() bool { return runtime.NumGoroutine() <= before+2 })
 }
