@@ -498,4 +498,3 @@ func TestSlowMisses(t *testing.T) {
 		t.Errorf("%d slow misses got no answer within 5 s", silent.Load())
 	}
 }
-
