@@ -249,9 +249,10 @@ func TestPrefetch(t *testing.T) {
 	for range 2 * PrefetchMinHits {
 		forward(t, f, popular)
 	}
-	time.Sleep(100 * time.Millisecond)
-	if up.count() != 2 {
-		t.Fatalf("hits above %d%% of the TTL: upstream saw %d queries, want 2", PrefetchPercent, up.count())
+	// A prefetch registers its upstream resolution before the hit returns, so "none
+	// started" is known at once: no resolution in flight, none counted.
+	if n := inFlight(f); n != 0 || metrictest.Value(t, reg, "meshdns_cache_prefetch_total") != 0 || up.count() != 2 {
+		t.Fatalf("hits above %d%% of the TTL: %d resolutions in flight, upstream saw %d queries; want none and 2", PrefetchPercent, n, up.count())
 	}
 	clk.advance(6 * time.Second) // 9 s of 100 left
 	for i := range PrefetchMinHits {
@@ -262,9 +263,8 @@ func TestPrefetch(t *testing.T) {
 	}
 	waitFor(t, 2*time.Second, "the prefetch query", func() bool { return up.count() == 3 })
 	forward(t, f, rare) // one hit near expiry: not popular, no prefetch
-	time.Sleep(100 * time.Millisecond)
-	if up.count() != 3 {
-		t.Errorf("unpopular entry was prefetched: upstream saw %d queries, want 3", up.count())
+	if got := metrictest.Value(t, reg, "meshdns_cache_prefetch_total"); got != 1 {
+		t.Errorf("unpopular entry was prefetched: %v prefetches, want only the popular one", got)
 	}
 	waitFor(t, time.Second, "the refreshed entry", func() bool {
 		resp, src := forward(t, f, popular)
@@ -433,4 +433,11 @@ func TestCacheBytesCap(t *testing.T) {
 	if used > float64(cfg.CacheBytes) || n >= 200 || n == 0 {
 		t.Errorf("cache holds %v entries and %v bytes, want fewer than 200 and at most %d bytes", n, used, cfg.CacheBytes)
 	}
+}
+
+// inFlight is the number of upstream resolutions running.
+func inFlight(f *Forwarder) int {
+	f.flightMu.Lock()
+	defer f.flightMu.Unlock()
+	return len(f.flights)
 }
