@@ -57,6 +57,7 @@ log "building harness into $work/bin"
 go build -o "$work/bin/benchrun" ./bench/cmd/benchrun
 go build -o "$work/bin/fakeupstream" ./bench/fakeupstream
 go build -o "$work/bin/floor" ./bench/floor
+go build -o "$work/bin/lookup" ./bench/lookup
 
 meshdns="$repo/bin/meshdns-ebpf"
 skip=""
@@ -73,7 +74,7 @@ if [ "${BENCH_NO_BUILD:-0}" != 1 ]; then
 	fi
 fi
 
-args=(-repo "$repo" -work "$work" -fakeupstream "$work/bin/fakeupstream" -floor "$work/bin/floor"
+args=(-repo "$repo" -work "$work" -fakeupstream "$work/bin/fakeupstream" -floor "$work/bin/floor" -lookup "$work/bin/lookup"
 	-coredns "$coredns" -meshdns "$meshdns" -out "$repo/bench/RESULTS.md")
 [ -n "$skip" ] && args+=(-meshdns-skip "$skip")
 [ "${BENCH_QUICK:-0}" = 1 ] && args+=(-quick)
