@@ -243,10 +243,12 @@ func parseListen(s string) (listenAddr, error) {
 // by its own thread) and TCP and starts serving. ctx bounds only the binding. An address
 // that cannot be bound is named in the error, and nothing stays bound.
 //
-// The UDP readers block in the kernel, each holding a Go scheduler slot (P) while it
-// waits; Start raises GOMAXPROCS to readers + 1 so one P stays free for everything else
-// (upstream queries, TCP, metrics): then a reader's wake-up never has to hand its P over
-// or wake the runtime's monitor thread.
+// The UDP readers block in the kernel with raw system calls, each keeping its Go
+// scheduler slot (P) while it waits; Start raises GOMAXPROCS to the number of readers
+// + 1 so one P stays free for everything else (upstream queries, TCP, metrics, GC).
+// A reader's wake-up then never hands its P over nor wakes the runtime's monitor
+// thread: measured at 20k QPS on one core, 0.005 instead of 0.2 monitor sleeps per
+// query and 12 instead of 17 µs of CPU per query.
 func (s *Server) Start(ctx context.Context) error {
 	if !s.started.CompareAndSwap(false, true) {
 		return errors.New("resolver: already started")
@@ -261,10 +263,10 @@ func (s *Server) Start(ctx context.Context) error {
 			return err
 		}
 	}
-	if want := s.udpReaders + 1; runtime.GOMAXPROCS(0) < want {
+	s.mu.Lock()
+	if want := len(s.udp) + 1; reusePortSupported && runtime.GOMAXPROCS(0) < want {
 		runtime.GOMAXPROCS(want)
 	}
-	s.mu.Lock()
 	for _, u := range s.udp {
 		s.readers.Add(1)
 		go s.readUDP(u)

@@ -17,11 +17,14 @@ import (
 
 // The Linux UDP transport. Each listen address has one SO_REUSEPORT socket per CPU,
 // and each socket one reader goroutine locked to its OS thread that blocks in
-// recvmmsg(2) (the socket is in blocking mode, outside Go's netpoller), answers what it
+// recvmmsg(2) (the socket is in blocking mode, outside Go's netpoller; the call is a raw
+// system call, so the reader keeps its scheduler P: see Server.Start), answers what it
 // received through the query path, and sends the answers with one sendmmsg(2). An idle
 // reader wakes every receive timeout (250 ms) to notice a stop, so a drain works even
 // when the socket stays open in another process (closing an fd does not wake a thread
-// blocked on it).
+// blocked on it). Because the socket has a receive timeout, a signal interrupts the
+// call with EINTR instead of restarting it: the runtime's preemption and
+// stop-the-world signals reach the reader at once, which then yields (runtime.Gosched).
 
 // reusePortSupported: one UDP socket per CPU shares the address through
 // SO_REUSEPORT and the kernel spreads packets over them.
@@ -226,11 +229,17 @@ func (s *Server) readUDP(u *udpSock) {
 				h.SetControllen(oobSize)
 			}
 		}
-		n, _, errno := unix.Syscall6(unix.SYS_RECVMMSG, uintptr(u.fd), uintptr(unsafe.Pointer(&r.in[0])), udpBatch, unix.MSG_WAITFORONE, 0, 0)
+		// A raw system call: the goroutine keeps its P as if it were running, so the
+		// scheduler never hands the P over, and the runtime's monitor thread (sysmon)
+		// has no idle P to wake up for on every packet. The receive timeout bounds the
+		// block; any signal (the runtime's preemption, a stop-the-world) interrupts it
+		// with EINTR, and Gosched then gives the runtime its safe point.
+		n, _, errno := unix.RawSyscall6(unix.SYS_RECVMMSG, uintptr(u.fd), uintptr(unsafe.Pointer(&r.in[0])), udpBatch, unix.MSG_WAITFORONE, 0, 0)
 		if errno != 0 {
+			runtime.Gosched()
 			switch errno {
 			case unix.EAGAIN, unix.EINTR:
-				continue // receive timeout: look at the stop flag
+				continue // receive timeout or a signal: look at the stop flag
 			case unix.EBADF:
 				return
 			}
@@ -269,7 +278,7 @@ func (s *Server) readUDP(u *udpSock) {
 			k++
 		}
 		for sent := 0; sent < k; {
-			m, _, errno := unix.Syscall6(unix.SYS_SENDMMSG, uintptr(u.fd), uintptr(unsafe.Pointer(&r.out[sent])), uintptr(k-sent), 0, 0, 0)
+			m, _, errno := unix.RawSyscall6(unix.SYS_SENDMMSG, uintptr(u.fd), uintptr(unsafe.Pointer(&r.out[sent])), uintptr(k-sent), 0, 0, 0)
 			if errno != 0 {
 				if errno == unix.EINTR {
 					continue
