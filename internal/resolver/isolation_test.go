@@ -10,6 +10,8 @@ import (
 	"time"
 
 	"github.com/miekg/dns"
+
+	"github.com/meshdns/meshdns-ebpf/internal/metrictest"
 )
 
 // Issue 13 (9): during 10,000 simultaneous distinct slow (2 s) upstream misses from 100
@@ -130,3 +132,49 @@ func TestSlowMissesDoNotStarveTable(t *testing.T) {
 }
 
 func mustAddrPort(s string) netip.AddrPort { return netip.MustParseAddrPort(s) }
+
+// One client cannot take every pending slot: over its share (MaxPendingPerClient) it
+// gets REFUSED at once, and over the total bound everyone gets SERVFAIL at once.
+func TestPendingBounds(t *testing.T) {
+	ts := startServer(t, testFile(), func(c *Config) { c.MaxPendingPerClient = 20; c.MaxPending = 30 })
+	ts.up.SetDelay(time.Second)
+	send := func(src string, n int, prefix string) map[int]int {
+		c, err := net.DialUDP("udp", &net.UDPAddr{IP: net.ParseIP(src)}, net.UDPAddrFromAddrPort(mustAddrPort(ts.addr)))
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer c.Close()
+		for i := range n {
+			m := query(fmt.Sprintf("%s%d.example.net.", prefix, i), dns.TypeA)()
+			m.Id = uint16(i)
+			pkt, _ := m.Pack()
+			_, _ = c.Write(pkt)
+		}
+		// Rejections come back at once, before the upstream's one-second answers.
+		rcodes := map[int]int{}
+		_ = c.SetReadDeadline(time.Now().Add(500 * time.Millisecond))
+		buf := make([]byte, 512)
+		for {
+			k, err := c.Read(buf)
+			if err != nil {
+				return rcodes
+			}
+			resp := new(dns.Msg)
+			if resp.Unpack(buf[:k]) == nil {
+				rcodes[resp.Rcode]++
+			}
+		}
+	}
+	if got := send("127.0.3.1", 25, "a"); got[dns.RcodeRefused] != 5 || len(got) != 1 {
+		t.Errorf("25 slow misses from one client with a share of 20: fast answers %v, want 5 REFUSED", got)
+	}
+	if got := send("127.0.3.2", 15, "b"); got[dns.RcodeServerFailure] != 5 || len(got) != 1 {
+		t.Errorf("15 more from another client with 30 in total: fast answers %v, want 5 SERVFAIL", got)
+	}
+	if got := metrictest.Value(t, ts.reg, "meshdns_dns_overload_total", "limit", "client"); got != 5 {
+		t.Errorf("overload{client} = %v, want 5", got)
+	}
+	if got := metrictest.Value(t, ts.reg, "meshdns_dns_overload_total", "limit", "total"); got != 5 {
+		t.Errorf("overload{total} = %v, want 5", got)
+	}
+}
