@@ -155,7 +155,7 @@ func (s *Server) newPending(r *request) *pending {
 		r.overRcode = rc
 		return nil
 	}
-	s.wg.Add(1)
+	s.pending.Add(1)
 	r.pending = true
 	return &pending{
 		s: s, reply: r.client.reply, proto: r.proto, client: r.client.addr, start: r.start.UnixNano(),
@@ -194,7 +194,7 @@ func (w *worker) overload(r *request, out []byte) []byte {
 // done is the Forwarder's callback: encode the answer and send it to the client.
 func (p *pending) done(a upstream.Answer, err error) {
 	s := p.s
-	defer s.wg.Done()
+	defer s.pending.Done()
 	defer s.limits.release(p.client)
 	src := sourceOf(a.Source)
 	if err != nil {

@@ -2,8 +2,10 @@ package resolver
 
 import (
 	"context"
+	"net"
 	"runtime"
-	"sync/atomic"
+	"slices"
+	"sync"
 	"testing"
 	"time"
 
@@ -16,8 +18,8 @@ import (
 // within their receive timeout.
 func TestReadersYieldToRuntime(t *testing.T) {
 	ts := startServer(t, testFile(), nil)
-	var gcs atomic.Int64
-	var worst atomic.Int64
+	var mu sync.Mutex
+	var durs []time.Duration
 	stop := make(chan struct{})
 	done := make(chan struct{})
 	go func() {
@@ -30,10 +32,9 @@ func TestReadersYieldToRuntime(t *testing.T) {
 			}
 			start := time.Now()
 			runtime.GC()
-			if d := int64(time.Since(start)); d > worst.Load() {
-				worst.Store(d)
-			}
-			gcs.Add(1)
+			mu.Lock()
+			durs = append(durs, time.Since(start))
+			mu.Unlock()
 			time.Sleep(5 * time.Millisecond)
 		}
 	}()
@@ -47,9 +48,13 @@ func TestReadersYieldToRuntime(t *testing.T) {
 	time.Sleep(300 * time.Millisecond)
 	close(stop)
 	<-done
-	t.Logf("%d collections while serving and idle, slowest %s", gcs.Load(), time.Duration(worst.Load()))
-	if w := time.Duration(worst.Load()); w > 150*time.Millisecond {
-		t.Errorf("a garbage collection took %s: a reader held it up", w)
+	slices.Sort(durs)
+	median := durs[len(durs)/2]
+	t.Logf("%d collections while serving and idle: median %s, slowest %s", len(durs), median, durs[len(durs)-1])
+	// A reader that did not yield would hold every collection up to its 250 ms receive
+	// timeout; the median is robust to the odd stall of a busy machine.
+	if median > 100*time.Millisecond {
+		t.Errorf("median garbage collection %s: a reader held them up", median)
 	}
 	start := time.Now()
 	if err := ts.s.Shutdown(context.Background()); err != nil {
@@ -57,5 +62,41 @@ func TestReadersYieldToRuntime(t *testing.T) {
 	}
 	if el := time.Since(start); el > time.Second {
 		t.Errorf("Shutdown took %s, want within the 250 ms receive timeout", el)
+	}
+}
+
+// Shutdown answers what is waiting for the upstream before it closes the sockets.
+func TestShutdownDrainsPending(t *testing.T) {
+	ts := startServer(t, testFile(), nil)
+	ts.up.SetDelay(300 * time.Millisecond)
+	c, err := net.Dial("udp", ts.addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	m := query("drain.example.net.", dns.TypeA)()
+	pkt, _ := m.Pack()
+	if _, err := c.Write(pkt); err != nil {
+		t.Fatal(err)
+	}
+	// Shut down once the query is pending.
+	deadline := time.Now().Add(2 * time.Second)
+	for ts.s.limits.total.Load() == 0 && time.Now().Before(deadline) {
+		time.Sleep(time.Millisecond)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
+	defer cancel()
+	if err := ts.s.Shutdown(ctx); err != nil {
+		t.Fatal(err)
+	}
+	_ = c.SetReadDeadline(time.Now().Add(time.Second))
+	buf := make([]byte, 512)
+	n, err := c.Read(buf)
+	if err != nil {
+		t.Fatalf("pending query not answered across Shutdown: %v", err)
+	}
+	resp := new(dns.Msg)
+	if err := resp.Unpack(buf[:n]); err != nil || resp.Id != m.Id {
+		t.Fatalf("answer %v %v", resp, err)
 	}
 }

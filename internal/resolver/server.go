@@ -112,7 +112,8 @@ type Server struct {
 	stopping atomic.Bool
 	progress atomic.Uint64 // messages dequeued from the UDP sockets
 	readers  sync.WaitGroup
-	wg       sync.WaitGroup // pending upstream queries and TCP connections
+	pending  sync.WaitGroup // queries waiting for the upstream
+	wg       sync.WaitGroup // TCP connections
 	closeErr error
 	closed   sync.Once
 
@@ -371,8 +372,9 @@ func (s *Server) Ready() error {
 }
 
 // Shutdown stops the readers (within their 250 ms receive timeout, even when the
-// sockets stay open in another process), closes the sockets and TCP connections, and
-// waits for the pending upstream queries to be answered until ctx is done.
+// sockets stay open in another process) and the TCP listeners, waits until ctx is done
+// for the queries pending upstream to be answered on their still-open sockets, then
+// closes the sockets and TCP connections.
 func (s *Server) Shutdown(ctx context.Context) error {
 	s.closed.Do(func() {
 		s.stopping.Store(true)
@@ -382,14 +384,15 @@ func (s *Server) Shutdown(ctx context.Context) error {
 		}
 		s.mu.Unlock()
 		s.readers.Wait()
-		s.closeSockets()
 		done := make(chan struct{})
-		go func() { s.wg.Wait(); close(done) }()
+		go func() { s.pending.Wait(); close(done) }()
 		select {
 		case <-done:
 		case <-ctx.Done():
-			s.closeErr = fmt.Errorf("resolver shutdown: %w", ctx.Err())
+			s.closeErr = fmt.Errorf("resolver shutdown: %d queries still waiting for the upstream: %w", s.limits.total.Load(), ctx.Err())
 		}
+		s.closeSockets() // a later answer finds its socket closed and is dropped
+		s.wg.Wait()      // connection goroutines end once their sockets are closed
 	})
 	return s.closeErr
 }

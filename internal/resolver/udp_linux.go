@@ -8,6 +8,7 @@ import (
 	"net"
 	"net/netip"
 	"runtime"
+	"sync"
 	"syscall"
 	"time"
 	"unsafe"
@@ -43,9 +44,20 @@ type udpSock struct {
 	fd      int
 	pktinfo bool // wildcard address: replies name their source address
 	v4      bool
+	// mu orders late answers (udpReply.send) before close: once closed, the fd number
+	// may belong to another socket and must not be written to.
+	mu     sync.RWMutex
+	closed bool
 }
 
-func (u *udpSock) close() { _ = unix.Close(u.fd) }
+func (u *udpSock) close() {
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	if !u.closed {
+		u.closed = true
+		_ = unix.Close(u.fd)
+	}
+}
 
 func (u *udpSock) localIP() string {
 	sa, err := unix.Getsockname(u.fd)
@@ -171,6 +183,11 @@ type udpReply struct {
 // send sends one answer with sendmsg(2) (for answers that come later).
 func (r *udpReply) send(b []byte) {
 	if r.sock == nil || len(b) == 0 {
+		return
+	}
+	r.sock.mu.RLock()
+	defer r.sock.mu.RUnlock()
+	if r.sock.closed {
 		return
 	}
 	var h unix.Msghdr
