@@ -137,24 +137,26 @@ func (b *bench) runLookups(ctx context.Context, env *dpEnv, port, fakePort int, 
 	return rep
 }
 
-// ratio is the autopath lookup's mean time over the one without (warm), or 0.
-func (l lookupReport) ratio() float64 {
-	if l.skipped != "" || len(l.rows) != 2 || l.rows[0].err != "" || l.rows[1].err != "" || l.rows[1].warm.MeanUS == 0 {
-		return 0
+// ratio is the autopath lookup's median (and mean) time over the one without (warm),
+// or 0. The median decides: a busy machine's stalls land in the mean of either side.
+func (l lookupReport) ratio() (median, mean float64) {
+	if l.skipped != "" || len(l.rows) != 2 || l.rows[0].err != "" || l.rows[1].err != "" || l.rows[1].warm.P50US == 0 {
+		return 0, 0
 	}
-	return l.rows[0].warm.MeanUS / l.rows[1].warm.MeanUS
+	a, b := l.rows[0].warm, l.rows[1].warm
+	return a.P50US / b.P50US, a.MeanUS / b.MeanUS
 }
 
 func (l lookupReport) verdict() string {
-	r := l.ratio()
-	if r == 0 {
+	med, mean := l.ratio()
+	if med == 0 {
 		return "NOT MEASURED"
 	}
 	v := "FAIL"
-	if r <= 0.3 {
+	if med <= 0.3 {
 		v = "PASS"
 	}
-	return fmt.Sprintf("%s (%.2fx)", v, r)
+	return fmt.Sprintf("%s (median %.2fx, mean %.2fx)", v, med, mean)
 }
 
 func (b *bench) renderLookups(w *strings.Builder) {
@@ -180,5 +182,5 @@ func (b *bench) renderLookups(w *strings.Builder) {
 		p("| %s | %.0f | %.1f | %.0f / %.0f / %.0f | %.1f |\n", r.label, r.cold.MeanUS, r.cold.QueriesPerLookup,
 			r.warm.MeanUS, r.warm.P50US, r.warm.P99US, r.warm.QueriesPerLookup)
 	}
-	p("\nAutopath / no autopath, warm mean lookup time: %s; target <= 0.3x.\n", b.lookups.verdict())
+	p("\nAutopath / no autopath, warm lookup time: %s; target <= 0.3x (median).\n", b.lookups.verdict())
 }

@@ -400,7 +400,7 @@ func (b *bench) renderTargets(w *strings.Builder) {
 		}
 	}
 	p("- datapath targets: %s\n", b.datapath.verdict())
-	p("- ndots:5 external lookup time with autopath <= 0.3x without (warm, through eBPF): %s\n", b.lookups.verdict())
+	p("- ndots:5 external lookup time with autopath <= 0.3x without (warm median, through eBPF): %s\n", b.lookups.verdict())
 }
 
 func verdict(ok bool) string {
