@@ -1,6 +1,7 @@
 # meshdns-ebpf. The two commands of the README:
 #   make run    build and run the agent standalone (as root), with the embedded default name table
 #   make test   install the test dependencies and run the whole suite (CI runs exactly this)
+#   make image  build the OCI image (no container engine needed) into out/image
 
 GO        ?= go
 BIN       := bin/meshdns-ebpf
@@ -17,7 +18,22 @@ export PATH := $(PATH):/usr/local/go/bin
 export GOTOOLCHAIN := local
 export GOFLAGS := -buildvcs=false
 
-.PHONY: all build run test deps test-deps kube-bin unit generate check-generate vet bench clean
+.PHONY: all build run test deps test-deps kube-bin unit generate check-generate vet bench clean \
+	image image-lock image-push
+
+# The image (docs/kubernetes.md). `make image` builds it from deploy/image/debs.lock
+# and the agent built here; the same commit gives the same digest. Its .debs are
+# cached in IMAGE_CACHE (fetched with apt once). IMAGE_ARCHES="amd64 arm64" builds
+# both platforms into one index.
+IMAGE_ARCHES      ?= amd64
+IMAGE_CACHE       ?= $(CURDIR)/.cache/image
+IMAGE_LOCK        ?= $(CURDIR)/deploy/image/debs.lock
+IMAGE_OUT         ?= $(CURDIR)/out/image
+IMAGE_NAME        ?= localhost/meshdns-ebpf
+IMAGE_TAG         ?= $(VERSION)
+REVISION          ?= $(shell git rev-parse HEAD 2>/dev/null)
+SOURCE_DATE_EPOCH ?= $(shell git log -1 --format=%ct 2>/dev/null || echo 0)
+IMAGE_TOOL        := $(IMAGE_OUT)/bin/image-tool
 
 all: build
 
@@ -56,14 +72,39 @@ check-generate:
 
 vet:
 	$(GO) vet ./...
+	cd tools/image && $(GO) vet ./...
 	@out=$$(gofmt -l $$(git ls-files '*.go' 2>/dev/null || find . -name '*.go')); \
 	  if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
 
 test: test-deps check-generate vet
+	@rm -f out/image-test.txt
 	$(GO) test $(TEST_FLAGS) ./...
+	cd tools/image && $(GO) test -count=1 ./...
+	@cat out/image-test.txt 2>/dev/null || true
 
 bench: build
 	bench/run.sh
 
+image:
+	@cd tools/image && CGO_ENABLED=0 $(GO) build -trimpath -o $(IMAGE_TOOL) .
+	@IMAGE_CACHE=$(IMAGE_CACHE) IMAGE_LOCK=$(IMAGE_LOCK) scripts/image-debs.sh fetch $(IMAGE_ARCHES)
+	@bins=; for a in $(IMAGE_ARCHES); do \
+	  CGO_ENABLED=0 GOOS=linux GOARCH=$$a GOAMD64=v1 GOARM64=v8.0 $(GO) build -trimpath \
+	    -ldflags "-s -w $(LDFLAGS)" -o $(IMAGE_OUT)/bin/$$a/meshdns-ebpf ./cmd/meshdns-ebpf || exit 1; \
+	  bins=$$bins$${bins:+,}$$a=$(IMAGE_OUT)/bin/$$a/meshdns-ebpf; \
+	done; \
+	$(IMAGE_TOOL) build -lock $(IMAGE_LOCK) -debs $(IMAGE_CACHE)/debs -bin $$bins \
+	  -version $(IMAGE_TAG) -revision "$(REVISION)" -epoch $(SOURCE_DATE_EPOCH) \
+	  -name $(IMAGE_NAME) -out $(IMAGE_OUT)
+
+# Re-resolve deploy/image/packages to the versions Debian serves now (commit the lock).
+image-lock:
+	IMAGE_CACHE=$(IMAGE_CACHE) scripts/image-debs.sh lock amd64 arm64
+
+# Push the index built by `make image`: make image-push REGISTRY=registry.example.com/team
+image-push: image
+	@test -n "$(REGISTRY)" || { echo "make image-push: set REGISTRY=host/path"; exit 1; }
+	$(IMAGE_TOOL) push -layout $(IMAGE_OUT)/oci -ref $(REGISTRY)/meshdns-ebpf:$(IMAGE_TAG)
+
 clean:
-	rm -rf bin
+	rm -rf bin out

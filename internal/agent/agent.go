@@ -47,6 +47,7 @@ func Run(ctx context.Context, cfg Config, log *slog.Logger) (err error) {
 	if err := checkPrivileges(cfg.Mode); err != nil {
 		return err
 	}
+	tuneGC(log)
 
 	// Undo stack: whatever is set up is torn down in reverse order on any error and on
 	// stop.
