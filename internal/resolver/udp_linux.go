@@ -17,13 +17,15 @@ import (
 )
 
 // The Linux UDP transport. Each listen address has one SO_REUSEPORT socket per CPU,
-// and each socket one reader goroutine locked to its OS thread that blocks in
+// and each socket one reader goroutine that blocks in
 // recvmmsg(2) (the socket is in blocking mode, outside Go's netpoller; the call is a raw
 // system call, so the reader keeps its scheduler P: see Server.Start), answers what it
 // received through the query path, and sends the answers with one sendmmsg(2). An idle
 // reader wakes every receive timeout (250 ms) to notice a stop, so a drain works even
 // when the socket stays open in another process (closing an fd does not wake a thread
-// blocked on it). Because the socket has a receive timeout, a signal interrupts the
+// blocked on it). The goroutine is not locked to its thread: nothing in it is
+// thread-bound, and when the runtime preempts it (every 10 ms of uninterrupted work)
+// any thread may resume it without a hand-off. Because the socket has a receive timeout, a signal interrupts the
 // call with EINTR instead of restarting it: the runtime's preemption and
 // stop-the-world signals reach the reader at once, which then yields (runtime.Gosched).
 
@@ -222,8 +224,6 @@ type udpReader struct {
 // readUDP is one socket's reader (see the top of this file).
 func (s *Server) readUDP(u *udpSock) {
 	defer s.readers.Done()
-	runtime.LockOSThread()
-	defer runtime.UnlockOSThread()
 	r := new(udpReader)
 	w := newWorker(s)
 	for i := range udpBatch {
