@@ -1,6 +1,6 @@
 // Package resolver is the DNS server every captured query meets. One query path
-// (pipeline.go) serves every transport: UDP readers that block in recvmmsg on their own
-// OS threads and answer table and cache hits inline (udp_linux.go), TCP connections
+// (pipeline.go) serves every transport: UDP readers that block in raw recvmmsg calls,
+// keeping their scheduler slots, and answer table and cache hits inline (udp_linux.go), TCP connections
 // (tcp.go) and in-process use (ServeDNS). Mesh names are answered from the name table
 // (table.go, handler.go: alt names, autopath, NODATA/NXDOMAIN with SOA, PTR, SRV,
 // shuffling); everything else goes to the Forwarder (forward.go), asynchronously and
