@@ -4,13 +4,12 @@ import (
 	"fmt"
 	"net"
 	"net/netip"
-	"slices"
-	"sync"
 	"testing"
 	"time"
 
 	"github.com/miekg/dns"
 
+	"github.com/meshdns/meshdns-ebpf/internal/dnsfake"
 	"github.com/meshdns/meshdns-ebpf/internal/metrictest"
 )
 
@@ -24,110 +23,29 @@ func TestSlowMissesDoNotStarveTable(t *testing.T) {
 
 	// In-table prober: one query at a time, from its own address, until the flood ends.
 	stop := make(chan struct{})
-	var lat []time.Duration
-	var lost int
-	probed := make(chan struct{})
+	probed := make(chan *dnsfake.Probe, 1)
 	go func() {
-		defer close(probed)
-		c, err := net.Dial("udp", ts.addr)
+		p, err := dnsfake.Prober(ts.addr, "productpage.ns1.svc.cluster.local.", time.Second, 2*time.Millisecond, stop)
 		if err != nil {
 			t.Error(err)
-			return
 		}
-		defer c.Close()
-		buf := make([]byte, 512)
-		for i := 0; ; i++ {
-			select {
-			case <-stop:
-				return
-			default:
-			}
-			m := query("productpage.ns1.svc.cluster.local.", dns.TypeA)()
-			m.Id = uint16(i)
-			pkt, _ := m.Pack()
-			start := time.Now()
-			_, _ = c.Write(pkt)
-			_ = c.SetReadDeadline(start.Add(time.Second))
-			for {
-				n, err := c.Read(buf)
-				if err != nil {
-					lost++
-					break
-				}
-				if n >= 2 && uint16(buf[0])<<8|uint16(buf[1]) == uint16(i) {
-					lat = append(lat, time.Since(start))
-					break
-				}
-			}
-			time.Sleep(2 * time.Millisecond)
-		}
+		probed <- p
 	}()
-
-	var mu sync.Mutex
-	rcodes := map[string]int{}
-	var unanswered int
-	var wg sync.WaitGroup
-	floodStart := time.Now()
-	for ci := range clients {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			src := &net.UDPAddr{IP: net.IPv4(127, 0, 1, byte(ci+1))}
-			c, err := net.DialUDP("udp", src, net.UDPAddrFromAddrPort(mustAddrPort(ts.addr)))
-			if err != nil {
-				t.Error(err)
-				return
-			}
-			defer c.Close()
-			_ = c.SetReadBuffer(1 << 20)
-			for i := range perClient {
-				m := query(fmt.Sprintf("slow%d-%d.example.net.", ci, i), dns.TypeA)()
-				m.Id = uint16(i)
-				pkt, _ := m.Pack()
-				_, _ = c.Write(pkt)
-			}
-			got := map[uint16]bool{}
-			_ = c.SetReadDeadline(floodStart.Add(5 * time.Second))
-			buf := make([]byte, 4096)
-			local := map[string]int{}
-			for len(got) < perClient {
-				n, err := c.Read(buf)
-				if err != nil {
-					break
-				}
-				resp := new(dns.Msg)
-				if resp.Unpack(buf[:n]) != nil || got[resp.Id] {
-					continue
-				}
-				got[resp.Id] = true
-				local[dns.RcodeToString[resp.Rcode]]++
-			}
-			mu.Lock()
-			for k, v := range local {
-				rcodes[k] += v
-			}
-			unanswered += perClient - len(got)
-			mu.Unlock()
-		}()
-	}
-	wg.Wait()
+	flood, err := dnsfake.FloodUDP(mustAddrPort(ts.addr), 1, clients, perClient,
+		func(c, i int) string { return fmt.Sprintf("slow%d-%d.example.net.", c, i) }, 5*time.Second)
 	close(stop)
-	<-probed
-	slices.Sort(lat)
-	p := func(q float64) time.Duration {
-		if len(lat) == 0 {
-			return 0
-		}
-		return lat[min(len(lat)-1, int(q*float64(len(lat))))]
+	p := <-probed
+	if err != nil {
+		t.Fatal(err)
 	}
-	t.Logf("flood of %d slow misses from %d clients: answered within 5 s by rcode %v, unanswered %d", clients*perClient, clients, rcodes, unanswered)
+	t.Logf("flood of %d slow misses from %d clients: answered within 5 s by rcode %v, unanswered %d", clients*perClient, clients, flood.Rcodes, flood.Unanswered)
 	t.Logf("in-table queries during the flood: %d answered, %d lost; p50 %s, p99 %s, max %s",
-		len(lat), lost, p(0.5).Round(time.Microsecond), p(0.99).Round(time.Microsecond), p(1).Round(time.Microsecond))
-	if lost != 0 || len(lat) < 50 {
-		t.Errorf("in-table queries: %d answered, %d lost during the flood; want all answered", len(lat), lost)
+		len(p.Latencies), p.Lost, p.Percentile(0.5).Round(time.Microsecond), p.Percentile(0.99).Round(time.Microsecond), p.Percentile(1).Round(time.Microsecond))
+	if p.Lost != 0 || len(p.Latencies) < 50 {
+		t.Errorf("in-table queries: %d answered, %d lost during the flood; want all answered", len(p.Latencies), p.Lost)
 	}
-	if unanswered != 0 {
-		t.Errorf("%d flood queries got no answer within 5 s; want an answer or a fast SERVFAIL/REFUSED for each", unanswered)
+	if flood.Unanswered != 0 {
+		t.Errorf("%d flood queries got no answer within 5 s; want an answer or a fast SERVFAIL/REFUSED for each", flood.Unanswered)
 	}
 }
 

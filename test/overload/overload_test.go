@@ -19,7 +19,6 @@ import (
 	"os/exec"
 	"path/filepath"
 	"runtime"
-	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -223,49 +222,22 @@ func (a *agent) metrics(names ...string) (string, error) {
 // probe sends in-table queries (one at a time, 2 s timeout) and scrapes /metrics until
 // stop is closed, and reports what it saw.
 type probeResult struct {
-	lat                  []time.Duration
-	lost                 int
+	*dnsfake.Probe
 	scrapes, scrapeFails int
 }
 
 func (a *agent) probe(stop <-chan struct{}) *probeResult {
-	r := &probeResult{}
+	r := &probeResult{Probe: &dnsfake.Probe{}}
 	var wg sync.WaitGroup
 	wg.Add(2)
 	go func() {
 		defer wg.Done()
-		c, err := net.Dial("udp", a.dnsAddr)
+		p, err := dnsfake.Prober(a.dnsAddr, meshName, 2*time.Second, 5*time.Millisecond, stop)
 		if err != nil {
 			a.t.Error(err)
-			return
 		}
-		defer c.Close()
-		buf := make([]byte, 512)
-		for i := 0; ; i++ {
-			select {
-			case <-stop:
-				return
-			default:
-			}
-			m := new(dns.Msg)
-			m.SetQuestion(meshName, dns.TypeA)
-			m.Id = uint16(i)
-			pkt, _ := m.Pack()
-			start := time.Now()
-			_, _ = c.Write(pkt)
-			_ = c.SetReadDeadline(start.Add(2 * time.Second))
-			for {
-				n, err := c.Read(buf)
-				if err != nil {
-					r.lost++
-					break
-				}
-				if n >= 2 && binary.BigEndian.Uint16(buf) == uint16(i) {
-					r.lat = append(r.lat, time.Since(start))
-					break
-				}
-			}
-			time.Sleep(5 * time.Millisecond)
+		if p != nil {
+			r.Probe = p
 		}
 	}()
 	go func() {
@@ -284,15 +256,6 @@ func (a *agent) probe(stop <-chan struct{}) *probeResult {
 	}()
 	wg.Wait()
 	return r
-}
-
-func pct(lat []time.Duration, q float64) time.Duration {
-	if len(lat) == 0 {
-		return 0
-	}
-	s := slices.Clone(lat)
-	slices.Sort(s)
-	return s[min(len(s)-1, int(q*float64(len(s))))]
 }
 
 // during runs load while probing, then checks and prints the figures.
@@ -319,15 +282,15 @@ func (a *agent) during(what string, load func()) {
 	}
 	t.Logf("%s (%s): peak memory %.1f MiB of %d MiB (limit hits %d, OOM kills %d), agent alive %v; in-table: %d answered, %d lost, p50 %s p99 %s; /metrics: %d of %d scrapes failed",
 		what, el.Round(time.Millisecond), float64(peak)/(1<<20), limit>>20, fails, ooms, alive,
-		len(r.lat), r.lost, pct(r.lat, 0.5).Round(time.Microsecond), pct(r.lat, 0.99).Round(time.Microsecond), r.scrapeFails, r.scrapes)
+		len(r.Latencies), r.Lost, r.Percentile(0.5).Round(time.Microsecond), r.Percentile(0.99).Round(time.Microsecond), r.scrapeFails, r.scrapes)
 	if !alive || ooms > 0 {
 		t.Fatalf("%s: the agent did not survive (alive %v, OOM kills %d)\n%s", what, alive, ooms, a.stderr.String())
 	}
 	if peak >= limit {
 		t.Errorf("%s: peak memory %d reached the %d limit", what, peak, limit)
 	}
-	if r.lost > 0 || len(r.lat) == 0 {
-		t.Errorf("%s: %d in-table queries lost (%d answered): want all answered", what, r.lost, len(r.lat))
+	if r.Lost > 0 || len(r.Latencies) == 0 {
+		t.Errorf("%s: %d in-table queries lost (%d answered): want all answered", what, r.Lost, len(r.Latencies))
 	}
 	if r.scrapeFails > 0 || r.scrapes == 0 {
 		t.Errorf("%s: %d of %d /metrics scrapes failed", what, r.scrapeFails, r.scrapes)
@@ -450,51 +413,17 @@ func TestReconnectingTCPClients(t *testing.T) {
 // Issue 13 (4): 10,000 simultaneous distinct slow (2 s) misses from 100 clients.
 func TestSlowMisses(t *testing.T) {
 	a := startAgent(t)
-	const clients, perClient = 100, 100
-	var answered, silent atomic.Int64
+	var flood *dnsfake.Flood
 	a.during("10,000 slow misses", func() {
-		var wg sync.WaitGroup
-		start := time.Now()
-		for ci := range clients {
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				src := &net.UDPAddr{IP: net.IPv4(127, 0, 2, byte(ci+1))}
-				dst := net.UDPAddrFromAddrPort(netip.MustParseAddrPort(a.dnsAddr))
-				c, err := net.DialUDP("udp", src, dst)
-				if err != nil {
-					t.Error(err)
-					return
-				}
-				defer c.Close()
-				_ = c.SetReadBuffer(1 << 20)
-				for i := range perClient {
-					m := new(dns.Msg)
-					m.SetQuestion(fmt.Sprintf("slow%d-%d.test.", ci, i), dns.TypeA)
-					m.Id = uint16(i)
-					pkt, _ := m.Pack()
-					_, _ = c.Write(pkt)
-				}
-				got := map[uint16]bool{}
-				_ = c.SetReadDeadline(start.Add(5 * time.Second))
-				buf := make([]byte, 4096)
-				for len(got) < perClient {
-					n, err := c.Read(buf)
-					if err != nil {
-						break
-					}
-					if n >= 2 {
-						got[binary.BigEndian.Uint16(buf)] = true
-					}
-				}
-				answered.Add(int64(len(got)))
-				silent.Add(int64(perClient - len(got)))
-			}()
+		var err error
+		flood, err = dnsfake.FloodUDP(netip.MustParseAddrPort(a.dnsAddr), 2, 100, 100,
+			func(c, i int) string { return fmt.Sprintf("slow%d-%d.test.", c, i) }, 5*time.Second)
+		if err != nil {
+			t.Error(err)
 		}
-		wg.Wait()
 	})
-	t.Logf("slow misses: %d answered within 5 s (upstream or fast SERVFAIL/REFUSED), %d unanswered", answered.Load(), silent.Load())
-	if silent.Load() != 0 {
-		t.Errorf("%d slow misses got no answer within 5 s", silent.Load())
+	t.Logf("slow misses: answered within 5 s by rcode %v (upstream or fast SERVFAIL/REFUSED), %d unanswered", flood.Rcodes, flood.Unanswered)
+	if flood.Unanswered != 0 {
+		t.Errorf("%d slow misses got no answer within 5 s", flood.Unanswered)
 	}
 }
