@@ -39,6 +39,9 @@ func TestMain(m *testing.M) {
 	if shared.dir != "" {
 		_ = os.RemoveAll(shared.dir)
 	}
+	if agentBin.path != "" {
+		_ = os.RemoveAll(filepath.Dir(agentBin.path))
+	}
 	os.Exit(code)
 }
 
