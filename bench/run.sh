@@ -11,7 +11,7 @@
 #   BENCH_WAIT_IDLE=10m    first wait (up to 10m) until both cores are idle
 #   BENCH_NO_INSTALL=1     do not run scripts/install-bench-deps.sh when something is missing
 #   BENCH_NO_BUILD=1       do not (re)build bin/meshdns-ebpf
-#   BENCH_MESHDNS_ARGS=".."  extra flags for our resolver (default --authoritative)
+#   BENCH_MESHDNS_ARGS=".."  extra flags for our resolver (default --authoritative=true)
 #   COREDNS=PATH           CoreDNS binary (default: the install script's cache dir)
 #   BENCH_KUBE=0           skip the Kubernetes node mode benchmark (bench/kube)
 #   BENCH_KUBE_SCALES=a,b  its Service counts (default 10000,100000)
@@ -60,6 +60,7 @@ log "building harness into $work/bin"
 go build -o "$work/bin/benchrun" ./bench/cmd/benchrun
 go build -o "$work/bin/fakeupstream" ./bench/fakeupstream
 go build -o "$work/bin/floor" ./bench/floor
+go build -o "$work/bin/lookup" ./bench/lookup
 
 meshdns="$repo/bin/meshdns-ebpf"
 skip=""
@@ -76,7 +77,7 @@ if [ "${BENCH_NO_BUILD:-0}" != 1 ]; then
 	fi
 fi
 
-args=(-repo "$repo" -work "$work" -fakeupstream "$work/bin/fakeupstream" -floor "$work/bin/floor"
+args=(-repo "$repo" -work "$work" -fakeupstream "$work/bin/fakeupstream" -floor "$work/bin/floor" -lookup "$work/bin/lookup"
 	-coredns "$coredns" -meshdns "$meshdns" -out "$repo/bench/RESULTS.md")
 [ -n "$skip" ] && args+=(-meshdns-skip "$skip")
 [ "${BENCH_QUICK:-0}" = 1 ] && args+=(-quick)

@@ -184,6 +184,7 @@ func Run(ctx context.Context, cfg Config, log *slog.Logger) (err error) {
 	// Upstream forwarder.
 	ucfg := upstream.NewConfig(cfg.Upstreams...)
 	ucfg.Mark = cfg.UpstreamMark
+	ucfg.CacheBytes = cfg.CacheBytes
 	ucfg.Registerer = reg
 	ucfg.Logger = log.With("component", "upstream")
 	if mode == ModeOff {
@@ -195,7 +196,10 @@ func Run(ctx context.Context, cfg Config, log *slog.Logger) (err error) {
 	if err != nil {
 		return fmt.Errorf("upstream: %w", err)
 	}
-	fwd.Start(runCtx)
+	if err := fwd.Start(ctx); err != nil {
+		_ = fwd.Close()
+		return fmt.Errorf("upstream: %w", err)
+	}
 	undo = append(undo, func() { _ = fwd.Close() })
 
 	// Resolver.
@@ -207,6 +211,8 @@ func Run(ctx context.Context, cfg Config, log *slog.Logger) (err error) {
 		TTL:           cfg.TTL,
 		ClusterDomain: cfg.ClusterDomain,
 		Authoritative: cfg.Authoritative,
+		MaxPending:    cfg.MaxPending,
+		MaxTCPConns:   cfg.MaxTCPConns,
 		Registerer:    reg,
 		Logger:        log.With("component", "resolver"),
 	})
