@@ -267,6 +267,24 @@ func populateRange(t *testing.T, cp *kubetest.ControlPlane, from, to int) []int 
 		cp.EnsureNamespace(t, fmt.Sprintf("bench-%d", i))
 	}
 	var headless []int
+	for i := from; i < to; i++ {
+		if isHeadless(i) {
+			headless = append(headless, i)
+		}
+	}
+	if err := createAll(from, to, func(i int) error { return createOne(cs, i) }); err != nil {
+		t.Fatalf("populate: %v", err)
+	}
+	return headless
+}
+
+func endpointIP(i, gen int) string {
+	return fmt.Sprintf("10.%d.%d.%d", 128+gen%64, i>>8&0xff, i&0xff)
+}
+
+// createAll runs create for every index of [from, to), 16 at a time, and
+// returns the first error (it stops handing out indexes after one).
+func createAll(from, to int, create func(i int) error) error {
 	work := make(chan int)
 	var wg sync.WaitGroup
 	var firstErr atomic.Pointer[error]
@@ -275,31 +293,21 @@ func populateRange(t *testing.T, cp *kubetest.ControlPlane, from, to int) []int 
 		go func() {
 			defer wg.Done()
 			for i := range work {
-				if err := createOne(cs, i); err != nil {
+				if err := create(i); err != nil {
 					firstErr.CompareAndSwap(nil, &err)
 				}
 			}
 		}()
 	}
-	for i := from; i < to; i++ {
-		if isHeadless(i) {
-			headless = append(headless, i)
-		}
-		if firstErr.Load() != nil {
-			break
-		}
+	for i := from; i < to && firstErr.Load() == nil; i++ {
 		work <- i
 	}
 	close(work)
 	wg.Wait()
 	if p := firstErr.Load(); p != nil {
-		t.Fatalf("populate: %v", *p)
+		return *p
 	}
-	return headless
-}
-
-func endpointIP(i, gen int) string {
-	return fmt.Sprintf("10.%d.%d.%d", 128+gen%64, i>>8&0xff, i&0xff)
+	return nil
 }
 
 // retryCreate runs a create until it succeeds or finds the object exists:

@@ -6,7 +6,6 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
-	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -181,35 +180,15 @@ func populateEntries(t *testing.T, cp *kubetest.ControlPlane, n int) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	work := make(chan int)
-	var wg sync.WaitGroup
-	var firstErr atomic.Pointer[error]
-	for range 16 {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			for i := range work {
-				e := entry(i, 0)
-				err := retryCreate("ServiceEntry "+e.GetNamespace()+"/"+e.GetName(), func(ctx context.Context) error {
-					_, err := dc.Resource(kubetest.ServiceEntryGVR).Namespace(e.GetNamespace()).Create(ctx, e, metav1.CreateOptions{})
-					return err
-				})
-				if err != nil {
-					firstErr.CompareAndSwap(nil, &err)
-				}
-			}
-		}()
-	}
-	for i := range n {
-		if firstErr.Load() != nil {
-			break
-		}
-		work <- i
-	}
-	close(work)
-	wg.Wait()
-	if p := firstErr.Load(); p != nil {
-		t.Fatalf("populate ServiceEntries: %v", *p)
+	err = createAll(0, n, func(i int) error {
+		e := entry(i, 0)
+		return retryCreate("ServiceEntry "+e.GetNamespace()+"/"+e.GetName(), func(ctx context.Context) error {
+			_, err := dc.Resource(kubetest.ServiceEntryGVR).Namespace(e.GetNamespace()).Create(ctx, e, metav1.CreateOptions{})
+			return err
+		})
+	})
+	if err != nil {
+		t.Fatalf("populate ServiceEntries: %v", err)
 	}
 }
 
