@@ -103,7 +103,7 @@ if [ "${BENCH_KUBE:-1}" != 0 ] && [ -z "$skip" ]; then
 		MESHDNS_BENCH_KUBE_MESH="${BENCH_KUBE_MESH:-10000}" \
 		go test -count=1 -timeout 120m -run TestKubernetesBench -v ./bench/kube/ >"$work/kube.log" 2>&1 ||
 		{ log "Kubernetes benchmark failed; see $work/kube.log"; tail -30 "$work/kube.log" >&2; exit 1; }
-	grep -E 'kube_test.go' "$work/kube.log" >&2 || true
+	grep -E 'kube_test.go|mesh_test.go' "$work/kube.log" >&2 || true
 	marker='<!-- hand-written below: kept by benchrun across runs -->'
 	{
 		awk -v m="$marker" '$0 == m { exit } { print }' bench/RESULTS.md
