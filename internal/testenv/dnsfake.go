@@ -1,11 +1,13 @@
 package testenv
 
 import (
+	"context"
 	"fmt"
 	"net"
 	"net/netip"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -21,8 +23,15 @@ type FakeDNS struct {
 
 	mu      sync.Mutex
 	records map[string][]netip.Addr
+	delays  map[string]time.Duration
 	queries []Query
 	servers []*dns.Server
+	udp     *net.UDPConn
+	tcp     *net.TCPListener
+
+	onRead    atomic.Pointer[func()]
+	readDelay atomic.Int64  // nanoseconds each read waits before it reads
+	frozen    chan struct{} // non-nil while frozen: reads wait until it is closed
 }
 
 // Query is one query a FakeDNS saw.
@@ -37,7 +46,7 @@ type Query struct {
 // TCP) inside ns (nil: the test's own namespace) until the test ends.
 func StartFakeDNS(t testing.TB, ns *Netns, addr string, records map[string][]netip.Addr) *FakeDNS {
 	t.Helper()
-	f := &FakeDNS{records: map[string][]netip.Addr{}}
+	f := &FakeDNS{records: map[string][]netip.Addr{}, delays: map[string]time.Duration{}}
 	for name, ips := range records {
 		f.records[dns.CanonicalName(name)] = ips
 	}
@@ -52,7 +61,11 @@ func StartFakeDNS(t testing.TB, ns *Netns, addr string, records map[string][]net
 				return fmt.Errorf("listen udp %s: %w", addr, err)
 			}
 			bound := udp.LocalAddr().(*net.UDPAddr)
-			tcp, err := net.Listen("tcp", net.JoinHostPort(host, fmt.Sprint(bound.Port)))
+			// Plain TCP, not Go's default MPTCP: a resolver's listener must be
+			// one the datapath can register (SOCKMAP takes TCP, not MPTCP).
+			var lc net.ListenConfig
+			lc.SetMultipathTCP(false)
+			tcp, err := lc.Listen(context.Background(), "tcp", net.JoinHostPort(host, fmt.Sprint(bound.Port)))
 			if err != nil {
 				udp.Close()
 				if port == "0" && attempt < 10 {
@@ -61,9 +74,10 @@ func StartFakeDNS(t testing.TB, ns *Netns, addr string, records map[string][]net
 				return fmt.Errorf("listen tcp %s: %w", addr, err)
 			}
 			f.Addr = net.JoinHostPort(host, fmt.Sprint(bound.Port))
+			f.udp, f.tcp = udp.(*net.UDPConn), tcp.(*net.TCPListener)
 			for _, s := range []*dns.Server{
-				{PacketConn: udp, Handler: dns.HandlerFunc(f.serve("udp"))},
-				{Listener: tcp, Handler: dns.HandlerFunc(f.serve("tcp"))},
+				{PacketConn: udp, Handler: dns.HandlerFunc(f.serve("udp")), DecorateReader: f.decorate},
+				{Listener: tcp, Handler: dns.HandlerFunc(f.serve("tcp")), DecorateReader: f.decorate},
 			} {
 				started := make(chan struct{})
 				s.NotifyStartedFunc = func() { close(started) }
@@ -93,6 +107,98 @@ func (f *FakeDNS) Close() {
 		_ = s.Shutdown()
 	}
 	f.servers = nil
+}
+
+// Conns returns the server's UDP socket and TCP listener (to register them
+// with the datapath as a resolver's sockets).
+func (f *FakeDNS) Conns() (*net.UDPConn, *net.TCPListener) { return f.udp, f.tcp }
+
+// OnRead sets a function called for every message the server reads (UDP
+// datagrams, empty ones included, and TCP messages), before it is handled: a
+// resolver's progress signal.
+func (f *FakeDNS) OnRead(fn func()) { f.onRead.Store(&fn) }
+
+// Freeze stops the server reading its sockets (queries queue up, as with a
+// SIGSTOPped resolver) until the returned function is called.
+func (f *FakeDNS) Freeze() (thaw func()) {
+	ch := make(chan struct{})
+	f.mu.Lock()
+	f.frozen = ch
+	f.mu.Unlock()
+	var once sync.Once
+	return func() {
+		once.Do(func() {
+			f.mu.Lock()
+			f.frozen = nil
+			f.mu.Unlock()
+			close(ch)
+		})
+	}
+}
+
+// SetReadDelay makes the server wait d before each read from its sockets: a
+// resolver that is slow to dequeue (CPU-starved) but still makes progress.
+func (f *FakeDNS) SetReadDelay(d time.Duration) { f.readDelay.Store(int64(d)) }
+
+// SetDelay makes the server wait d before answering name (0: answer at once).
+func (f *FakeDNS) SetDelay(name string, d time.Duration) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.delays[dns.CanonicalName(name)] = d
+}
+
+// decorate wraps the server's reader: it waits while frozen and reports every
+// read to OnRead.
+func (f *FakeDNS) decorate(r dns.Reader) dns.Reader { return &fakeReader{f: f, r: r} }
+
+type fakeReader struct {
+	f *FakeDNS
+	r dns.Reader
+}
+
+func (fr *fakeReader) wait() {
+	if d := fr.f.readDelay.Load(); d > 0 {
+		time.Sleep(time.Duration(d)) // the resolver's simulated slowness
+	}
+	fr.f.mu.Lock()
+	ch := fr.f.frozen
+	fr.f.mu.Unlock()
+	if ch != nil {
+		<-ch
+	}
+}
+
+func (fr *fakeReader) read() {
+	if fn := fr.f.onRead.Load(); fn != nil {
+		(*fn)()
+	}
+}
+
+func (fr *fakeReader) ReadTCP(conn net.Conn, timeout time.Duration) ([]byte, error) {
+	fr.wait()
+	b, err := fr.r.ReadTCP(conn, timeout)
+	if err == nil {
+		fr.read()
+	}
+	return b, err
+}
+
+func (fr *fakeReader) ReadUDP(conn *net.UDPConn, timeout time.Duration) ([]byte, *dns.SessionUDP, error) {
+	fr.wait()
+	b, s, err := fr.r.ReadUDP(conn, timeout)
+	if err == nil {
+		fr.read()
+	}
+	return b, s, err
+}
+
+func (fr *fakeReader) ReadPacketConn(conn net.PacketConn, timeout time.Duration) ([]byte, net.Addr, error) {
+	fr.wait()
+	b, a, err := fr.r.(dns.PacketConnReader).ReadPacketConn(conn, timeout)
+	if err == nil {
+		fr.read()
+	}
+	return b, a, err
 }
 
 // Set replaces the addresses of one name.
@@ -144,7 +250,11 @@ func (f *FakeDNS) serve(proto string) func(w dns.ResponseWriter, req *dns.Msg) {
 		f.mu.Lock()
 		f.queries = append(f.queries, Query{Name: name, Type: q.Qtype, Proto: proto, Source: src})
 		ips, ok := f.records[name]
+		delay := f.delays[name]
 		f.mu.Unlock()
+		if delay > 0 {
+			time.Sleep(delay) // the upstream is slow for this name
+		}
 		if !ok {
 			resp.Rcode = dns.RcodeNameError
 			resp.Ns = []dns.RR{&dns.SOA{
