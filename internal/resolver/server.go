@@ -57,8 +57,12 @@ type Config struct {
 	// SearchDomains are extra node search domains stripped by autopath,
 	// besides <ns>.svc.<domain>, svc.<domain> and <domain>.
 	SearchDomains []string
-	Registerer    prometheus.Registerer
-	Logger        *slog.Logger
+	// Inherited are pre-bound sockets from a predecessor, served instead of
+	// binding; OnDequeue is told of every read (see handover.go).
+	Inherited  []InheritedListener
+	OnDequeue  func(n int)
+	Registerer prometheus.Registerer
+	Logger     *slog.Logger
 }
 
 const (
@@ -86,6 +90,10 @@ type Server struct {
 	version       string
 	listen        []listenAddr
 	udpSockets    int
+	inherited     map[string]InheritedListener
+	onDequeue     func(n int)
+	lastRead      atomic.Int64 // unix ns of the last read (Drain's quiet period)
+	draining      atomic.Bool
 
 	ctx    context.Context
 	cancel context.CancelFunc
@@ -128,6 +136,11 @@ func New(cfg Config) (*Server, error) {
 		log:           cfg.Logger,
 		conns:         map[net.Conn]struct{}{},
 		udpSockets:    runtime.GOMAXPROCS(0),
+		inherited:     map[string]InheritedListener{},
+		onDequeue:     cfg.OnDequeue,
+	}
+	for _, in := range cfg.Inherited {
+		s.inherited[in.Addr] = in
 	}
 	if s.log == nil {
 		s.log = slog.Default()
@@ -221,9 +234,11 @@ func (s *Server) Start(ctx context.Context) error {
 		}
 		if err := s.bind(ctx, la); err != nil {
 			s.closeAll()
+			s.closeInherited()
 			return err
 		}
 	}
+	s.closeInherited()
 	s.mu.Lock()
 	for _, c := range s.udp {
 		pktinfo := setPktinfo(c)
@@ -241,6 +256,9 @@ func (s *Server) Start(ctx context.Context) error {
 }
 
 func (s *Server) bind(ctx context.Context, la listenAddr) error {
+	if ok, err := s.adopt(la); ok {
+		return err
+	}
 	lc := listenConfig()
 	attempts := 1
 	if la.port == 0 {
@@ -431,12 +449,16 @@ func (s *Server) serveUDP(c *net.UDPConn, pktinfo bool) {
 			n, from, err = c.ReadFromUDPAddrPort(buf)
 		}
 		if err != nil {
-			if errors.Is(err, net.ErrClosed) {
+			if errors.Is(err, net.ErrClosed) || (s.draining.Load() && isTimeout(err)) {
 				s.bufs.Put(bp)
 				return
 			}
 			s.log.Debug("udp read", "err", err)
 			continue
+		}
+		s.dequeued(1)
+		if n == 0 {
+			continue // a liveness probe
 		}
 		start := time.Now()
 		var reply []byte
@@ -576,7 +598,7 @@ func (s *Server) serveTCP(l net.Listener) {
 	for {
 		c, err := l.Accept()
 		if err != nil {
-			if errors.Is(err, net.ErrClosed) {
+			if errors.Is(err, net.ErrClosed) || (s.draining.Load() && isTimeout(err)) {
 				return
 			}
 			s.log.Debug("tcp accept", "err", err)
@@ -591,6 +613,7 @@ func (s *Server) serveTCP(l net.Listener) {
 		}
 		s.conns[c] = struct{}{}
 		s.mu.Unlock()
+		s.dequeued(1)
 		s.wg.Add(1)
 		go s.serveConn(c)
 	}
@@ -616,7 +639,11 @@ func (s *Server) serveConn(c net.Conn) {
 	out := make([]byte, 2+dns.MaxMsgSize)
 	var hdr [2]byte
 	for {
-		_ = c.SetReadDeadline(time.Now().Add(tcpIdleTimeout))
+		idle := tcpIdleTimeout
+		if s.draining.Load() {
+			idle = drainIdle
+		}
+		_ = c.SetReadDeadline(time.Now().Add(idle))
 		if _, err := io.ReadFull(c, hdr[:]); err != nil {
 			return
 		}

@@ -19,7 +19,7 @@ const reusePortSupported = true
 const udpRcvBuf = 4 << 20
 
 func listenConfig() net.ListenConfig {
-	return net.ListenConfig{Control: func(network, _ string, rc syscall.RawConn) error {
+	lc := net.ListenConfig{Control: func(network, _ string, rc syscall.RawConn) error {
 		var serr error
 		err := rc.Control(func(fd uintptr) {
 			serr = unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_REUSEPORT, 1)
@@ -33,6 +33,10 @@ func listenConfig() net.ListenConfig {
 		}
 		return serr
 	}}
+	// Plain TCP, not Go's default MPTCP: the datapath registers the listener in a
+	// SOCKMAP, which takes TCP sockets only.
+	lc.SetMultipathTCP(false)
+	return lc
 }
 
 // setPktinfo asks for the destination address of each packet when the
