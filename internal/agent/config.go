@@ -39,6 +39,7 @@ type Config struct {
 	BPFFS           string
 	StateDir        string
 	Persist         bool
+	IptablesBackend string // "", "legacy" or "nft"
 	UpstreamMark    uint32
 	ResolvConf      string
 	TTL             time.Duration
@@ -92,8 +93,19 @@ func (c *Config) RegisterFlags(fs *flag.FlagSet) {
 	})
 	fs.StringVar(&c.Admin, "admin", "127.0.0.1:9153", "admin HTTP address for /healthz, /readyz and /metrics (empty disables)")
 	fs.StringVar(&c.BPFFS, "bpffs", DefaultBPFFS, "directory on a bpffs where links and maps are pinned")
-	fs.StringVar(&c.StateDir, "state-dir", DefaultStateDir, "directory for the agent's state file (read by status and cleanup)")
-	fs.BoolVar(&c.Persist, "persist", false, "keep programs attached and pinned after a clean stop (capture stays off until the next start)")
+	fs.StringVar(&c.StateDir, "state-dir", DefaultStateDir, "directory for the agent's lock, state file and handover socket (shared by an agent and its successor; read by status and cleanup)")
+	fs.BoolVar(&c.Persist, "persist", true, "keep the eBPF programs attached and pinned after a stop (inert: nothing is redirected without an agent) so the next agent adopts them without a gap; --persist=false detaches them")
+	fs.Func("iptables-backend", "iptables backend of iptables mode: auto (the one the host uses), nft or legacy (needs CAP_NET_RAW)", func(s string) error {
+		switch s {
+		case "auto":
+			c.IptablesBackend = ""
+		case "nft", "legacy":
+			c.IptablesBackend = s
+		default:
+			return fmt.Errorf("want auto, nft or legacy, got %q", s)
+		}
+		return nil
+	})
 	fs.Func("upstream-mark", "SO_MARK of the resolver's own upstream sockets, never captured (default 0x3f53)", func(s string) error {
 		v, err := strconv.ParseUint(s, 0, 32)
 		if err != nil || v == 0 {

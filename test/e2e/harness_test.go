@@ -349,6 +349,39 @@ func (n *node) pins() []string {
 	return out
 }
 
+// assertStopped checks what a stop leaves: the programs attached and pinned
+// for the next agent but inert (no resolver socket registered: nothing is
+// redirected), and no state file, lock holder or node address.
+func (n *node) assertStopped() {
+	n.t.Helper()
+	if a := n.attached(); len(a) == 0 {
+		n.t.Errorf("no program attached to %s after a stop: the next agent cannot adopt them", n.cg.Path)
+	}
+	out, err := n.cli("status", "--bpffs", n.bpffs, "--state-dir", n.stateDir, "-o", "json")
+	if err != nil {
+		n.t.Fatalf("status: %v\n%s", err, out)
+	}
+	var st struct {
+		Running  bool `json:"running"`
+		Datapath *struct {
+			Capturing       bool `json:"capturing"`
+			ResolverSockets int  `json:"resolver_sockets"`
+		} `json:"datapath"`
+	}
+	if err := json.Unmarshal([]byte(out), &st); err != nil {
+		n.t.Fatalf("status -o json: %v\n%s", err, out)
+	}
+	if st.Running || st.Datapath == nil || st.Datapath.Capturing || st.Datapath.ResolverSockets != 0 {
+		n.t.Errorf("status after a stop: running=%v datapath=%+v, want not running, attached but not capturing", st.Running, st.Datapath)
+	}
+	if _, err := os.Stat(filepath.Join(n.stateDir, "agent.json")); err == nil {
+		n.t.Errorf("state file left in %s", n.stateDir)
+	}
+	if out := n.ns.IP(n.t, "addr", "show"); strings.Contains(out, listen4) {
+		n.t.Errorf("node address %s left:\n%s", listen4, out)
+	}
+}
+
 // assertClean checks that nothing of the agent is left: programs, pins, state,
 // node address.
 func (n *node) assertClean() {

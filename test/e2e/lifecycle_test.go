@@ -11,7 +11,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/meshdns/meshdns-ebpf/internal/redirect"
+	"github.com/meshdns/meshdns-ebpf/internal/cgroup2"
 	"github.com/meshdns/meshdns-ebpf/internal/testenv"
 )
 
@@ -53,8 +53,9 @@ func timeToOriginal(t *testing.T, n *node, start time.Time) time.Duration {
 	return 0
 }
 
-// TestFailOpen: issue 2 test 6. After SIGTERM and after kill -9, clients resolve
-// through the original nameserver within 1 s; SIGTERM leaves nothing; cleanup
+// TestFailOpen: issue 2 test 6, issue 13. After SIGTERM and after kill -9, clients
+// resolve through the original nameserver at once; SIGTERM leaves the programs
+// attached but inert for the next agent (nothing with --persist=false); cleanup
 // removes what kill -9 left; a new agent starts on top of those leftovers.
 func TestFailOpen(t *testing.T) {
 	n := newNode(t)
@@ -69,7 +70,7 @@ func TestFailOpen(t *testing.T) {
 	} else {
 		t.Logf("after SIGTERM: original nameserver answers after %v", d)
 	}
-	n.assertClean()
+	n.assertStopped()
 
 	n.start("ebpf")
 	start = time.Now()
@@ -83,8 +84,9 @@ func TestFailOpen(t *testing.T) {
 	if len(n.attached()) == 0 || len(n.pins()) == 0 {
 		t.Fatalf("kill -9 left nothing pinned; the cleanup check below would prove nothing")
 	}
-	// A new agent starts on top of the leftovers, then stops cleanly.
-	n.start("ebpf")
+	// A new agent starts on top of the leftovers, then stops cleanly and
+	// completely with --persist=false.
+	n.start("ebpf", "--persist=false")
 	if err := n.signal(syscall.SIGTERM); err != nil {
 		t.Fatalf("agent exit: %v\n%s", err, n.stderr.String())
 	}
@@ -210,7 +212,7 @@ func TestBadInput(t *testing.T) {
 		args []string
 		want string
 	}{
-		{"not-root", 1000, nil, "must run as root"},
+		{"not-root", 1000, nil, "needs CAP_BPF (load the eBPF programs and create their maps) and CAP_NET_ADMIN"},
 		{"cgroup-missing", 0, []string{"--cgroup", "/sys/fs/cgroup/no-such-meshdns-group"}, "cgroup directory /sys/fs/cgroup/no-such-meshdns-group does not exist"},
 		{"names-unreadable", 0, []string{"--names", badTable}, "not-an-ip"},
 		{"listen-in-use", 0, nil, "address already in use"},
@@ -250,7 +252,7 @@ func TestBadInput(t *testing.T) {
 				// No --cgroup, in a private mount namespace without the cgroup2
 				// mount. The guard refuses to start the agent if the mount is
 				// still visible: it would then attach to the machine's root cgroup.
-				mnt, err := redirect.FindCgroup2Mount()
+				mnt, err := cgroup2.FindMount()
 				if err != nil {
 					t.Fatal(err)
 				}

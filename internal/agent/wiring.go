@@ -1,0 +1,195 @@
+package agent
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"slices"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/meshdns/meshdns-ebpf/internal/ctzone"
+	"github.com/meshdns/meshdns-ebpf/internal/redirect"
+	"github.com/meshdns/meshdns-ebpf/internal/resolver"
+	"github.com/meshdns/meshdns-ebpf/internal/resolver/nametable"
+	"github.com/meshdns/meshdns-ebpf/internal/resolver/upstream"
+)
+
+// fillFromResolvConf fills nameservers and upstreams that were not given as flags.
+func (c *Config) fillFromResolvConf(log *slog.Logger) error {
+	needNS := c.Nameservers == nil && c.Mode != ModeOff
+	needUp := len(c.Upstreams) == 0
+	if needNS || needUp {
+		servers, _, err := upstream.ParseResolvConf(c.ResolvConf)
+		if err != nil {
+			return fmt.Errorf("read nameservers: %w", err)
+		}
+		if needNS {
+			for _, s := range servers {
+				c.Nameservers = append(c.Nameservers, s.Addr())
+			}
+		}
+		if needUp {
+			c.Upstreams = servers
+		}
+	}
+	// Never forward to ourselves: our listen addresses on any slot port (the listen
+	// port, one per nameserver, one more for capture-all). Another port on the same
+	// address is someone else's server and fine.
+	ours := func(a netip.Addr, port uint16, checkPort bool) bool {
+		for _, l := range c.Listen {
+			if a != l.Addr() {
+				continue
+			}
+			if !checkPort || (port >= l.Port() && int(port) <= int(l.Port())+len(c.Nameservers)) {
+				return true
+			}
+		}
+		return false
+	}
+	c.Upstreams = slices.DeleteFunc(c.Upstreams, func(u netip.AddrPort) bool {
+		if ours(u.Addr(), u.Port(), true) {
+			log.Warn("ignoring upstream that is our own listen address", "upstream", u)
+			return true
+		}
+		return false
+	})
+	c.Nameservers = slices.DeleteFunc(c.Nameservers, func(n netip.Addr) bool { return ours(n, 0, false) })
+	if len(c.Upstreams) == 0 {
+		return fmt.Errorf("no upstream nameserver: give --upstream or a nameserver in %s", c.ResolvConf)
+	}
+	if c.Mode != ModeOff && len(c.Nameservers) == 0 && !c.CaptureAll {
+		return fmt.Errorf("nothing to capture: no nameserver in %s and no --nameservers (or use --capture-all)", c.ResolvConf)
+	}
+	if !c.CaptureLoopback && !c.CaptureAll {
+		for _, n := range c.Nameservers {
+			if n.IsLoopback() {
+				log.Warn("nameserver is a loopback address and is not captured without --capture-loopback", "nameserver", n)
+			}
+		}
+	}
+	return nil
+}
+
+// pickMode resolves auto into ebpf or iptables and checks a forced mode can work.
+func (c *Config) pickMode(log *slog.Logger) (mode, reason string, err error) {
+	switch c.Mode {
+	case ModeOff:
+		return ModeOff, "requested: resolver only, no capture", nil
+	case ModeIptables:
+		if err := ctzone.Probe(c.IptablesBackend); err != nil {
+			return "", "", fmt.Errorf("--mode iptables cannot work here: %w", err)
+		}
+		return ModeIptables, "requested", nil
+	}
+	probeErr := c.probeEBPF()
+	if probeErr == nil && !hasCap(capBPF) {
+		probeErr = errors.New("CAP_BPF is missing")
+	}
+	if c.Mode == ModeEBPF {
+		// A forced mode that cannot work fails here, before anything is installed.
+		if probeErr != nil {
+			return "", "", fmt.Errorf("--mode ebpf cannot work here: %w", probeErr)
+		}
+		return ModeEBPF, "requested", nil
+	}
+	if probeErr == nil {
+		return ModeEBPF, "auto: the kernel has every eBPF hook the datapath needs", nil
+	}
+	log.Warn("eBPF capture unavailable, falling back to iptables with conntrack zones", "reason", probeErr)
+	if err := ctzone.Probe(c.IptablesBackend); err != nil {
+		return "", "", fmt.Errorf("auto mode: eBPF unavailable (%v) and iptables unavailable: %w", probeErr, err)
+	}
+	return ModeIptables, "auto: eBPF unavailable: " + probeErr.Error(), nil
+}
+
+func (c *Config) probeEBPF() error {
+	if c.forceNoEBPF != "" {
+		return fmt.Errorf("forced probe failure: %s", c.forceNoEBPF)
+	}
+	f, err := redirect.Probe()
+	if err != nil {
+		return err
+	}
+	if missing := f.Missing(); len(missing) > 0 {
+		return fmt.Errorf("kernel lacks %v", missing)
+	}
+	return nil
+}
+
+func (c *Config) redirectConfig(log *slog.Logger) redirect.Config {
+	rc := redirect.Config{
+		Cgroup:          c.Cgroup,
+		PinDir:          c.BPFFS,
+		Nameservers:     c.Nameservers,
+		CaptureAll:      c.CaptureAll,
+		CaptureLoopback: c.CaptureLoopback,
+		ProxyUIDs:       c.ProxyUIDs,
+		UpstreamMark:    c.UpstreamMark,
+		Logger:          log.With("component", "redirect"),
+	}
+	rc.Target4, rc.Target6 = c.targets()
+	return rc
+}
+
+// targets splits the listen addresses by family (Validate allows one of each).
+func (c *Config) targets() (v4, v6 netip.AddrPort) {
+	for _, l := range c.Listen {
+		if l.Addr().Is4() {
+			v4 = l
+		} else {
+			v6 = l
+		}
+	}
+	return v4, v6
+}
+
+func (c *Config) ctzoneConfig(log *slog.Logger) ctzone.Config {
+	cc := ctzone.Config{
+		Nameservers:  c.Nameservers,
+		CaptureAll:   c.CaptureAll,
+		ProxyUIDs:    c.ProxyUIDs,
+		ProxyGIDs:    c.ProxyGIDs,
+		UpstreamMark: c.UpstreamMark,
+		Backend:      c.IptablesBackend,
+		Logger:       log.With("component", "ctzone"),
+	}
+	cc.ListenAddr, cc.ListenAddr6 = c.targets()
+	return cc
+}
+
+// startNameTable loads the table (the embedded demo table when no file is given) and
+// keeps it reloaded.
+func (c *Config) startNameTable(ctx context.Context, reg prometheus.Registerer, log *slog.Logger) (resolver.TableSource, error) {
+	path := c.NamesFile
+	if path == "" {
+		dir, err := os.MkdirTemp("", "meshdns-names-")
+		if err != nil {
+			return nil, fmt.Errorf("write embedded name table: %w", err)
+		}
+		path = filepath.Join(dir, "default-names.yaml")
+		if err := os.WriteFile(path, defaultNames, 0o644); err != nil {
+			return nil, fmt.Errorf("write embedded name table: %w", err)
+		}
+		go func() { <-ctx.Done(); _ = os.RemoveAll(dir) }()
+		log.Info("using the embedded demo name table (give --names FILE for your own)")
+	} else if _, err := os.Stat(path); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return nil, fmt.Errorf("name table %s: %w", path, err)
+	}
+	w, err := nametable.NewWatcher(path, nametable.Options{ClusterDomain: c.ClusterDomain, TTL: c.TTL},
+		reg, log.With("component", "nametable"))
+	if err != nil {
+		return nil, fmt.Errorf("name table %s: %w", path, err)
+	}
+	// The first load must succeed: a bad file at start is bad input, not something
+	// to serve around. Later bad files keep the previous table serving.
+	if err := w.Reload(); err != nil {
+		return nil, fmt.Errorf("name table: %w", err)
+	}
+	go w.Run(ctx)
+	return w, nil
+}
