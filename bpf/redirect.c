@@ -347,28 +347,70 @@ static __always_inline int v6_equal(const __u32 *a, const __u32 *b)
 }
 
 /*
- * The entry of st for a listed slot (slot1 = slot + 1), or for dst on a
- * capture-all slot (slot1 = 0), allocating a free one. Returns the entry index
- * and sets *slot, or -1 when the socket has no room left.
+ * Each entry through its own opaque pointer: clang would otherwise fold the
+ * unrolled accesses back into base + i * sizeof(entry), which the verifier
+ * refuses without CAP_PERFMON (Spectre v1 hardening).
  */
-static __always_inline int pick_entry(struct meshdns_config *cfg, struct sock_origs *st, __u32 listed1,
-				      const __u32 *dst, __u32 *slot)
+#define barrier_var(var) asm volatile("" : "+r"(var))
+
+_Static_assert(SOCK_ENTRIES == 4, "claim_entry and copy_entry calls list every entry");
+
+/* Fills e with dst for slot want1 - 1 if e is free. */
+static __always_inline int claim_entry(struct sock_entry *e, const __u32 *dst, __u32 want1)
+{
+	barrier_var(e);
+	if (e->slot1 != 0)
+		return 0;
+	/* The address first, then the slot that publishes it. */
+	e->addr[0] = dst[0];
+	e->addr[1] = dst[1];
+	e->addr[2] = dst[2];
+	e->addr[3] = dst[3];
+	barrier();
+	e->slot1 = want1;
+	return 1;
+}
+
+/* Copies e's address into orig if e is slot slot1 - 1. */
+static __always_inline int copy_entry(struct sock_entry *e, __u32 slot1, __u32 *orig)
+{
+	barrier_var(e);
+	if (e->slot1 != slot1)
+		return 0;
+	orig[0] = e->addr[0];
+	orig[1] = e->addr[1];
+	orig[2] = e->addr[2];
+	orig[3] = e->addr[3];
+	return 1;
+}
+
+/*
+ * Records dst in st for a listed slot (listed1 = slot + 1) or, for a capture-all
+ * destination (listed1 = 0), on the capture-all slot it already has in st or on
+ * a free one. Sets *slot and returns 0, or returns -1 when the socket has no
+ * room left. Every access to st uses a constant offset (the loops unroll, the
+ * writes go through claim_entry): the verifier forbids variable offsets into
+ * the storage without CAP_PERFMON, and the agent must not need it.
+ */
+static __always_inline int record_orig(struct meshdns_config *cfg, struct sock_origs *st, __u32 listed1,
+				       const __u32 *dst, __u32 *slot)
 {
 	__u32 used = 0; /* capture-all slots this socket already uses (bit per slot) */
-	int i, free = -1;
+	__u32 want1 = listed1, i;
+	int have_free = 0;
 
+#pragma unroll
 	for (i = 0; i < SOCK_ENTRIES; i++) {
 		__u32 s1 = st->e[i].slot1;
 
 		if (s1 == 0) {
-			if (free < 0)
-				free = i;
+			have_free = 1;
 			continue;
 		}
 		if (listed1) {
 			if (s1 == listed1) {
 				*slot = s1 - 1;
-				return i;
+				return 0;
 			}
 			continue;
 		}
@@ -376,25 +418,29 @@ static __always_inline int pick_entry(struct meshdns_config *cfg, struct sock_or
 			used |= 1U << (s1 - 1 - cfg->all_slot);
 			if (v6_equal(st->e[i].addr, dst)) {
 				*slot = s1 - 1;
-				return i;
+				return 0;
 			}
 		}
 	}
-	if (free < 0)
+	if (!have_free)
 		return -1;
-	if (listed1) {
-		*slot = listed1 - 1;
-		return free;
-	}
-	for (i = 0; i < MAX_ALL_SLOTS; i++) {
-		if (i >= cfg->num_all)
-			break;
-		if (!(used & (1U << i))) {
-			*slot = cfg->all_slot + i;
-			return free;
+	if (!listed1) {
+#pragma unroll
+		for (i = 0; i < MAX_ALL_SLOTS; i++) {
+			if (i < cfg->num_all && !(used & (1U << i))) {
+				want1 = cfg->all_slot + i + 1;
+				break;
+			}
 		}
+		if (!want1)
+			return -1;
 	}
-	return -1;
+	if (claim_entry(&st->e[0], dst, want1) || claim_entry(&st->e[1], dst, want1) ||
+	    claim_entry(&st->e[2], dst, want1) || claim_entry(&st->e[3], dst, want1)) {
+		*slot = want1 - 1;
+		return 0;
+	}
+	return -1; /* taken meanwhile by another thread of this socket */
 }
 
 /*
@@ -410,7 +456,7 @@ static __always_inline __u16 decide(struct bpf_sock_addr *ctx, __u32 hook, struc
 	struct sock_origs *st;
 	struct bpf_sock *sk;
 	__u32 *listed, uid, mark = 0, listed1 = 0, slot = 0, family, proto;
-	int target_loopback, e;
+	int target_loopback;
 
 	if (!(cfg->flags & FLAG_CAPTURE_LOOPBACK) &&
 	    (v4 ? is_v4_loopback(dst[3]) : is_v6_loopback(dst))) {
@@ -487,19 +533,9 @@ static __always_inline __u16 decide(struct bpf_sock_addr *ctx, __u32 hook, struc
 		skip(hook, COUNTER_SKIP_NO_STATE);
 		return 0;
 	}
-	e = pick_entry(cfg, st, listed1, dst, &slot);
-	if (e < 0 || e >= SOCK_ENTRIES || slot >= cfg->num_slots || slot >= MAX_SLOTS) {
+	if (record_orig(cfg, st, listed1, dst, &slot) != 0 || slot >= cfg->num_slots || slot >= MAX_SLOTS) {
 		skip(hook, COUNTER_SKIP_NO_STATE);
 		return 0;
-	}
-	if (st->e[e].slot1 != slot + 1) {
-		/* A new entry: the address first, then the slot that publishes it. */
-		st->e[e].addr[0] = dst[0];
-		st->e[e].addr[1] = dst[1];
-		st->e[e].addr[2] = dst[2];
-		st->e[e].addr[3] = dst[3];
-		barrier();
-		st->e[e].slot1 = slot + 1;
 	}
 	return cfg->base_port + slot;
 }
@@ -586,16 +622,16 @@ static __always_inline int forward6(struct bpf_sock_addr *ctx, __u32 hook)
 }
 
 /*
- * The original destination this socket recorded for the slot of port (host byte
- * order), or NULL (counted as map_miss when port is one of our slot ports).
+ * Copies into orig the original destination this socket recorded for the slot
+ * of port (host byte order) and returns 1, or returns 0 (counted as map_miss
+ * when port is one of our slot ports). Constant offsets only, as above.
  */
-static __always_inline struct sock_entry *lookup_orig(struct bpf_sock_addr *ctx, __u32 hook,
-						      struct meshdns_config *cfg, __u16 port)
+static __always_inline int lookup_orig(struct bpf_sock_addr *ctx, __u32 hook, struct meshdns_config *cfg,
+				       __u16 port, __u32 *orig)
 {
 	struct sock_origs *st;
 	struct bpf_sock *sk;
 	__u32 slot1;
-	int i;
 
 	if (port < cfg->base_port || port >= (__u32)cfg->base_port + cfg->num_slots)
 		return 0;
@@ -606,12 +642,9 @@ static __always_inline struct sock_entry *lookup_orig(struct bpf_sock_addr *ctx,
 		return 0;
 	}
 	st = bpf_sk_storage_get(&sock_state, sk, 0, 0);
-	if (st) {
-		for (i = 0; i < SOCK_ENTRIES; i++) {
-			if (st->e[i].slot1 == slot1)
-				return &st->e[i];
-		}
-	}
+	if (st && (copy_entry(&st->e[0], slot1, orig) || copy_entry(&st->e[1], slot1, orig) ||
+		   copy_entry(&st->e[2], slot1, orig) || copy_entry(&st->e[3], slot1, orig)))
+		return 1;
 	count(hook, COUNTER_MAP_MISS);
 	return 0;
 }
@@ -620,14 +653,13 @@ static __always_inline int reverse4(struct bpf_sock_addr *ctx, __u32 hook)
 {
 	volatile __u32 port = ctx->user_port;
 	struct meshdns_config *cfg = get_config();
-	struct sock_entry *orig;
+	__u32 orig[4];
 
 	if (!cfg || !(cfg->flags & FLAG_TARGET4) || ctx->user_ip4 != cfg->target4)
 		return 1;
-	orig = lookup_orig(ctx, hook, cfg, bpf_ntohs((__u16)port));
-	if (!orig)
+	if (!lookup_orig(ctx, hook, cfg, bpf_ntohs((__u16)port), orig))
 		return 1;
-	ctx->user_ip4 = orig->addr[3];
+	ctx->user_ip4 = orig[3];
 	ctx->user_port = (__u32)bpf_htons(DNS_PORT);
 	count(hook, COUNTER_REPLY_REWRITTEN);
 	count_cgroup(CGROUP_REPLY_REWRITTEN);
@@ -638,7 +670,7 @@ static __always_inline int reverse6(struct bpf_sock_addr *ctx, __u32 hook)
 {
 	volatile __u32 port = ctx->user_port;
 	struct meshdns_config *cfg = get_config();
-	struct sock_entry *orig;
+	__u32 orig[4];
 	__u32 src[4];
 
 	if (!cfg)
@@ -653,16 +685,15 @@ static __always_inline int reverse6(struct bpf_sock_addr *ctx, __u32 hook)
 	} else if (!(cfg->flags & FLAG_TARGET6) || !v6_equal(src, cfg->target6)) {
 		return 1;
 	}
-	orig = lookup_orig(ctx, hook, cfg, bpf_ntohs((__u16)port));
-	if (!orig)
+	if (!lookup_orig(ctx, hook, cfg, bpf_ntohs((__u16)port), orig))
 		return 1;
-	ctx->user_ip6[0] = orig->addr[0];
+	ctx->user_ip6[0] = orig[0];
 	barrier();
-	ctx->user_ip6[1] = orig->addr[1];
+	ctx->user_ip6[1] = orig[1];
 	barrier();
-	ctx->user_ip6[2] = orig->addr[2];
+	ctx->user_ip6[2] = orig[2];
 	barrier();
-	ctx->user_ip6[3] = orig->addr[3];
+	ctx->user_ip6[3] = orig[3];
 	ctx->user_port = (__u32)bpf_htons(DNS_PORT);
 	count(hook, COUNTER_REPLY_REWRITTEN);
 	count_cgroup(CGROUP_REPLY_REWRITTEN);

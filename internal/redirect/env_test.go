@@ -62,6 +62,13 @@ func TestMain(m *testing.M) {
 	if os.Getenv(agentEnv) != "" {
 		os.Exit(runAgent(os.Getenv(agentEnv)))
 	}
+	if os.Getenv(probeEnv) == "1" {
+		if err := probePrograms(); err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			os.Exit(1)
+		}
+		os.Exit(0)
+	}
 	dir, err := os.MkdirTemp("", "meshdns-redirect-client-")
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)

@@ -42,6 +42,7 @@ type Features struct {
 	MapTypes   []Feature // map types and flags the object uses
 	CgroupLink Feature   // bpf_link for cgroups (attach and pin)
 	BPFFS      Feature   // the bpf filesystem
+	Programs   Feature   // the programs of bpf/redirect.c load (the verifier accepts them, with our privileges)
 }
 
 // Missing lists what this kernel lacks, one precise line per feature, e.g.
@@ -50,7 +51,7 @@ type Features struct {
 func (f Features) Missing() []string {
 	var out []string
 	all := append(append(append([]Feature{}, f.Hooks...), f.Helpers...), f.MapTypes...)
-	all = append(all, f.CgroupLink, f.BPFFS)
+	all = append(all, f.CgroupLink, f.BPFFS, f.Programs)
 	for _, x := range all {
 		if x.Err != nil {
 			out = append(out, x.String())
@@ -111,7 +112,27 @@ func Probe() (Features, error) {
 	f.MapTypes = append(f.MapTypes, Feature{Name: "BPF_F_MMAPABLE arrays", Detail: "resolver progress, Linux 5.5", Err: features.HaveMapFlag(features.BPF_F_MMAPABLE)})
 	f.CgroupLink = Feature{Name: "bpf_link for cgroups", Detail: "BPF_LINK_CREATE, Linux 5.7", Err: probeCgroupLink()}
 	f.BPFFS = Feature{Name: "bpffs", Detail: "filesystem type bpf", Err: probeBPFFS()}
+	f.Programs = Feature{Name: "eBPF programs", Detail: "bpf/redirect.c, with this process's privileges", Err: probePrograms()}
 	return f, nil
+}
+
+// probePrograms loads the datapath's programs and maps, attaching nothing: the
+// verifier's last word, with this process's capabilities (without CAP_PERFMON
+// it is stricter).
+func probePrograms() error {
+	spec, err := loadRedirect()
+	if err != nil {
+		return err
+	}
+	var objs redirectObjects
+	if err := spec.LoadAndAssign(&objs, nil); err != nil {
+		var ve *ebpf.VerifierError
+		if errors.As(err, &ve) {
+			return fmt.Errorf("the verifier rejected them: %+v", ve)
+		}
+		return err
+	}
+	return objs.Close()
 }
 
 func indexOfHook(name string) int {

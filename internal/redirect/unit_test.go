@@ -3,6 +3,8 @@ package redirect
 import (
 	"encoding/json"
 	"errors"
+	"os"
+	"os/exec"
 	"net/netip"
 	"reflect"
 	"strings"
@@ -166,5 +168,26 @@ func TestProbeHookRejectsForbiddenHelper(t *testing.T) {
 	}
 	if err := probeHook(hooks[indexOfHook("connect4")], callCtx(asm.FnGetNetnsCookie)); err != nil {
 		t.Errorf("bpf_get_netns_cookie in cgroup/connect4: %v", err)
+	}
+}
+
+const probeEnv = "MESHDNS_REDIRECT_PROBE_PROGRAMS"
+
+// The programs load with CAP_BPF and CAP_NET_ADMIN only: without CAP_PERFMON
+// the verifier applies its Spectre hardening (no variable offsets into map
+// values), and the agent must not need more (issue 13).
+func TestProgramsLoadWithLeastPrivilege(t *testing.T) {
+	testenv.RequirePrivileged(t, "setpriv")
+	for _, caps := range [][]string{{"bpf", "net_admin"}, {"net_admin"}} {
+		argv := append(testenv.OnlyCaps(caps), clientBin)
+		cmd := exec.Command(argv[0], argv[1:]...)
+		cmd.Env = append(os.Environ(), probeEnv+"=1")
+		out, err := cmd.CombinedOutput()
+		if len(caps) == 2 && err != nil {
+			t.Errorf("with %v the programs do not load: %v\n%s", caps, err, out)
+		}
+		if len(caps) == 1 && err == nil {
+			t.Errorf("with %v (no CAP_BPF) the programs loaded: the check proves nothing", caps)
+		}
 	}
 }

@@ -15,8 +15,9 @@ import (
 )
 
 // FakeDNS is a fake nameserver for tests: it answers the names in Records (A or AAAA
-// by the address family) and NXDOMAIN with an SOA for everything else, over UDP and
-// TCP, and records every query it sees. It stands for "the original nameserver"
+// by the address family; "*.zone" answers every name one label below zone) and
+// NXDOMAIN with an SOA for everything else, over UDP and TCP, and records every
+// query it sees. It stands for "the original nameserver"
 // or an upstream; it never forwards anywhere.
 type FakeDNS struct {
 	Addr string // host:port it serves on
@@ -251,6 +252,13 @@ func (f *FakeDNS) serve(proto string) func(w dns.ResponseWriter, req *dns.Msg) {
 		f.queries = append(f.queries, Query{Name: name, Type: q.Qtype, Proto: proto, Source: src})
 		ips, ok := f.records[name]
 		delay := f.delays[name]
+		if !ok {
+			// "*.zone" records answer every name under zone.
+			if _, zone, found := strings.Cut(name, "."); found {
+				ips, ok = f.records["*."+zone]
+				delay = f.delays["*."+zone]
+			}
+		}
 		f.mu.Unlock()
 		if delay > 0 {
 			time.Sleep(delay) // the upstream is slow for this name
