@@ -3,9 +3,9 @@ package redirect
 import (
 	"encoding/json"
 	"errors"
+	"net/netip"
 	"os"
 	"os/exec"
-	"net/netip"
 	"reflect"
 	"strings"
 	"testing"
