@@ -316,16 +316,14 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 	if err := a.followReadiness(); err != nil {
 		return err
 	}
-	if mode != ModeOff {
-		if a.hl, err = listenHandover(cfg.StateDir); err != nil {
-			return err
-		}
-		if err := a.save(); err != nil {
-			return err
-		}
-	}
+	// Taking over, nothing of the node's state is touched before the
+	// predecessor knows we serve: if we die before, it serves on as it was.
 	if a.inherit != nil {
 		a.inherit.closeUnused()
+		if cfg.handoverFault == "successor" {
+			log.Error("x-handover-fault: the successor dies before it serves")
+			os.Exit(3)
+		}
 		if err := a.inherit.serving(); err != nil {
 			log.Warn("could not tell the previous agent that we serve; it may have died", "pid", a.inherit.from, "err", err)
 		}
@@ -334,6 +332,21 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 		}
 		log.Info("took over from the previous agent", "pid", a.inherit.from)
 		a.inherit = nil
+		if mode != ModeOff {
+			if a.hl, err = listenHandover(cfg.StateDir); err != nil {
+				log.Error("no handover socket: a successor will not be able to take over", "err", err)
+			}
+			if err := a.save(); err != nil {
+				log.Error("write state", "err", err)
+			}
+		}
+	} else if mode != ModeOff {
+		if a.hl, err = listenHandover(cfg.StateDir); err != nil {
+			return err
+		}
+		if err := a.save(); err != nil {
+			return err
+		}
 	}
 	a.loops.Add(1)
 	go a.readinessLoop()
@@ -625,6 +638,9 @@ func (a *Agent) handleHandover(c *net.UnixConn) {
 	}
 	defer closeListenerFiles(o.listeners)
 	_ = c.SetDeadline(time.Now().Add(handoverTimeout))
+	if a.cfg.handoverFault == "predecessor" {
+		o.dieAfterSend = true
+	}
 	succ, err := sendOffer(c, o)
 	if err != nil {
 		a.log.Warn("handover failed; serving on", "successor", hello.PID, "err", err)

@@ -51,6 +51,10 @@ type Config struct {
 
 	// forceNoEBPF makes auto mode behave as if the kernel probe failed (tests).
 	forceNoEBPF string
+	// handoverFault injects a crash into a handover (tests): "successor" exits
+	// after taking the descriptors and the datapath, before it serves;
+	// "predecessor" kills itself right after sending its descriptors.
+	handoverFault string
 }
 
 // DefaultBPFFS is where the agent pins its links and maps, and where the CLI reads them.
@@ -123,6 +127,7 @@ func (c *Config) RegisterFlags(fs *flag.FlagSet) {
 	fs.StringVar(&c.LogLevel, "log-level", "info", "debug, info, warn or error")
 	fs.StringVar(&c.LogFormat, "log-format", "text", "text or json")
 	fs.StringVar(&c.forceNoEBPF, "x-force-no-ebpf", "", "testing only: make auto mode behave as if the eBPF probe failed with this reason")
+	fs.StringVar(&c.handoverFault, "x-handover-fault", "", "testing only: crash in a handover, as the successor (before serving) or the predecessor (after sending its descriptors)")
 }
 
 // Validate checks what can be checked without touching the system.

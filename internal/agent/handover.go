@@ -233,6 +233,8 @@ type offer struct {
 	lock      *os.File
 	admin     *os.File
 	listeners []resolver.InheritedListener
+
+	dieAfterSend bool // fault injection (tests): SIGKILL ourselves once sent
 }
 
 // sendOffer sends the offer and its descriptors, then waits for "serving".
@@ -259,6 +261,9 @@ func sendOffer(c *net.UnixConn, o offer) (successor int, err error) {
 		if err := writeMsg(c, handoverMsg{Op: "fds"}, fds[i:min(i+maxFDsPerMessage, len(fds))]); err != nil {
 			return 0, fmt.Errorf("send descriptors: %w", err)
 		}
+	}
+	if o.dieAfterSend {
+		_ = unix.Kill(os.Getpid(), unix.SIGKILL)
 	}
 	reply, files, err := readMsg(c)
 	for _, f := range files {

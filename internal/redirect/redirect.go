@@ -32,6 +32,7 @@ import (
 	"os"
 	"path/filepath"
 	"sort"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -394,9 +395,8 @@ func permissionHint(err error) string {
 func reusableMaps(pinDir string, spec *ebpf.CollectionSpec, log *slog.Logger) map[string]*ebpf.Map {
 	out := map[string]*ebpf.Map{}
 	for name, ms := range spec.Maps {
-		if ms.Type != ebpf.Array && ms.Type != ebpf.Hash && ms.Type != ebpf.PerCPUArray &&
-			ms.Type != ebpf.LRUCPUHash && ms.Type != ebpf.SockMap && ms.Type != ebpf.SkStorage {
-			continue // internal maps (.bss)
+		if strings.HasPrefix(name, ".") {
+			continue // internal maps (.bss): never pinned
 		}
 		p := filepath.Join(pinDir, mapsDir, name)
 		m, err := ebpf.LoadPinnedMap(p, nil)

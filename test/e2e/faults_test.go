@@ -249,3 +249,75 @@ func TestNoFalseFailOpenUnderCPUSaturation(t *testing.T) {
 		t.Errorf("the load sent only %d lookups in %v", res.sent, el)
 	}
 }
+
+// A handover interrupted by a crash (docs/design.md, "Upgrades, restarts and
+// crashes"). When the successor dies before it serves, the running agent puts
+// its programs and state back and serves on; when the running agent dies right
+// after handing its descriptors over, the successor serves alone. Either way
+// only queries in flight in the process that died are lost, and every lookup
+// started after it is answered through capture.
+func TestHandoverFaults(t *testing.T) {
+	n := newNode(t)
+	pod := n.addLoadPod()
+	n.start("ebpf")
+	missBefore := n.mapMiss()
+
+	t.Run("successor dies before it serves", func(t *testing.T) {
+		ld := n.startLoad(pod, 500)
+		old := n.agent
+		failing := n.spawn("ebpf", "--x-handover-fault", "successor")
+		if err, ok := failing.wait(20 * time.Second); !ok || err == nil {
+			t.Fatalf("the faulty successor did not exit with an error (%v); log:\n%s", err, n.stderr.String())
+		}
+		died := monotonic()
+		if !testenv.WaitFor(5*time.Second, func() bool {
+			st, err := n.state()
+			return err == nil && st.PID == old.pid()
+		}) {
+			t.Fatalf("the running agent did not take its state back")
+		}
+		n.waitRedirected(200) // still capturing, through the running agent
+		res := ld.stop()
+		fell, bad := split(res.between(died, died+int64(time.Hour)))
+		inFlight := len(res.fails) - len(fell) - len(bad)
+		t.Logf("successor died mid-handover: %d lookups; %d failed while it lived (in flight in it), after its death %d failed and %d fell through",
+			res.sent, inFlight, len(bad), len(fell))
+		if len(bad)+len(fell) > 0 {
+			t.Errorf("lookups started after the successor died failed:\n%s%s", describe(bad, died), describe(fell, died))
+		}
+		if old.exited() {
+			t.Fatalf("the running agent exited")
+		}
+	})
+
+	t.Run("predecessor dies after handing over", func(t *testing.T) {
+		// The running agent is the one to die: restart it with the fault armed.
+		n.upgrade("ebpf", "--x-handover-fault", "predecessor")
+		ld := n.startLoad(pod, 500)
+		old := n.agent
+		next := n.spawn("ebpf")
+		if _, ok := old.wait(20 * time.Second); !ok {
+			t.Fatalf("the predecessor did not die")
+		}
+		died := monotonic()
+		n.agent = next
+		if !testenv.WaitFor(10*time.Second, func() bool {
+			st, err := n.state()
+			return err == nil && st.PID == next.pid()
+		}) || next.exited() {
+			t.Fatalf("the successor did not take over; log:\n%s", n.stderr.String())
+		}
+		n.waitRedirected(200)
+		res := ld.stop()
+		fell, bad := split(res.between(died, died+int64(time.Hour)))
+		inFlight := len(res.fails) - len(fell) - len(bad)
+		t.Logf("predecessor died after handing over: %d lookups; %d failed before its death (in flight in it), after it %d failed and %d fell through",
+			res.sent, inFlight, len(bad), len(fell))
+		if len(bad)+len(fell) > 0 {
+			t.Errorf("lookups started after the predecessor died failed:\n%s%s", describe(bad, died), describe(fell, died))
+		}
+	})
+	if miss := n.mapMiss() - missBefore; miss != 0 {
+		t.Errorf("%d replies from the wrong source", miss)
+	}
+}
