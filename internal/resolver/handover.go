@@ -160,16 +160,26 @@ func (s *Server) listenRaw(i int) string {
 	return s.addrs[i]
 }
 
-// Drain serves until nothing was read for quiet (0: not at all), then stops
+// Drain serves until nothing was read for quiet since it began or since the
+// last read (0: not at all), then stops
 // reading new queries, answers every query already read (in-flight forwards
 // included) and closes idle TCP connections, then closes this process's file
 // descriptors of the sockets. It returns when everything is answered or ctx is
 // done (then the rest is cut off: the request context is cancelled).
 func (s *Server) Drain(ctx context.Context, quiet time.Duration) error {
 	if quiet > 0 {
+		// Quiet means nothing read for quiet since the drain began, too: queries
+		// sent just before it began may still be on their way.
+		began := time.Now()
+		last := func() time.Time {
+			if t := time.Unix(0, s.lastRead.Load()); t.After(began) {
+				return t
+			}
+			return began
+		}
 		t := time.NewTicker(quiet / 4)
 	wait:
-		for time.Since(time.Unix(0, s.lastRead.Load())) < quiet {
+		for time.Since(last()) < quiet {
 			select {
 			case <-ctx.Done():
 				break wait

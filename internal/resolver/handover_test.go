@@ -1,0 +1,144 @@
+package resolver
+
+import (
+	"context"
+	"log/slog"
+	"net"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/miekg/dns"
+	"github.com/prometheus/client_golang/prometheus"
+)
+
+// A successor serves the predecessor's sockets (Files -> Config.Inherited) while
+// the predecessor drains with quiet 0: every query sent throughout, on fresh
+// sockets, is answered by one of them; OnDequeue counts every read, empty
+// probe datagrams included, which are not answered.
+func TestHandoverServesInheritedSockets(t *testing.T) {
+	var deqA, deqB atomic.Int64
+	a := startServer(t, nil, func(c *Config) { c.OnDequeue = func(n int) { deqA.Add(int64(n)) } })
+
+	// Queries on fresh sockets, as clients send them, until stopped.
+	stop := make(chan struct{})
+	var sent, answered atomic.Int64
+	var wg sync.WaitGroup
+	for w := 0; w < 4; w++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			c := &dns.Client{Net: "udp", Timeout: 2 * time.Second}
+			for {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				m := new(dns.Msg)
+				m.SetQuestion("ext.example.org.", dns.TypeA)
+				sent.Add(1)
+				if r, _, err := c.Exchange(m, a.addr); err == nil && len(r.Answer) == 1 {
+					answered.Add(1)
+				}
+			}
+		}()
+	}
+	waitSent := func(n int64) {
+		t.Helper()
+		base := answered.Load()
+		deadline := time.Now().Add(10 * time.Second)
+		for answered.Load() < base+n && time.Now().Before(deadline) {
+			time.Sleep(5 * time.Millisecond)
+		}
+	}
+	waitSent(200)
+
+	files, err := a.s.Files()
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := New(Config{
+		Listen:     []string{a.addr},
+		Table:      a.table,
+		Forwarder:  a.fwd,
+		Inherited:  files,
+		OnDequeue:  func(n int) { deqB.Add(int64(n)) },
+		Registerer: prometheus.NewRegistry(),
+		Logger:     slog.New(slog.DiscardHandler),
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := b.Start(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	defer b.Shutdown(context.Background())
+	if got := b.Addrs(); len(got) != 1 || got[0] != a.addr {
+		t.Fatalf("successor bound %v, want the inherited %s", got, a.addr)
+	}
+	waitSent(200)
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	if err := a.s.Drain(ctx, 0); err != nil {
+		t.Fatalf("Drain: %v", err)
+	}
+	aAfterDrain := deqA.Load()
+	waitSent(500)
+	close(stop)
+	wg.Wait()
+	if sent.Load() != answered.Load() {
+		t.Errorf("%d queries sent, %d answered: the handover lost queries", sent.Load(), answered.Load())
+	}
+	if deqA.Load() != aAfterDrain {
+		t.Errorf("the drained predecessor kept reading (%d -> %d)", aAfterDrain, deqA.Load())
+	}
+	t.Logf("%d queries across the handover, all answered; read by the predecessor %d, by the successor %d", sent.Load(), deqA.Load(), deqB.Load())
+
+	// An empty datagram is a liveness probe: read and counted, not answered.
+	before := deqB.Load()
+	c, err := net.Dial("udp", a.addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	if _, err := c.Write(nil); err != nil {
+		t.Fatal(err)
+	}
+	_ = c.SetReadDeadline(time.Now().Add(300 * time.Millisecond))
+	if n, err := c.Read(make([]byte, 512)); err == nil {
+		t.Errorf("the probe got a %d-byte reply", n)
+	}
+	if deqB.Load() != before+1 {
+		t.Errorf("the probe was counted %d times, want 1", deqB.Load()-before)
+	}
+}
+
+// Drain with a quiet period keeps serving until nothing was read for that long.
+func TestDrainWaitsForQuiet(t *testing.T) {
+	a := startServer(t, nil, nil)
+	c := &dns.Client{Net: "udp", Timeout: time.Second}
+	m := new(dns.Msg)
+	m.SetQuestion("ext.example.org.", dns.TypeA)
+	done := make(chan error, 1)
+	start := time.Now()
+	go func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		done <- a.s.Drain(ctx, 200*time.Millisecond)
+	}()
+	// Queries every 50 ms for 600 ms keep the drain waiting and are answered.
+	for time.Since(start) < 600*time.Millisecond {
+		if _, _, err := c.Exchange(m, a.addr); err != nil {
+			t.Fatalf("query %v into the drain: %v", time.Since(start).Round(time.Millisecond), err)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	if el := time.Since(start); el < 700*time.Millisecond {
+		t.Errorf("drain returned after %v, before 200 ms of quiet", el)
+	}
+}
