@@ -67,6 +67,7 @@ type loadFail struct {
 
 type loadResult struct {
 	sent, ok, wrong, nx, failed int
+	servfail, lost              int // -raw clients only
 	perClient                   map[string]string // client -> its summary line
 	fails                       []loadFail
 }
@@ -77,17 +78,36 @@ func monotonic() int64 {
 	return ts.Nano()
 }
 
+// loadClientSpec is one load client: its binary, share of the rate, extra
+// flags and targets (nil: loadTargets).
+type loadClientSpec struct {
+	name    string
+	bin     string
+	share   float64
+	flags   []string
+	targets []string
+}
+
 // startLoad runs the three clients in pod, inside the test cgroup (captured),
 // as uid 1000, sharing rate lookups per second: glibc 40%, musl 30%, Go 30%.
 func (n *node) startLoad(pod *testenv.Netns, rate float64) *load {
 	n.t.Helper()
+	return n.startLoadClients(pod, rate, []loadClientSpec{
+		{name: "glibc", bin: bins.loadGlibc, share: 0.4},
+		{name: "musl", bin: bins.loadMusl, share: 0.3},
+		{name: "go", bin: bins.loadGo, share: 0.3},
+	})
+}
+
+func (n *node) startLoadClients(pod *testenv.Netns, rate float64, specs []loadClientSpec) *load {
+	n.t.Helper()
 	l := &load{t: n.t}
-	for _, c := range []struct {
-		name  string
-		bin   string
-		share float64
-	}{{"glibc", bins.loadGlibc, 0.4}, {"musl", bins.loadMusl, 0.3}, {"go", bins.loadGo, 0.3}} {
-		args := append([]string{"-r", fmt.Sprint(rate * c.share), "-t", "64"}, loadTargets...)
+	for _, c := range specs {
+		targets := c.targets
+		if targets == nil {
+			targets = loadTargets
+		}
+		args := append(append([]string{"-r", fmt.Sprint(rate * c.share), "-t", "64"}, c.flags...), targets...)
 		cmd := testenv.Command(context.Background(), testenv.Proc{Netns: pod, Cgroup: n.cg, UID: 1000, GID: 1000}, c.bin, args...)
 		lc := &loadClient{name: c.name, cmd: cmd, out: &syncBuffer{}, done: make(chan error, 1)}
 		cmd.Stdout = lc.out
@@ -152,6 +172,10 @@ func (l *load) stop() loadResult {
 						r.nx += x
 					case "failed":
 						r.failed += x
+					case "servfail":
+						r.servfail += x
+					case "lost":
+						r.lost += x
 					}
 				}
 			}

@@ -6,6 +6,11 @@
 //	FAIL <start ns> <end ns> <name> <what>
 //
 // (CLOCK_MONOTONIC), then SUMMARY sent=N ok=N wrong=N nxdomain=N failed=N.
+//
+// With -raw it sends each query itself (a fresh connected UDP socket per
+// query, like glibc), to the nameserver of -server, so that an answer with an
+// error code (servfail) is told apart from no answer at all (lost): the
+// summary then also has servfail=N and lost=N.
 package main
 
 import (
@@ -23,6 +28,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/miekg/dns"
 	"golang.org/x/sys/unix"
 )
 
@@ -41,6 +47,9 @@ func main() {
 	rate := flag.Float64("r", 100, "lookups per second, in total")
 	workers := flag.Int("t", 8, "goroutines")
 	dur := flag.Duration("d", time.Hour, "how long")
+	raw := flag.Bool("raw", false, "send the queries directly to -server and count servfail and lost apart")
+	server := flag.String("server", "", "with -raw: nameserver ip:port")
+	timeout := flag.Duration("timeout", 3*time.Second, "with -raw: how long to wait for an answer")
 	flag.Parse()
 	var targets []target
 	for _, a := range flag.Args() {
@@ -60,7 +69,7 @@ func main() {
 	defer stop()
 	ctx, cancel := context.WithTimeout(ctx, *dur)
 	defer cancel()
-	var sent, ok, wrong, nx, failed atomic.Int64
+	var sent, ok, wrong, nx, failed, servfail, lost atomic.Int64
 	var mu sync.Mutex
 	report := func(start, end int64, name, what string) {
 		mu.Lock()
@@ -84,6 +93,28 @@ func main() {
 					name = fmt.Sprintf(name, w*100000000+i)
 				}
 				start := monotonic()
+				if *raw {
+					what := exchange(*server, name, t.want, *timeout)
+					end := monotonic()
+					sent.Add(1)
+					switch what {
+					case "ok":
+						ok.Add(1)
+					case "servfail":
+						servfail.Add(1)
+						report(start, end, name, what)
+					case "nxdomain":
+						nx.Add(1)
+						report(start, end, name, what)
+					case "lost":
+						lost.Add(1)
+						report(start, end, name, what)
+					default:
+						wrong.Add(1)
+						report(start, end, name, what)
+					}
+					continue
+				}
 				// A Resolver per lookup: one Resolver merges concurrent lookups of a
 				// name into one query (singleflight), which would count one lost
 				// query as many failed lookups. Not bound to ctx: a lookup in flight
@@ -110,5 +141,43 @@ func main() {
 		}()
 	}
 	wg.Wait()
+	if *raw {
+		fmt.Printf("SUMMARY sent=%d ok=%d wrong=%d nxdomain=%d failed=%d servfail=%d lost=%d\n",
+			sent.Load(), ok.Load(), wrong.Load(), nx.Load(), servfail.Load()+lost.Load(), servfail.Load(), lost.Load())
+		return
+	}
 	fmt.Printf("SUMMARY sent=%d ok=%d wrong=%d nxdomain=%d failed=%d\n", sent.Load(), ok.Load(), wrong.Load(), nx.Load(), failed.Load())
+}
+
+// exchange sends one A query for name on a fresh connected UDP socket and says
+// what came back: ok, servfail, nxdomain, lost (nothing within timeout),
+// wrong:<what>.
+func exchange(server, name string, want netip.Addr, timeout time.Duration) string {
+	m := new(dns.Msg)
+	m.SetQuestion(dns.Fqdn(name), dns.TypeA)
+	c := &dns.Client{Net: "udp", Timeout: timeout}
+	r, _, err := c.Exchange(m, server)
+	switch {
+	case err != nil:
+		var ne net.Error
+		if errors.As(err, &ne) && ne.Timeout() {
+			return "lost"
+		}
+		return "wrong:" + strings.ReplaceAll(err.Error(), " ", "_")
+	case r.Rcode == dns.RcodeServerFailure:
+		return "servfail"
+	case r.Rcode == dns.RcodeNameError:
+		return "nxdomain"
+	case r.Rcode != dns.RcodeSuccess:
+		return "wrong:" + dns.RcodeToString[r.Rcode]
+	}
+	for _, rr := range r.Answer {
+		if a, ok := rr.(*dns.A); ok {
+			if ip, _ := netip.AddrFromSlice(a.A); ip.Unmap() == want {
+				return "ok"
+			}
+			return "wrong:" + a.A.String()
+		}
+	}
+	return "wrong:no_answer"
 }
