@@ -1,6 +1,7 @@
 # meshdns-ebpf. The two commands of the README:
 #   make run    build and run the agent standalone (as root), with the embedded default name table
 #   make test   install the test dependencies and run the whole suite (CI runs exactly this)
+#   make image  build the OCI image (no container engine needed) into out/image
 
 GO        ?= go
 BIN       := bin/meshdns-ebpf
@@ -17,15 +18,36 @@ export PATH := $(PATH):/usr/local/go/bin
 export GOTOOLCHAIN := local
 export GOFLAGS := -buildvcs=false
 
-.PHONY: all build run test deps test-deps unit generate check-generate vet bench soak clean
+.PHONY: all build run test deps test-deps kube-bin unit generate check-generate vet bench soak clean \
+	image image-lock image-push
+
+# The image (docs/kubernetes.md). `make image` builds it from deploy/image/debs.lock
+# and the agent built here; the same commit gives the same digest. Its .debs are
+# cached in IMAGE_CACHE (fetched with apt once). IMAGE_ARCHES="amd64 arm64" builds
+# both platforms into one index.
+IMAGE_ARCHES      ?= amd64
+IMAGE_CACHE       ?= $(CURDIR)/.cache/image
+IMAGE_OUT         ?= $(CURDIR)/out/image
+IMAGE_NAME        ?= localhost/meshdns-ebpf
+IMAGE_TAG         ?= $(VERSION)
+REVISION          ?= $(shell git rev-parse HEAD 2>/dev/null)
+SOURCE_DATE_EPOCH ?= $(shell git log -1 --format=%ct 2>/dev/null || echo 0)
+IMAGE_TOOL        := $(IMAGE_OUT)/bin/image-tool
 
 all: build
 
 deps:
 	@scripts/install-deps.sh --run
 
+# Test dependencies: packages, then the Kubernetes test control plane (etcd,
+# kube-apiserver, kube-controller-manager built from Go modules into .cache/kube-bin;
+# minutes cold, nothing when warm). See docs/testing.md.
 test-deps:
 	@scripts/install-deps.sh
+	@scripts/build-kube.sh
+
+kube-bin:
+	@scripts/build-kube.sh
 
 build:
 	CGO_ENABLED=0 $(GO) build -ldflags "$(LDFLAGS)" -o $(BIN) ./cmd/meshdns-ebpf
@@ -49,11 +71,15 @@ check-generate:
 
 vet:
 	$(GO) vet ./...
+	cd tools/image && $(GO) vet ./...
 	@out=$$(gofmt -l $$(git ls-files '*.go' 2>/dev/null || find . -name '*.go')); \
 	  if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
 
 test: test-deps check-generate vet
+	@rm -f out/image-test.txt
 	$(GO) test $(TEST_FLAGS) ./...
+	cd tools/image && $(GO) test -count=1 ./...
+	@cat out/image-test.txt 2>/dev/null || true
 
 bench: build
 	bench/run.sh
@@ -66,5 +92,26 @@ SOAK ?= 10m
 soak: test-deps
 	MESHDNS_SOAK=$(SOAK) CI=true $(GO) test -count=1 -timeout 60m -v -run '^TestSoak$$' ./test/e2e
 
+image:
+	@cd tools/image && CGO_ENABLED=0 $(GO) build -trimpath -o $(IMAGE_TOOL) .
+	@IMAGE_CACHE=$(IMAGE_CACHE) scripts/image-debs.sh fetch $(IMAGE_ARCHES)
+	@bins=; for a in $(IMAGE_ARCHES); do \
+	  CGO_ENABLED=0 GOOS=linux GOARCH=$$a GOAMD64=v1 GOARM64=v8.0 $(GO) build -trimpath \
+	    -ldflags "-s -w $(LDFLAGS)" -o $(IMAGE_OUT)/bin/$$a/meshdns-ebpf ./cmd/meshdns-ebpf || exit 1; \
+	  bins=$$bins$${bins:+,}$$a=$(IMAGE_OUT)/bin/$$a/meshdns-ebpf; \
+	done; \
+	$(IMAGE_TOOL) build -lock deploy/image/debs.lock -debs $(IMAGE_CACHE)/debs -bin $$bins \
+	  -version $(IMAGE_TAG) -revision "$(REVISION)" -epoch $(SOURCE_DATE_EPOCH) \
+	  -name $(IMAGE_NAME) -out $(IMAGE_OUT)
+
+# Re-resolve deploy/image/packages to the versions Debian serves now (commit the lock).
+image-lock:
+	IMAGE_CACHE=$(IMAGE_CACHE) scripts/image-debs.sh lock amd64 arm64
+
+# Push the index built by `make image`: make image-push REGISTRY=registry.example.com/team
+image-push: image
+	@test -n "$(REGISTRY)" || { echo "make image-push: set REGISTRY=host/path"; exit 1; }
+	$(IMAGE_TOOL) push -layout $(IMAGE_OUT)/oci -ref $(REGISTRY)/meshdns-ebpf:$(IMAGE_TAG)
+
 clean:
-	rm -rf bin
+	rm -rf bin out

@@ -16,9 +16,11 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
+	"k8s.io/client-go/rest"
 
 	"github.com/meshdns/meshdns-ebpf/internal/cgroup2"
 	"github.com/meshdns/meshdns-ebpf/internal/ctzone"
+	"github.com/meshdns/meshdns-ebpf/internal/names"
 	"github.com/meshdns/meshdns-ebpf/internal/redirect"
 	"github.com/meshdns/meshdns-ebpf/internal/resolver"
 	"github.com/meshdns/meshdns-ebpf/internal/resolver/upstream"
@@ -53,7 +55,8 @@ type Agent struct {
 	inherit      *inheritance
 	st           *State
 	nodes        *nodeAddrs
-	stopTable    context.CancelFunc
+	store        *names.Store
+	stopFwd      context.CancelFunc
 	fwd          *upstream.Forwarder
 	srv          *resolver.Server
 	dp           *redirect.Datapath
@@ -102,6 +105,15 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 			a.abort()
 		}
 	}()
+
+	// The Kubernetes source: its API server, and the cluster DNS Service to
+	// capture.
+	var kubeRest *rest.Config
+	if cfg.Kubernetes() {
+		if kubeRest, err = cfg.setupKubernetes(ctx, log); err != nil {
+			return err
+		}
+	}
 
 	// Nameservers and upstreams come from resolv.conf, read before capture starts.
 	if err := cfg.fillFromResolvConf(log); err != nil {
@@ -230,11 +242,12 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	reg.MustRegister(newBuildInfo())
 
-	tableCtx, stopTable := context.WithCancel(context.Background())
-	a.stopTable = stopTable
-	table, err := cfg.startNameTable(tableCtx, reg, log)
-	if err != nil {
+	// Name sources and the store that merges them into the name table.
+	if a.store, err = cfg.newNameStore(reg, kubeRest, log); err != nil {
 		return err
+	}
+	if err := a.store.Start(ctx); err != nil {
+		return fmt.Errorf("start name sources: %w", err)
 	}
 
 	// Upstream forwarder.
@@ -250,7 +263,9 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 	if a.fwd, err = upstream.New(ucfg); err != nil {
 		return fmt.Errorf("upstream: %w", err)
 	}
-	a.fwd.Start(tableCtx)
+	fwdCtx, stopFwd := context.WithCancel(context.Background())
+	a.stopFwd = stopFwd
+	a.fwd.Start(fwdCtx)
 
 	// The eBPF datapath first: it adopts the pinned links (a predecessor's
 	// programs are replaced in place) before the resolver counts its progress.
@@ -268,8 +283,9 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 	// Resolver, on the predecessor's sockets when there is one.
 	rc := resolver.Config{
 		Listen:        listenAddrs,
-		Table:         table,
+		Table:         a.store,
 		Forwarder:     a.fwd,
+		PodRecords:    cfg.PodRecords,
 		TTL:           cfg.TTL,
 		ClusterDomain: cfg.ClusterDomain,
 		Authoritative: cfg.Authoritative,
@@ -360,7 +376,8 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 	return nil
 }
 
-// Ready is the agent's readiness (/readyz): the resolver's, and not handed over.
+// Ready is the agent's readiness (/readyz, and what switches capture on): the
+// name sources' and the resolver's, and not handed over.
 func (a *Agent) Ready() error {
 	a.mu.Lock()
 	off, succ := a.handedOff, a.successor
@@ -368,8 +385,11 @@ func (a *Agent) Ready() error {
 	if off {
 		return fmt.Errorf("handed over to pid %d", succ)
 	}
-	if a.srv == nil {
+	if a.srv == nil || a.store == nil {
 		return errors.New("resolver not started")
+	}
+	if err := a.store.Ready(); err != nil {
+		return err
 	}
 	return a.srv.Ready()
 }
@@ -498,7 +518,7 @@ func (a *Agent) followReadiness() error {
 	if a.dp == nil {
 		return nil
 	}
-	ready := a.srv.Ready() == nil
+	ready := a.store.Ready() == nil && a.srv.Ready() == nil
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	if a.closing || a.handedOff || ready == a.serving {
@@ -509,7 +529,7 @@ func (a *Agent) followReadiness() error {
 			return err
 		}
 		a.serving = false
-		a.log.Warn("resolver not ready: capture off", "reason", a.srv.Ready())
+		a.log.Warn("resolver not ready: capture off", "reason", a.Ready())
 		return nil
 	}
 	if err := a.serveSockets(); err != nil {
@@ -602,7 +622,7 @@ func (a *Agent) handleHandover(c *net.UnixConn) {
 		refuse = "stopping"
 	case a.handedOff:
 		refuse = fmt.Sprintf("already handed over to pid %d", a.successor)
-	case a.srv.Ready() != nil:
+	case a.store.Ready() != nil || a.srv.Ready() != nil:
 		refuse = "not ready"
 	}
 	if refuse != "" {
@@ -756,8 +776,11 @@ func (a *Agent) shutdown(handoff bool) {
 		if a.fwd != nil {
 			add("upstream", a.fwd.Close())
 		}
-		if a.stopTable != nil {
-			a.stopTable()
+		if a.stopFwd != nil {
+			a.stopFwd()
+		}
+		if a.store != nil {
+			add("name sources", a.store.Close())
 		}
 		if a.nodes != nil {
 			add("node address", a.nodes.Close())

@@ -9,6 +9,7 @@ import (
 	"flag"
 	"fmt"
 	"net/netip"
+	"os"
 	"strconv"
 	"strings"
 	"time"
@@ -45,9 +46,18 @@ type Config struct {
 	TTL             time.Duration
 	ClusterDomain   string
 	Authoritative   bool
-	LinkName        string
-	LogLevel        string
-	LogFormat       string
+	PodRecords      bool
+
+	// Kubernetes source: --kubeconfig FILE or --kubernetes (in-cluster).
+	Kubeconfig        string
+	InCluster         bool
+	NodeName          string
+	ClusterDNSService string
+
+	authoritativeSet bool
+	LinkName         string
+	LogLevel         string
+	LogFormat        string
 
 	// forceNoEBPF makes auto mode behave as if the kernel probe failed (tests).
 	forceNoEBPF string
@@ -59,6 +69,9 @@ type Config struct {
 
 // DefaultBPFFS is where the agent pins its links and maps, and where the CLI reads them.
 const DefaultBPFFS = "/sys/fs/bpf/meshdns"
+
+// DefaultClusterDNSService is the Service pods' resolv.conf points at.
+const DefaultClusterDNSService = "kube-system/kube-dns"
 
 // DefaultListen is the node-local address every pod of the node can reach.
 const DefaultListen = "169.254.20.53:53"
@@ -122,7 +135,30 @@ func (c *Config) RegisterFlags(fs *flag.FlagSet) {
 	fs.StringVar(&c.ResolvConf, "resolv-conf", "/etc/resolv.conf", "resolv.conf to read nameservers and upstreams from (read before capture starts)")
 	fs.DurationVar(&c.TTL, "ttl", 30*time.Second, "TTL of answers from the name table")
 	fs.StringVar(&c.ClusterDomain, "cluster-domain", "cluster.local", "Kubernetes cluster domain")
-	fs.BoolVar(&c.Authoritative, "authoritative", false, "answer NXDOMAIN locally for unknown names under the cluster domain")
+	fs.Func("authoritative", "answer NXDOMAIN/NODATA locally for unknown names under the cluster domain (default true with a Kubernetes source, else false)", func(s string) error {
+		v, err := strconv.ParseBool(s)
+		if err != nil {
+			return fmt.Errorf("want true or false, got %q", s)
+		}
+		c.Authoritative, c.authoritativeSet = v, true
+		return nil
+	})
+	fs.Func("pods", "pod records <a-b-c-d>.<ns>.pod.<cluster domain>: insecure (answer the address in the name, as CoreDNS's \"pods insecure\") or disabled (default insecure)", func(s string) error {
+		switch s {
+		case "insecure":
+			c.PodRecords = true
+		case "disabled":
+			c.PodRecords = false
+		default:
+			return fmt.Errorf("want insecure or disabled, got %q", s)
+		}
+		return nil
+	})
+	c.PodRecords = true
+	fs.StringVar(&c.Kubeconfig, "kubeconfig", "", "watch this Kubernetes cluster's API server with this kubeconfig: Services, EndpointSlices and the Pods of --node-name answer cluster names")
+	fs.BoolVar(&c.InCluster, "kubernetes", false, "watch the API server of the cluster the agent runs in (in-cluster service account); the DaemonSet uses this")
+	fs.StringVar(&c.NodeName, "node-name", os.Getenv("NODE_NAME"), "this node's name: its Pods' IPs tell the agent each client's namespace (default $NODE_NAME)")
+	fs.StringVar(&c.ClusterDNSService, "cluster-dns-service", DefaultClusterDNSService, "with a Kubernetes source and no --nameservers: the Service (namespace/name) whose cluster IPs pods use as nameserver; those are captured")
 	fs.StringVar(&c.LinkName, "link", DefaultLinkName, "dummy link that carries the node-local listen address")
 	fs.StringVar(&c.LogLevel, "log-level", "info", "debug, info, warn or error")
 	fs.StringVar(&c.LogFormat, "log-format", "text", "text or json")
@@ -162,8 +198,17 @@ func (c *Config) Validate() error {
 	if c.UpstreamMark == 0 {
 		return fmt.Errorf("--upstream-mark must be non-zero")
 	}
+	if c.Kubeconfig != "" && c.InCluster {
+		return fmt.Errorf("--kubeconfig and --kubernetes: give one (--kubernetes uses the in-cluster service account)")
+	}
+	if c.Kubernetes() && !c.authoritativeSet {
+		c.Authoritative = true
+	}
 	return nil
 }
+
+// Kubernetes reports whether the Kubernetes source is on.
+func (c *Config) Kubernetes() bool { return c.Kubeconfig != "" || c.InCluster }
 
 func splitList(s string) []string {
 	var out []string

@@ -1,20 +1,20 @@
 package agent
 
 import (
-	"context"
 	"errors"
 	"fmt"
 	"log/slog"
 	"net/netip"
-	"os"
-	"path/filepath"
 	"slices"
 
 	"github.com/prometheus/client_golang/prometheus"
+	"k8s.io/client-go/rest"
 
 	"github.com/meshdns/meshdns-ebpf/internal/ctzone"
+	"github.com/meshdns/meshdns-ebpf/internal/kubesource"
+	"github.com/meshdns/meshdns-ebpf/internal/names"
+	"github.com/meshdns/meshdns-ebpf/internal/names/filesource"
 	"github.com/meshdns/meshdns-ebpf/internal/redirect"
-	"github.com/meshdns/meshdns-ebpf/internal/resolver"
 	"github.com/meshdns/meshdns-ebpf/internal/resolver/nametable"
 	"github.com/meshdns/meshdns-ebpf/internal/resolver/upstream"
 )
@@ -162,34 +162,58 @@ func (c *Config) ctzoneConfig(log *slog.Logger) ctzone.Config {
 	return cc
 }
 
-// startNameTable loads the table (the embedded demo table when no file is given) and
-// keeps it reloaded.
-func (c *Config) startNameTable(ctx context.Context, reg prometheus.Registerer, log *slog.Logger) (resolver.TableSource, error) {
-	path := c.NamesFile
-	if path == "" {
-		dir, err := os.MkdirTemp("", "meshdns-names-")
-		if err != nil {
-			return nil, fmt.Errorf("write embedded name table: %w", err)
-		}
-		path = filepath.Join(dir, "default-names.yaml")
-		if err := os.WriteFile(path, defaultNames, 0o644); err != nil {
-			return nil, fmt.Errorf("write embedded name table: %w", err)
-		}
-		go func() { <-ctx.Done(); _ = os.RemoveAll(dir) }()
-		log.Info("using the embedded demo name table (give --names FILE for your own)")
-	} else if _, err := os.Stat(path); err != nil && !errors.Is(err, os.ErrNotExist) {
-		return nil, fmt.Errorf("name table %s: %w", path, err)
-	}
-	w, err := nametable.NewWatcher(path, nametable.Options{ClusterDomain: c.ClusterDomain, TTL: c.TTL},
-		reg, log.With("component", "nametable"))
+// newNameStore creates the name store with the configured sources: the
+// names file, the Kubernetes API server, or the embedded demo table when
+// no other source is given.
+func (c *Config) newNameStore(reg prometheus.Registerer, kubeRest *rest.Config, log *slog.Logger) (*names.Store, error) {
+	m, err := names.NewMetrics(reg)
 	if err != nil {
-		return nil, fmt.Errorf("name table %s: %w", path, err)
+		return nil, err
 	}
-	// The first load must succeed: a bad file at start is bad input, not something
-	// to serve around. Later bad files keep the previous table serving.
-	if err := w.Reload(); err != nil {
-		return nil, fmt.Errorf("name table: %w", err)
+	store, err := names.New(names.Config{
+		Table:   nametable.Options{ClusterDomain: c.ClusterDomain, TTL: c.TTL},
+		Logger:  log.With("component", "names"),
+		Metrics: m,
+	})
+	if err != nil {
+		return nil, fmt.Errorf("name store: %w", err)
 	}
-	go w.Run(ctx)
-	return w, nil
+	if c.NamesFile != "" {
+		f, err := filesource.NewFile(c.NamesFile, filesource.Options{Domain: store.Domain(), Logger: log.With("component", "names")})
+		if err != nil {
+			return nil, err
+		}
+		// The first load must succeed: a bad file at start is bad input, not
+		// something to serve around. Later bad files keep the last good
+		// table serving.
+		if err := f.Check(); err != nil {
+			return nil, err
+		}
+		if err := store.Add(f, names.SourceOptions{Priority: names.PriorityFile}); err != nil {
+			return nil, err
+		}
+	}
+	if kubeRest != nil {
+		ks, err := kubesource.New(kubesource.Config{
+			Name: "kubernetes", Rest: kubeRest, Domain: c.ClusterDomain, NodeName: c.NodeName,
+			Logger: log.With("component", "names"),
+		})
+		if err != nil {
+			return nil, err
+		}
+		if err := store.Add(ks, names.SourceOptions{Priority: names.PriorityKubernetes}); err != nil {
+			return nil, err
+		}
+	}
+	if c.NamesFile == "" && kubeRest == nil {
+		demo, err := filesource.NewStatic("demo", defaultNames, store.Domain())
+		if err != nil {
+			return nil, err
+		}
+		if err := store.Add(demo, names.SourceOptions{Priority: names.PriorityDemo}); err != nil {
+			return nil, err
+		}
+		log.Info("using the embedded demo name table (give --names FILE for your own)")
+	}
+	return store, nil
 }

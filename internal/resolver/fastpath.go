@@ -135,7 +135,7 @@ func (f *fastPath) answer(pkt, out []byte, client netip.Addr) (resp []byte, src 
 	// matches, whose target would be a substring, go the general path).
 	lname := unsafe.String(&f.lname[0], ln)
 	n, wild := t.Find(lname, client)
-	if wild {
+	if wild || (n != nil && n.Host.CNAME != "") {
 		return nil, 0, false
 	}
 	var target string
@@ -143,12 +143,15 @@ func (f *fastPath) answer(pkt, out []byte, client netip.Addr) (resp []byte, src 
 	rcode := byte(dns.RcodeSuccess)
 	if n == nil {
 		if f.s.autopathCandidate(lname) {
-			n, target, wild = f.s.autopathTarget(t, lname)
-			if wild {
+			n, target, wild = f.s.autopathTarget(t, lname, client)
+			if wild || (n != nil && n.Host.CNAME != "") {
 				return nil, 0, false
 			}
 		}
 		if n == nil {
+			if f.s.podRecords && strings.HasSuffix(lname, f.s.dotPod) {
+				return nil, 0, false // pod records: general path
+			}
 			// Authoritative NXDOMAIN (or NODATA for an empty non-terminal)
 			// under the cluster domain; anything else is forwarded.
 			if !f.s.authoritative || !(strings.HasSuffix(lname, f.s.dotDomain) || lname == f.s.domain) {
@@ -174,7 +177,7 @@ func (f *fastPath) answer(pkt, out []byte, client netip.Addr) (resp []byte, src 
 			if target != "" {
 				return nil, 0, false // CNAME without data: general path
 			}
-			if soa = f.soa(t, h.SOA); soa == nil {
+			if soa = f.soa(t, t.SOA(h)); soa == nil {
 				return nil, 0, false
 			}
 		}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"math/rand/v2"
 	"net/netip"
+	"slices"
 	"strings"
 
 	"github.com/miekg/dns"
@@ -29,6 +30,10 @@ type reqInfo struct {
 	proto  proto
 	client netip.Addr
 	opt    *dns.OPT // client's OPT, nil without EDNS
+	// chase, when set, is a CNAME target outside the table to forward in
+	// place of the question; prefix are the records that lead to it.
+	chase  string
+	prefix []dns.RR
 }
 
 // sizeLimit is the largest response the client can take.
@@ -108,22 +113,37 @@ func (s *Server) local(req *dns.Msg, ri *reqInfo) (resp *dns.Msg, forward bool) 
 	}
 	name := strings.ToLower(q.Name)
 	if q.Qtype == dns.TypePTR {
-		if ptr := t.LookupPTR(name); ptr != nil {
+		if targets := t.PTR(name); targets != nil {
 			resp.Authoritative = true
-			resp.Answer = s.own(t, ptr, q.Name)
+			for _, target := range targets {
+				resp.Answer = append(resp.Answer, &dns.PTR{
+					Hdr: dns.RR_Header{Name: q.Name, Rrtype: dns.TypePTR, Class: dns.ClassINET, Ttl: s.ttl},
+					Ptr: target,
+				})
+			}
 			return resp, false
 		}
 	}
 	if n, wild := t.Find(name, ri.client); n != nil {
-		s.answerName(t, resp, q, name, n, wild)
+		if s.answerName(t, resp, q, name, n, wild, ri) {
+			return nil, true // a CNAME to a name outside the table: chased upstream
+		}
 		return resp, false
+	}
+	if s.podRecords && strings.HasSuffix(name, s.dotPod) {
+		if s.answerPod(t, resp, q, name) {
+			return resp, false
+		}
 	}
 	if strings.HasPrefix(name, "_") && (q.Qtype == dns.TypeSRV || q.Qtype == dns.TypeANY) {
 		if s.answerSRV(t, resp, q, name, ri.client) {
 			return resp, false
 		}
 	}
-	if s.autopath(t, resp, q, name) {
+	if ok, chase := s.autopath(t, resp, q, name, ri); ok {
+		if chase {
+			return nil, true
+		}
 		return resp, false
 	}
 	if s.authoritative && dns.IsSubDomain(s.domain, name) {
@@ -140,35 +160,152 @@ func (s *Server) local(req *dns.Msg, ri *reqInfo) (resp *dns.Msg, forward bool) 
 	return nil, true
 }
 
-// answerName fills resp for a name the table knows.
-func (s *Server) answerName(t *nametable.Table, resp *dns.Msg, q *dns.Question, lname string, n *nametable.Name, wild bool) {
+// answerName fills resp for a name the table knows. For an alias host
+// (CNAME) whose target the table does not answer, it returns chase ==
+// true with ri set up to forward the target (see forward).
+func (s *Server) answerName(t *nametable.Table, resp *dns.Msg, q *dns.Question, lname string, n *nametable.Name, wild bool, ri *reqInfo) (chase bool) {
 	resp.Authoritative = true
 	h := n.Host
+	if h.CNAME != "" {
+		return s.answerAlias(t, resp, q, q.Name, h, ri)
+	}
 	switch q.Qtype {
 	case dns.TypeA:
-		resp.Answer = s.addrRRs(t, n.A, q.Name, wild)
+		resp.Answer = s.addrRRs(h.V4, q.Name, true)
 	case dns.TypeAAAA:
-		resp.Answer = s.addrRRs(t, n.AAAA, q.Name, wild)
+		resp.Answer = s.addrRRs(h.V6, q.Name, true)
 	case dns.TypeANY:
-		resp.Answer = append(s.addrRRs(t, n.A, q.Name, wild), s.addrRRs(t, n.AAAA, q.Name, wild)...)
+		resp.Answer = append(s.addrRRs(h.V4, q.Name, true), s.addrRRs(h.V6, q.Name, true)...)
 	case dns.TypeSRV:
-		if len(h.Ports) > 0 {
-			target := h.Name
-			if wild {
-				target = lname
-			}
-			for i := range h.Ports {
-				resp.Answer = append(resp.Answer, &dns.SRV{
-					Hdr:      dns.RR_Header{Name: q.Name, Rrtype: dns.TypeSRV, Class: dns.ClassINET, Ttl: s.ttl},
-					Priority: 0, Weight: 100, Port: h.Ports[i].Port, Target: target,
-				})
-			}
-			resp.Extra = s.glue(t, h, target)
+		self := h.Name
+		if wild {
+			self = lname
 		}
+		resp.Answer, resp.Extra = s.srvRRs(t, h, q.Name, self, "", "", ri.client)
 	}
 	if len(resp.Answer) == 0 {
-		resp.Ns = []dns.RR{s.soa(t, h.SOA)}
+		resp.Ns = []dns.RR{s.soa(t, t.SOA(h))}
 	}
+	return false
+}
+
+// answerAlias answers owner (a name of alias host h) with a CNAME to
+// h.CNAME, followed by the target's records when the table has them. A
+// target the table does not know is chased upstream: ri.chase is set and
+// true is returned.
+func (s *Server) answerAlias(t *nametable.Table, resp *dns.Msg, q *dns.Question, owner string, h *nametable.Host, ri *reqInfo) bool {
+	cname := &dns.CNAME{
+		Hdr:    dns.RR_Header{Name: owner, Rrtype: dns.TypeCNAME, Class: dns.ClassINET, Ttl: s.ttl},
+		Target: h.CNAME,
+	}
+	resp.Answer = append(resp.Answer, cname)
+	if q.Qtype == dns.TypeCNAME {
+		return false
+	}
+	target := h.CNAME
+	for range 8 { // follow aliases inside the table, bounded
+		tn, _ := t.Find(target, ri.client)
+		if tn == nil {
+			break
+		}
+		if tn.Host.CNAME != "" {
+			resp.Answer = append(resp.Answer, &dns.CNAME{
+				Hdr:    dns.RR_Header{Name: target, Rrtype: dns.TypeCNAME, Class: dns.ClassINET, Ttl: s.ttl},
+				Target: tn.Host.CNAME,
+			})
+			target = tn.Host.CNAME
+			continue
+		}
+		switch q.Qtype {
+		case dns.TypeA:
+			resp.Answer = append(resp.Answer, s.addrRRs(tn.Host.V4, target, true)...)
+		case dns.TypeAAAA:
+			resp.Answer = append(resp.Answer, s.addrRRs(tn.Host.V6, target, true)...)
+		case dns.TypeANY:
+			resp.Answer = append(resp.Answer, s.addrRRs(tn.Host.V4, target, true)...)
+			resp.Answer = append(resp.Answer, s.addrRRs(tn.Host.V6, target, true)...)
+		}
+		return false
+	}
+	if dns.IsSubDomain(s.domain, target) && s.authoritative {
+		// Under our own domain and not in the table: it does not exist.
+		resp.Rcode = dns.RcodeNameError
+		resp.Ns = []dns.RR{s.soa(t, t.DomainSOA())}
+		return false
+	}
+	ri.chase = target
+	ri.prefix = resp.Answer
+	return true
+}
+
+// srvRRs returns the SRV records of host h (named self in the answer) for
+// the port name and protocol (both "" for every port), owned by owner, and
+// the addresses of their targets for the additional section.
+func (s *Server) srvRRs(t *nametable.Table, h *nametable.Host, owner, self, portName, proto string, client netip.Addr) (answer, extra []dns.RR) {
+	var targets []string
+	for i := range h.Ports {
+		p := &h.Ports[i]
+		if portName != "" && (p.Name != portName || p.Protocol != proto) {
+			continue
+		}
+		target := self
+		if p.Target != "" {
+			target = p.Target
+		}
+		answer = append(answer, &dns.SRV{
+			Hdr:      dns.RR_Header{Name: owner, Rrtype: dns.TypeSRV, Class: dns.ClassINET, Ttl: s.ttl},
+			Priority: 0, Weight: 100, Port: p.Port, Target: target,
+		})
+		if !slices.Contains(targets, target) {
+			targets = append(targets, target)
+		}
+	}
+	for _, target := range targets {
+		th := h
+		if target != self {
+			tn, _ := t.Find(target, client)
+			if tn == nil {
+				continue
+			}
+			th = tn.Host
+		}
+		extra = append(extra, s.addrRRs(th.V4, target, false)...)
+		extra = append(extra, s.addrRRs(th.V6, target, false)...)
+	}
+	return answer, extra
+}
+
+// answerPod answers <a-b-c-d>.<ns>.pod.<domain> (and the dashed IPv6 form)
+// with the address in the name, as CoreDNS's "pods insecure" does.
+func (s *Server) answerPod(t *nametable.Table, resp *dns.Msg, q *dns.Question, lname string) bool {
+	head := lname[:len(lname)-len(s.dotPod)] // "<ip>.<ns>"
+	i := strings.IndexByte(head, '.')
+	if i <= 0 || strings.IndexByte(head[i+1:], '.') >= 0 {
+		return false
+	}
+	ipLabel := head[:i]
+	var ip netip.Addr
+	var err error
+	if strings.Count(ipLabel, "-") == 3 && !strings.Contains(ipLabel, "--") {
+		ip, err = netip.ParseAddr(strings.ReplaceAll(ipLabel, "-", "."))
+	} else {
+		ip, err = netip.ParseAddr(strings.ReplaceAll(ipLabel, "-", ":"))
+	}
+	if err != nil {
+		return false
+	}
+	resp.Authoritative = true
+	ip = ip.Unmap()
+	switch {
+	case ip.Is4() && (q.Qtype == dns.TypeA || q.Qtype == dns.TypeANY):
+		resp.Answer = s.addrRRs([]netip.Addr{ip}, q.Name, false)
+	case ip.Is6() && (q.Qtype == dns.TypeAAAA || q.Qtype == dns.TypeANY):
+		resp.Answer = s.addrRRs([]netip.Addr{ip}, q.Name, false)
+	}
+	if len(resp.Answer) == 0 {
+		resp.Ns = []dns.RR{s.soa(t, t.DomainSOA())}
+	}
+	return true
 }
 
 // answerSRV answers _port._proto.<name> for a known name with that port.
@@ -187,32 +324,17 @@ func (s *Server) answerSRV(t *nametable.Table, resp *dns.Msg, q *dns.Question, l
 	if n == nil {
 		return false
 	}
-	h := n.Host
-	for k := range h.Ports {
-		p := &h.Ports[k]
-		if p.Name != portName || p.Protocol != protoName {
-			continue
-		}
-		target := h.Name
-		if wild {
-			target = rest
-		}
-		resp.Authoritative = true
-		resp.Answer = []dns.RR{&dns.SRV{
-			Hdr:      dns.RR_Header{Name: q.Name, Rrtype: dns.TypeSRV, Class: dns.ClassINET, Ttl: s.ttl},
-			Priority: 0, Weight: 100, Port: p.Port, Target: target,
-		}}
-		resp.Extra = s.glue(t, h, target)
-		return true
+	self := n.Host.Name
+	if wild {
+		self = rest
 	}
-	return false
-}
-
-// glue is the A/AAAA of an SRV target for the additional section.
-func (s *Server) glue(t *nametable.Table, h *nametable.Host, target string) []dns.RR {
-	out := make([]dns.RR, 0, len(h.A)+len(h.AAAA))
-	out = append(out, s.own(t, h.A, target)...)
-	return append(out, s.own(t, h.AAAA, target)...)
+	answer, extra := s.srvRRs(t, n.Host, q.Name, self, portName, protoName, client)
+	if len(answer) == 0 {
+		return false
+	}
+	resp.Authoritative = true
+	resp.Answer, resp.Extra = answer, extra
+	return true
 }
 
 // autopathTarget finds the table name a search-list expansion stands for.
@@ -222,12 +344,12 @@ func (s *Server) glue(t *nametable.Table, h *nametable.Host, target string) []dn
 // autopathed: <short>.<ns>.svc.<domain> is a real name, answered exactly or
 // not at all). target is the CNAME target: the host's canonical name, or
 // the remaining name for a wildcard host (never a literal "*").
-func (s *Server) autopathTarget(t *nametable.Table, lname string) (n *nametable.Name, target string, wild bool) {
+func (s *Server) autopathTarget(t *nametable.Table, lname string, client netip.Addr) (n *nametable.Name, target string, wild bool) {
 	try := func(rest string) bool {
 		if strings.Count(rest, ".") < 2 {
 			return false
 		}
-		n, wild = t.Find(rest, netip.Addr{})
+		n, wild = t.Find(rest, client)
 		if n == nil {
 			return false
 		}
@@ -262,15 +384,15 @@ func (s *Server) autopathTarget(t *nametable.Table, lname string) (n *nametable.
 
 // autopath answers a search-list expansion of a known name in one response:
 // a CNAME to the real host followed by its records.
-func (s *Server) autopath(t *nametable.Table, resp *dns.Msg, q *dns.Question, lname string) bool {
+func (s *Server) autopath(t *nametable.Table, resp *dns.Msg, q *dns.Question, lname string, ri *reqInfo) (answered, chase bool) {
 	switch q.Qtype {
 	case dns.TypeA, dns.TypeAAAA, dns.TypeSRV, dns.TypeANY, dns.TypeCNAME:
 	default:
-		return false
+		return false, false
 	}
-	n, target, wild := s.autopathTarget(t, lname)
+	n, target, _ := s.autopathTarget(t, lname, ri.client)
 	if n == nil {
-		return false
+		return false, false
 	}
 	h := n.Host
 	resp.Authoritative = true
@@ -278,63 +400,48 @@ func (s *Server) autopath(t *nametable.Table, resp *dns.Msg, q *dns.Question, ln
 		Hdr:    dns.RR_Header{Name: q.Name, Rrtype: dns.TypeCNAME, Class: dns.ClassINET, Ttl: s.ttl},
 		Target: target,
 	})
+	if h.CNAME != "" {
+		// The search-path name stands for an alias: answer the rest as for
+		// the alias itself.
+		return true, s.answerAlias(t, resp, q, target, h, ri)
+	}
 	switch q.Qtype {
 	case dns.TypeA:
-		resp.Answer = append(resp.Answer, s.addrRRs(t, h.A, target, wild)...)
+		resp.Answer = append(resp.Answer, s.addrRRs(h.V4, target, true)...)
 	case dns.TypeAAAA:
-		resp.Answer = append(resp.Answer, s.addrRRs(t, h.AAAA, target, wild)...)
+		resp.Answer = append(resp.Answer, s.addrRRs(h.V6, target, true)...)
 	case dns.TypeANY:
-		resp.Answer = append(resp.Answer, s.addrRRs(t, h.A, target, wild)...)
-		resp.Answer = append(resp.Answer, s.addrRRs(t, h.AAAA, target, wild)...)
+		resp.Answer = append(resp.Answer, s.addrRRs(h.V4, target, true)...)
+		resp.Answer = append(resp.Answer, s.addrRRs(h.V6, target, true)...)
 	case dns.TypeSRV:
-		for i := range h.Ports {
-			resp.Answer = append(resp.Answer, &dns.SRV{
-				Hdr:      dns.RR_Header{Name: target, Rrtype: dns.TypeSRV, Class: dns.ClassINET, Ttl: s.ttl},
-				Priority: 0, Weight: 100, Port: h.Ports[i].Port, Target: target,
-			})
-		}
-		if len(h.Ports) > 0 {
-			resp.Extra = s.glue(t, h, target)
-		}
+		answer, extra := s.srvRRs(t, h, target, target, "", "", ri.client)
+		resp.Answer = append(resp.Answer, answer...)
+		resp.Extra = extra
 	}
-	return true
+	return true, false
 }
 
-// addrRRs returns A/AAAA records owned by the query name (client case),
-// shuffled when there are several.
-func (s *Server) addrRRs(t *nametable.Table, rrs []dns.RR, qname string, wild bool) []dns.RR {
-	if len(rrs) == 0 {
+// addrRRs returns A/AAAA records of addrs owned by owner, shuffled when
+// asked and there are several.
+func (s *Server) addrRRs(addrs []netip.Addr, owner string, shuffleThem bool) []dns.RR {
+	if len(addrs) == 0 {
 		return nil
 	}
-	var out []dns.RR
-	if wild || qname != rrs[0].Header().Name || t.TTL() != s.ttl {
-		out = s.reown(rrs, qname)
-	} else {
-		out = make([]dns.RR, len(rrs))
-		copy(out, rrs)
+	out := make([]dns.RR, len(addrs))
+	for i, a := range addrs {
+		hdr := dns.RR_Header{Name: owner, Class: dns.ClassINET, Ttl: s.ttl}
+		if a.Is4() {
+			hdr.Rrtype = dns.TypeA
+			b := a.As4()
+			out[i] = &dns.A{Hdr: hdr, A: b[:]}
+		} else {
+			hdr.Rrtype = dns.TypeAAAA
+			b := a.As16()
+			out[i] = &dns.AAAA{Hdr: hdr, AAAA: b[:]}
+		}
 	}
-	shuffle(out)
-	return out
-}
-
-// own returns rrs as they are when owner and TTL match, else re-owned copies.
-func (s *Server) own(t *nametable.Table, rrs []dns.RR, qname string) []dns.RR {
-	if len(rrs) == 0 {
-		return nil
-	}
-	if qname == rrs[0].Header().Name && t.TTL() == s.ttl {
-		return rrs
-	}
-	return s.reown(rrs, qname)
-}
-
-func (s *Server) reown(rrs []dns.RR, owner string) []dns.RR {
-	out := make([]dns.RR, len(rrs))
-	for i, rr := range rrs {
-		c := dns.Copy(rr)
-		c.Header().Name = owner
-		c.Header().Ttl = s.ttl
-		out[i] = c
+	if shuffleThem {
+		shuffle(out)
 	}
 	return out
 }
@@ -376,7 +483,13 @@ func (s *Server) chaos(resp *dns.Msg, q *dns.Question) *dns.Msg {
 // client: our ID, the client's question (and its case), our own OPT.
 func (s *Server) forward(ctx context.Context, req *dns.Msg, ri *reqInfo) (*dns.Msg, source) {
 	id, question, rd, cd := req.Id, req.Question, req.RecursionDesired, req.CheckingDisabled
-	fresp, src, err := s.fwd.Forward(ctx, req)
+	fwdReq := req
+	if ri.chase != "" {
+		c := *req
+		c.Question = []dns.Question{{Name: ri.chase, Qtype: question[0].Qtype, Qclass: question[0].Qclass}}
+		fwdReq = &c
+	}
+	fresp, src, err := s.fwd.Forward(ctx, fwdReq)
 	out := new(dns.Msg)
 	out.Id = id
 	out.Response = true
@@ -397,6 +510,10 @@ func (s *Server) forward(ctx context.Context, req *dns.Msg, ri *reqInfo) (*dns.M
 	out.AuthenticatedData = fresp.AuthenticatedData
 	out.Truncated = fresp.Truncated
 	out.Answer = fresp.Answer[:len(fresp.Answer):len(fresp.Answer)]
+	if ri.chase != "" {
+		out.Authoritative = false
+		out.Answer = append(ri.prefix[:len(ri.prefix):len(ri.prefix)], out.Answer...)
+	}
 	out.Ns = fresp.Ns[:len(fresp.Ns):len(fresp.Ns)]
 	for _, rr := range fresp.Extra {
 		if rr.Header().Rrtype != dns.TypeOPT {

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net"
+	"net/netip"
 	"slices"
 	"strings"
 	"sync/atomic"
@@ -66,14 +67,21 @@ func startUpstream(t *testing.T) *fakeUpstream {
 		}
 		_ = w.WriteMsg(m)
 	})
-	pc, err := net.ListenPacket("udp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	u.addr = pc.LocalAddr().String()
-	ln, err := net.Listen("tcp", u.addr)
-	if err != nil {
-		t.Fatal(err)
+	var pc net.PacketConn
+	var ln net.Listener
+	for attempt := 0; ; attempt++ {
+		var err error
+		if pc, err = net.ListenPacket("udp", "127.0.0.1:0"); err != nil {
+			t.Fatal(err)
+		}
+		u.addr = pc.LocalAddr().String()
+		if ln, err = net.Listen("tcp", u.addr); err == nil {
+			break
+		}
+		pc.Close() // the TCP port of that number is taken (a wildcard listener): pick again
+		if attempt == 20 {
+			t.Fatal(err)
+		}
 	}
 	us := &dns.Server{PacketConn: pc, Handler: h}
 	ts := &dns.Server{Listener: ln, Handler: h}
@@ -128,13 +136,47 @@ type testServer struct {
 
 func startServer(t *testing.T, f *nametable.File, mod func(*Config)) *testServer {
 	t.Helper()
-	up := startUpstream(t)
-	ts := &testServer{reg: prometheus.NewRegistry(), fwd: &exchangeForwarder{addr: up.addr}, table: &staticTable{}, up: up}
+	var tb *nametable.Table
 	if f != nil {
-		tb, err := nametable.Build(f, nametable.Options{})
-		if err != nil {
+		var err error
+		if tb, err = nametable.Build(f, nametable.Options{}); err != nil {
 			t.Fatal(err)
 		}
+	}
+	return startServerTable(t, tb, mod)
+}
+
+// buildTable builds a table from hosts of one source, keyed by name, and
+// clients (IP -> namespace).
+func buildTable(t *testing.T, hosts []nametable.Host, clients map[string]string) *nametable.Table {
+	t.Helper()
+	b, err := nametable.NewBuilder(nametable.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	b.AddSource("test", 0)
+	for _, h := range hosts {
+		if err := b.Set("test", h.Name, []nametable.Host{h}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for ip, ns := range clients {
+		if err := b.SetClients("test", ip, []netip.Addr{netip.MustParseAddr(ip)}, ns); err != nil {
+			t.Fatal(err)
+		}
+	}
+	tb, err := b.Publish()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return tb
+}
+
+func startServerTable(t *testing.T, tb *nametable.Table, mod func(*Config)) *testServer {
+	t.Helper()
+	up := startUpstream(t)
+	ts := &testServer{reg: prometheus.NewRegistry(), fwd: &exchangeForwarder{addr: up.addr}, table: &staticTable{}, up: up}
+	if tb != nil {
 		ts.table.t.Store(tb)
 	}
 	cfg := Config{

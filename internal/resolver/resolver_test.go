@@ -609,3 +609,67 @@ func TestFastPathCacheMatchesGeneralPath(t *testing.T) {
 		t.Fatalf("cache responses metric grew by %v, want 20", d)
 	}
 }
+
+// Kubernetes semantics: ExternalName aliases, headless endpoints with SRV
+// per endpoint, dual-stack Services, pod records, visibility.
+func TestKubernetesAnswers(t *testing.T) {
+	a := func(s ...string) []netip.Addr {
+		var out []netip.Addr
+		for _, x := range s {
+			out = append(out, netip.MustParseAddr(x))
+		}
+		return out
+	}
+	tb := buildTable(t, []nametable.Host{
+		{Name: "web.ns1.svc.cluster.local", Kubernetes: true, V4: a("10.96.0.10"), V6: a("fd00:10:96::10"),
+			Ports: []nametable.HostPort{{Name: "http", Protocol: "tcp", Port: 80}}},
+		{Name: "ext.ns1.svc.cluster.local", Kubernetes: true, CNAME: "ext.example.org"},
+		{Name: "alias.ns1.svc.cluster.local", Kubernetes: true, CNAME: "web.ns1.svc.cluster.local"},
+		{Name: "gone.ns1.svc.cluster.local", Kubernetes: true, CNAME: "nothing.ns9.svc.cluster.local"},
+		{Name: "db.ns1.svc.cluster.local", Kubernetes: true, NoPTR: true, V4: a("10.244.1.5", "10.244.2.7"), Ports: []nametable.HostPort{
+			{Name: "sql", Protocol: "tcp", Port: 5432, Target: "db-0.db.ns1.svc.cluster.local"},
+			{Name: "sql", Protocol: "tcp", Port: 5432, Target: "10-244-2-7.db.ns1.svc.cluster.local"}}},
+		{Name: "db-0.db.ns1.svc.cluster.local", V4: a("10.244.1.5")},
+		{Name: "10-244-2-7.db.ns1.svc.cluster.local", V4: a("10.244.2.7")},
+		{Name: "api.example.com", V4: a("192.0.2.50"), Visible: []string{"ns1"}},
+	}, map[string]string{"127.0.0.3": "ns1"})
+	ts := startServerTable(t, tb, func(c *Config) { c.Authoritative = true; c.PodRecords = true })
+	cases := []tcase{
+		{name: "dual-stack A", req: query("web.ns1.svc.cluster.local.", dns.TypeA), aa: true,
+			an: []string{"web.ns1.svc.cluster.local. 30 IN A 10.96.0.10"}},
+		{name: "dual-stack AAAA", req: query("web.ns1.svc.cluster.local.", dns.TypeAAAA), aa: true,
+			an: []string{"web.ns1.svc.cluster.local. 30 IN AAAA fd00:10:96::10"}},
+		{name: "ExternalName chased upstream", req: query("ext.ns1.svc.cluster.local.", dns.TypeA),
+			an: []string{"ext.ns1.svc.cluster.local. 30 IN CNAME ext.example.org.", "ext.example.org. 300 IN A 192.0.2.80"}},
+		{name: "ExternalName CNAME query", req: query("ext.ns1.svc.cluster.local.", dns.TypeCNAME), aa: true,
+			an: []string{"ext.ns1.svc.cluster.local. 30 IN CNAME ext.example.org."}},
+		{name: "ExternalName to an in-table name", req: query("alias.ns1.svc.cluster.local.", dns.TypeA), aa: true,
+			an: []string{"alias.ns1.svc.cluster.local. 30 IN CNAME web.ns1.svc.cluster.local.", "web.ns1.svc.cluster.local. 30 IN A 10.96.0.10"}},
+		{name: "ExternalName to a missing cluster name", req: query("gone.ns1.svc.cluster.local.", dns.TypeA), aa: true,
+			rcode: dns.RcodeNameError, an: []string{"gone.ns1.svc.cluster.local. 30 IN CNAME nothing.ns9.svc.cluster.local."}, ns: []string{clusterSOA}},
+		{name: "ExternalName via autopath", req: query("ext.ns1.ns1.svc.cluster.local.", dns.TypeA),
+			an: []string{"ext.ns1.ns1.svc.cluster.local. 30 IN CNAME ext.ns1.svc.cluster.local.",
+				"ext.ns1.svc.cluster.local. 30 IN CNAME ext.example.org.", "ext.example.org. 300 IN A 192.0.2.80"}},
+		{name: "headless endpoint by hostname", req: query("db-0.db.ns1.svc.cluster.local.", dns.TypeA), aa: true,
+			an: []string{"db-0.db.ns1.svc.cluster.local. 30 IN A 10.244.1.5"}},
+		{name: "headless SRV per endpoint", req: query("_sql._tcp.db.ns1.svc.cluster.local.", dns.TypeSRV), aa: true,
+			an: []string{"_sql._tcp.db.ns1.svc.cluster.local. 30 IN SRV 0 100 5432 db-0.db.ns1.svc.cluster.local.",
+				"_sql._tcp.db.ns1.svc.cluster.local. 30 IN SRV 0 100 5432 10-244-2-7.db.ns1.svc.cluster.local."},
+			ar: []string{"db-0.db.ns1.svc.cluster.local. 30 IN A 10.244.1.5", "10-244-2-7.db.ns1.svc.cluster.local. 30 IN A 10.244.2.7"}},
+		{name: "PTR of an endpoint", req: query("5.1.244.10.in-addr.arpa.", dns.TypePTR), aa: true,
+			an: []string{"5.1.244.10.in-addr.arpa. 30 IN PTR db-0.db.ns1.svc.cluster.local."}},
+		{name: "pod A record", req: query("10-244-1-9.ns1.pod.cluster.local.", dns.TypeA), aa: true,
+			an: []string{"10-244-1-9.ns1.pod.cluster.local. 30 IN A 10.244.1.9"}},
+		{name: "pod AAAA record", req: query("fd00-244--9.ns1.pod.cluster.local.", dns.TypeAAAA), aa: true,
+			an: []string{"fd00-244--9.ns1.pod.cluster.local. 30 IN AAAA fd00:244::9"}},
+		{name: "pod AAAA of a v4 pod is NODATA", req: query("10-244-1-9.ns1.pod.cluster.local.", dns.TypeAAAA), aa: true,
+			ns: []string{clusterSOA}},
+		{name: "pod name that is no address", req: query("x-y.ns1.pod.cluster.local.", dns.TypeA), aa: true,
+			rcode: dns.RcodeNameError, ns: []string{clusterSOA}},
+		{name: "host exported to ns1 only, known ns1 client", req: query("api.example.com.", dns.TypeA), client: "127.0.0.3", aa: true,
+			an: []string{"api.example.com. 30 IN A 192.0.2.50"}},
+		{name: "host exported to ns1 only, other client", req: query("api.example.com.", dns.TypeA),
+			rcode: dns.RcodeNameError, ns: []string{". 300 IN SOA a.root. h.root. 1 2 3 4 300"}},
+	}
+	runCases(t, ts, cases)
+}

@@ -57,6 +57,9 @@ type Config struct {
 	// SearchDomains are extra node search domains stripped by autopath,
 	// besides <ns>.svc.<domain>, svc.<domain> and <domain>.
 	SearchDomains []string
+	// PodRecords answers <a-b-c-d>.<ns>.pod.<domain> with the address in
+	// the name (CoreDNS's "pods insecure").
+	PodRecords bool
 	// Inherited are pre-bound sockets from a predecessor, served instead of
 	// binding; OnDequeue is told of every read (see handover.go).
 	Inherited  []InheritedListener
@@ -85,6 +88,8 @@ type Server struct {
 	searchDomains []string
 	dotDomain     string   // "." + domain
 	dotSearch     []string // "." + each search domain
+	podRecords    bool
+	dotPod        string // ".pod." + domain
 	log           *slog.Logger
 	m             *metrics
 	version       string
@@ -170,6 +175,8 @@ func New(cfg Config) (*Server, error) {
 	}
 	s.domain = d
 	s.dotDomain = "." + d
+	s.podRecords = cfg.PodRecords
+	s.dotPod = ".pod." + d
 	for _, sd := range cfg.SearchDomains {
 		d, err := normDomain(sd)
 		if err != nil {
@@ -339,10 +346,7 @@ func (s *Server) Ready() error {
 	}
 	t := s.tables.Table()
 	if t == nil {
-		if le, ok := s.tables.(interface{ LastError() error }); ok && le.LastError() != nil {
-			return fmt.Errorf("name table not loaded yet: %w", le.LastError())
-		}
-		return errors.New("name table not loaded yet")
+		return errors.New("name table not published yet")
 	}
 	if t.Domain() != s.domain {
 		return fmt.Errorf("name table is built for cluster domain %q but the resolver serves %q", t.Domain(), s.domain)

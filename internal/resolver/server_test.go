@@ -14,6 +14,8 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/meshdns/meshdns-ebpf/internal/metrictest"
+	"github.com/meshdns/meshdns-ebpf/internal/names"
+	"github.com/meshdns/meshdns-ebpf/internal/names/filesource"
 	"github.com/meshdns/meshdns-ebpf/internal/resolver/nametable"
 )
 
@@ -83,7 +85,7 @@ func TestStartAddressInUse(t *testing.T) {
 
 func TestReady(t *testing.T) {
 	ts := startServer(t, nil, nil)
-	if err := ts.s.Ready(); err == nil || !strings.Contains(err.Error(), "not loaded") {
+	if err := ts.s.Ready(); err == nil || !strings.Contains(err.Error(), "not published") {
 		t.Fatalf("Ready without a table = %v", err)
 	}
 	// Before the table loads, queries are forwarded, not failed.
@@ -209,14 +211,26 @@ func TestReloadThroughResolver(t *testing.T) {
 		t.Fatal(err)
 	}
 	reg := prometheus.NewRegistry()
-	w, err := nametable.NewWatcher(filepath.Join(dir, "table.yaml"), nametable.Options{}, reg, slog.New(slog.DiscardHandler))
+	m, err := names.NewMetrics(reg)
 	if err != nil {
 		t.Fatal(err)
 	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- w.Run(ctx) }()
-	t.Cleanup(func() { cancel(); <-done })
+	w, err := names.New(names.Config{Metrics: m, Logger: slog.New(slog.DiscardHandler)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	fs, err := filesource.NewFile(filepath.Join(dir, "table.yaml"), filesource.Options{Domain: w.Domain(), Logger: slog.New(slog.DiscardHandler)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := w.Add(fs, names.SourceOptions{Priority: names.PriorityFile}); err != nil {
+		t.Fatal(err)
+	}
+	if err := w.Start(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = w.Close() })
+	fileErrors := func() float64 { return metrictest.Value(t, reg, "meshdns_names_source_errors_total", "source", "file") }
 
 	up := startUpstream(t)
 	s, err := New(Config{Listen: []string{"127.0.0.1:0"}, Table: w, Forwarder: &exchangeForwarder{addr: up.addr},
@@ -258,17 +272,17 @@ func TestReloadThroughResolver(t *testing.T) {
 	waitAnswer("10.9.0.2")
 	write(3, "table:\n  svc.ns1.svc.cluster.local:\n    registry: Kubernetes\n    ips: [10.9.0.300]\n")
 	deadline := time.Now().Add(2 * time.Second)
-	for w.LastError() == nil && time.Now().Before(deadline) {
+	for fileErrors() == 0 && time.Now().Before(deadline) {
 		time.Sleep(10 * time.Millisecond)
 	}
-	if err := w.LastError(); err == nil || !strings.Contains(err.Error(), "ips[0]") {
-		t.Fatalf("LastError = %v", err)
+	if st := w.Status(); len(st) != 1 || !strings.Contains(st[0].LastError, "ips[0]") {
+		t.Fatalf("source status = %+v", st)
 	}
 	if got := answer(); got != "10.9.0.2" {
 		t.Fatalf("after a bad file: %s, want the previous 10.9.0.2", got)
 	}
-	if got := metrictest.Value(t, reg, "meshdns_nametable_reload_errors_total"); got != 1 {
-		t.Fatalf("reload errors = %v", got)
+	if got := fileErrors(); got != 1 {
+		t.Fatalf("file source errors = %v", got)
 	}
 	if err := s.Ready(); err != nil {
 		t.Fatalf("Ready with an old good table = %v", err)

@@ -2,6 +2,8 @@ package nametable
 
 import (
 	"fmt"
+	"net/netip"
+	"runtime"
 	"testing"
 )
 
@@ -40,4 +42,95 @@ func BenchmarkBuild100k(b *testing.B) {
 			b.Fatalf("Len = %d", t.Len())
 		}
 	}
+}
+
+// BenchmarkUpdateOne100k changes one Service of a 100k-host table and
+// publishes: the cost of one API event (no full rebuild).
+func BenchmarkUpdateOne100k(b *testing.B) {
+	f := file100k()
+	bl, err := NewBuilder(Options{})
+	if err != nil {
+		b.Fatal(err)
+	}
+	hosts, clients, err := f.Hosts("")
+	if err != nil {
+		b.Fatal(err)
+	}
+	bl.AddSource("file", 0)
+	if err := bl.Load("file", hosts, clients); err != nil {
+		b.Fatal(err)
+	}
+	if _, err := bl.Publish(); err != nil {
+		b.Fatal(err)
+	}
+	key := "svc4242.ns42.svc.cluster.local"
+	h := hosts[key]
+	b.ReportAllocs()
+	b.ResetTimer()
+	i := 0
+	for b.Loop() {
+		i++
+		h.V4 = []netip.Addr{netip.AddrFrom4([4]byte{10, 200, byte(i >> 8), byte(i)})}
+		if err := bl.Set("file", key, []Host{h}); err != nil {
+			b.Fatal(err)
+		}
+		if _, err := bl.Publish(); err != nil {
+			b.Fatal(err)
+		}
+	}
+}
+
+// BenchmarkFind is the lookup of the query path: exact, short and bare
+// forms. It must not allocate.
+func BenchmarkFind(b *testing.B) {
+	t, err := Build(file100k(), Options{})
+	if err != nil {
+		b.Fatal(err)
+	}
+	names := []string{"svc4242.ns42.svc.cluster.local.", "svc4242.ns42.", "svc4242.", "nope.example.com."}
+	client := netip.Addr{}
+	b.ReportAllocs()
+	b.ResetTimer()
+	for i := 0; b.Loop(); i++ {
+		if n, _ := t.Find(names[i%4], client); n == nil && i%4 != 3 {
+			b.Fatalf("%s not found", names[i%4])
+		}
+	}
+}
+
+// TestMemory100k prints the heap a 100k-Service table takes.
+func TestMemory100k(t *testing.T) {
+	if testing.Short() {
+		t.Skip("-short")
+	}
+	f := file100k()
+	hosts, clients, err := f.Hosts("")
+	if err != nil {
+		t.Fatal(err)
+	}
+	f = nil
+	runtime.GC()
+	var before, after runtime.MemStats
+	runtime.ReadMemStats(&before)
+	bl, err := NewBuilder(Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	bl.AddSource("file", 0)
+	for k, h := range hosts {
+		if err := bl.Set("file", k, []Host{h}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	_ = clients
+	tb, err := bl.Publish()
+	if err != nil {
+		t.Fatal(err)
+	}
+	hosts = nil
+	runtime.GC()
+	runtime.ReadMemStats(&after)
+	per := float64(after.HeapAlloc-before.HeapAlloc) / float64(tb.Len())
+	t.Logf("%d hosts: %.1f MB live heap, %.0f bytes per host", tb.Len(), float64(after.HeapAlloc-before.HeapAlloc)/1e6, per)
+	runtime.KeepAlive(bl)
 }

@@ -1,10 +1,12 @@
-// Package nametable holds the resolver's name table: the file format (JSON or
-// YAML, close to Istio's NameTable), parsing and validation, the immutable
-// lookup snapshot with precomputed answers, deterministic VIP allocation for
-// external hosts without addresses, and a watcher that reloads the file live
-// (including the Kubernetes ConfigMap "..data" symlink swap).
+// Package nametable holds the resolver's name table: the immutable lookup
+// snapshot (Table) the resolver reads without locks, the Builder that merges
+// the hosts every name source contributes and publishes a new snapshot per
+// batch of changes (copying only the shards a change touches), VIP
+// allocation for external hosts without addresses, and the name table file
+// format (JSON or YAML, close to Istio's NameTable).
 //
-// The format is documented in docs/name-table.md.
+// The file format is documented in docs/name-table.md, the merge rules in
+// docs/kubernetes.md.
 package nametable
 
 import (
@@ -12,7 +14,8 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"os"
+	"net/netip"
+	"slices"
 	"strings"
 
 	"sigs.k8s.io/yaml"
@@ -47,23 +50,6 @@ type Port struct {
 	Name     string `json:"name"`
 	Port     int    `json:"port"`
 	Protocol string `json:"protocol,omitempty"` // TCP (default), UDP or SCTP
-}
-
-// ReadFile reads and parses a name table file. A missing file or one that
-// holds only whitespace/comments is a valid empty table.
-func ReadFile(path string) (*File, error) {
-	data, err := os.ReadFile(path)
-	if errors.Is(err, os.ErrNotExist) {
-		return &File{}, nil
-	}
-	if err != nil {
-		return nil, fmt.Errorf("read name table %s: %w", path, err)
-	}
-	f, err := Parse(data)
-	if err != nil {
-		return nil, fmt.Errorf("name table %s: %w", path, err)
-	}
-	return f, nil
 }
 
 // Parse decodes JSON (when the first non-space byte is '{') or YAML. Unknown
@@ -111,4 +97,149 @@ func lineOf(data []byte, off int64) int {
 		off = int64(len(data))
 	}
 	return bytes.Count(data[:off], []byte{'\n'}) + 1
+}
+
+// Hosts validates the file and converts it into hosts, keyed by the
+// table's keys, and clients. Errors name the host and field
+// ("table[\"a.b\"].ips[1]: ...").
+func (f *File) Hosts(domain string) (map[string]Host, map[netip.Addr]string, error) {
+	domain = strings.ToLower(strings.Trim(domain, "."))
+	if domain == "" {
+		domain = DefaultClusterDomain
+	}
+	svc := ".svc." + domain + "."
+	keys := make([]string, 0, len(f.Table))
+	for k := range f.Table {
+		keys = append(keys, k)
+	}
+	slices.Sort(keys)
+	hosts := make(map[string]Host, len(keys))
+	names := make(map[string]string, len(keys))
+	for _, k := range keys {
+		info := f.Table[k]
+		h, err := info.host(k, svc)
+		if err != nil {
+			return nil, nil, err
+		}
+		if prev, dup := names[h.Name]; dup {
+			return nil, nil, fmt.Errorf("table[%q]: same host as table[%q] (names are case-insensitive)", k, prev)
+		}
+		names[h.Name] = k
+		hosts[k] = h
+	}
+	var clients map[netip.Addr]string
+	if len(f.Clients) > 0 {
+		clients = make(map[netip.Addr]string, len(f.Clients))
+		for ipStr, ns := range f.Clients {
+			ip, err := netip.ParseAddr(ipStr)
+			if err != nil || ip.Zone() != "" {
+				return nil, nil, fmt.Errorf("clients[%q]: not an IP address", ipStr)
+			}
+			if ns == "" || strings.Contains(ns, ".") || !isLabel(strings.ToLower(ns)) {
+				return nil, nil, fmt.Errorf("clients[%q]: namespace %q is not a single DNS label", ipStr, ns)
+			}
+			clients[ip.Unmap()] = strings.ToLower(ns)
+		}
+	}
+	return hosts, clients, nil
+}
+
+func (info *HostInfo) host(k, svc string) (Host, error) {
+	name, err := NormName(k)
+	if err != nil {
+		return Host{}, fmt.Errorf("table[%q]: %w", k, err)
+	}
+	h := Host{Name: name, Kubernetes: info.Registry == RegistryKubernetes}
+	if info.Registry != "" && !h.Kubernetes && strings.EqualFold(info.Registry, RegistryKubernetes) {
+		return h, fmt.Errorf("table[%q].registry: %q: did you mean %q?", k, info.Registry, RegistryKubernetes)
+	}
+	for i, s := range info.IPs {
+		a, err := netip.ParseAddr(strings.TrimSpace(s))
+		if err != nil || a.Zone() != "" {
+			return h, fmt.Errorf("table[%q].ips[%d]: %q is not an IP address", k, i, s)
+		}
+		h.V4 = append(h.V4, a) // the Builder splits by family
+	}
+	wild := strings.HasPrefix(name, "*.")
+	// shortname and namespace are Istio's fields; they must agree with
+	// <short>.<ns>.svc.<domain>, the only form that gets short names.
+	var short, ns string
+	if h.Kubernetes && !wild && strings.HasSuffix(name, svc) {
+		if parts := strings.Split(strings.TrimSuffix(name, svc), "."); len(parts) == 2 {
+			short, ns = parts[0], parts[1]
+		}
+	}
+	for _, fld := range []struct{ n, v, want string }{{"shortname", info.Shortname, short}, {"namespace", info.Namespace, ns}} {
+		v := strings.ToLower(fld.v)
+		if v == "" {
+			continue
+		}
+		if strings.Contains(v, ".") || !isLabel(v) {
+			return h, fmt.Errorf("table[%q].%s: %q is not a single DNS label", k, fld.n, fld.v)
+		}
+		if v != fld.want {
+			return h, fmt.Errorf("table[%q].%s: %q does not match the host name (short names are derived from <short>.<ns>.svc.<domain>)", k, fld.n, fld.v)
+		}
+	}
+	for i, alt := range info.AltHosts {
+		n, err := NormName(alt)
+		if err != nil {
+			return h, fmt.Errorf("table[%q].altHosts[%d]: %w", k, i, err)
+		}
+		h.AltNames = append(h.AltNames, n)
+	}
+	for i, port := range info.Ports {
+		hp, err := parsePort(port)
+		if err != nil {
+			return h, fmt.Errorf("table[%q].ports[%d]: %w", k, i, err)
+		}
+		h.Ports = append(h.Ports, hp)
+	}
+	// An external, non-wildcard host without addresses is a ServiceEntry of
+	// resolution DNS: it gets a VIP.
+	h.NeedVIP = len(h.V4) == 0 && !h.Kubernetes && !wild
+	return h, nil
+}
+
+func parsePort(port Port) (HostPort, error) {
+	hp := HostPort{Name: strings.ToLower(port.Name)}
+	if hp.Name == "" || strings.Contains(hp.Name, ".") || !isLabel(hp.Name) {
+		return hp, fmt.Errorf("name: %q is not a single DNS label", port.Name)
+	}
+	if port.Port < 1 || port.Port > 65535 {
+		return hp, fmt.Errorf("port: %d out of range 1-65535", port.Port)
+	}
+	hp.Port = uint16(port.Port)
+	switch strings.ToUpper(port.Protocol) {
+	case "", "TCP":
+		hp.Protocol = "tcp"
+	case "UDP":
+		hp.Protocol = "udp"
+	case "SCTP":
+		hp.Protocol = "sctp"
+	default:
+		return hp, fmt.Errorf("protocol: %q is not TCP, UDP or SCTP", port.Protocol)
+	}
+	return hp, nil
+}
+
+// FileSource is the source name Build uses.
+const FileSource = "file"
+
+// Build validates a file and builds a table from it alone (tests and
+// tools; the agent feeds a Builder through the name store).
+func Build(f *File, opts Options) (*Table, error) {
+	b, err := NewBuilder(opts)
+	if err != nil {
+		return nil, err
+	}
+	hosts, clients, err := f.Hosts(b.Domain())
+	if err != nil {
+		return nil, err
+	}
+	b.AddSource(FileSource, 0)
+	if err := b.Load(FileSource, hosts, clients); err != nil {
+		return nil, err
+	}
+	return b.Publish()
 }

@@ -112,16 +112,13 @@ func TestLookupNames(t *testing.T) {
 			if got != tt.host || wild != tt.wild {
 				t.Fatalf("Find(%q) = %q, wild %v; want %q, %v", tt.name, got, wild, tt.host, tt.wild)
 			}
-			if n != nil && !wild && len(n.A) > 0 && n.A[0].Header().Name != tt.name {
-				t.Fatalf("A owner %q, want %q", n.A[0].Header().Name, tt.name)
-			}
 		})
 	}
 	if tb.Len() != 5 {
 		t.Errorf("Len = %d, want 5", tb.Len())
 	}
-	if got := tb.Skipped(); len(got) != 1 || got[0] != "headless.ns2.svc.cluster.local" {
-		t.Errorf("Skipped = %v", got)
+	if got := tb.Skipped(); got != 1 {
+		t.Errorf("Skipped = %v, want 1 (the headless host without addresses)", got)
 	}
 	for _, ent := range []string{"cluster.local.", "svc.cluster.local.", "ns2.svc.cluster.local."} {
 		if !tb.IsEmptyNonTerminal(ent) {
@@ -135,8 +132,11 @@ func TestLookupNames(t *testing.T) {
 	ext, _ := tb.Find("ext.example.com.", none)
 	for _, a := range []netip.Addr{netip.MustParseAddr("10.0.0.3"), netip.MustParseAddr("fd00::3"), ext.Host.V4[0], ext.Host.V6[0]} {
 		rev, _ := dns.ReverseAddr(a.String())
-		ptr := tb.LookupPTR(rev)
-		if len(ptr) != 1 {
+		if rev != ReverseName(a) {
+			t.Fatalf("ReverseName(%s) = %s, want %s", a, ReverseName(a), rev)
+		}
+		ptr := tb.PTR(rev)
+		if len(ptr) != 1 || (ptr[0] != "ext.example.com." && ptr[0] != "ratings.ns2.svc.cluster.local.") {
 			t.Fatalf("PTR %s: %v", rev, ptr)
 		}
 	}
@@ -185,19 +185,19 @@ func TestVIPAllocation(t *testing.T) {
 	if moved > 1 {
 		t.Fatalf("%d VIPs moved after adding one host", moved)
 	}
-	// Collisions probe in sorted order: force two names onto one slot by
-	// reserving everything but two slots.
-	var reserved []netip.Addr
+	// Collisions probe in (Order, name) order: force two names onto one
+	// slot by reserving everything but two slots.
+	a2 := newVIPAllocator()
 	for s := 1; s <= vipSlots; s++ {
 		if s != 7 && s != 9 {
-			reserved = append(reserved, vipForSlot(s).v4)
+			a2.reserve(&Host{V4: []netip.Addr{vipForSlot(s).v4}}, +1)
 		}
 	}
-	got, err := allocateVIPs([]string{"a.", "b."}, reserved)
-	if err != nil || got[0].v4 == got[1].v4 {
-		t.Fatalf("allocate with two free slots: %v %v", got, err)
+	ha, hb := &Host{Name: "a."}, &Host{Name: "b."}
+	if err := a2.allocate([]*Host{hb, ha}); err != nil || ha.V4[0] == hb.V4[0] || ha.V4[0] != vipForSlot(7).v4 && ha.V4[0] != vipForSlot(9).v4 {
+		t.Fatalf("allocate with two free slots: %v %v %v", ha.V4, hb.V4, err)
 	}
-	if _, err := allocateVIPs([]string{"a.", "b.", "c."}, reserved); err == nil {
+	if err := a2.allocate([]*Host{{Name: "c."}}); err == nil {
 		t.Fatalf("no error when the pool is exhausted")
 	}
 	// Explicit addresses in the range are never handed out again.
@@ -217,11 +217,12 @@ func TestSRVRecords(t *testing.T) {
 		"reviews.ns1.svc.cluster.local": {IPs: []string{"10.0.0.1"}, Registry: RegistryKubernetes,
 			Ports: []Port{{Name: "http", Port: 9080}, {Name: "dns", Port: 53, Protocol: "UDP"}}},
 	}})
-	h := tb.Lookup("reviews.ns1.").Host
-	if len(h.Ports) != 2 || h.Ports[1].Protocol != "udp" || h.Ports[0].SRV.Hdr.Name != "_http._tcp.reviews.ns1.svc.cluster.local." {
+	n, _ := tb.Find("reviews.ns1.", netip.Addr{})
+	h := n.Host
+	if len(h.Ports) != 2 || h.Ports[1].Protocol != "udp" || h.Ports[0].Name != "http" || h.Ports[0].Port != 9080 {
 		t.Fatalf("ports: %+v", h.Ports)
 	}
-	if len(h.SRV) != 2 || h.SRV[0].(*dns.SRV).Target != "reviews.ns1.svc.cluster.local." {
-		t.Fatalf("SRV: %v", h.SRV)
+	if got := h.SRVTarget(&h.Ports[0]); got != "reviews.ns1.svc.cluster.local." {
+		t.Fatalf("SRV target: %v", got)
 	}
 }

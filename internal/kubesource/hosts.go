@@ -1,0 +1,110 @@
+package kubesource
+
+import (
+	"net/netip"
+	"slices"
+	"strings"
+
+	"github.com/meshdns/meshdns-ebpf/internal/resolver/nametable"
+)
+
+// serviceHosts turns a Service and its EndpointSlices into the hosts the
+// name table answers, following the Kubernetes DNS specification
+// (docs/kubernetes.md):
+//
+//   - ClusterIP: <svc>.<ns>.svc.<domain> A/AAAA for every cluster IP, SRV
+//     _<port>._<proto> for every named port, PTR for the cluster IPs.
+//   - ExternalName: a CNAME to the external name.
+//   - Headless: the Service name answers the ready endpoints (every
+//     endpoint with publishNotReadyAddresses); each endpoint has a name of
+//     its own, <hostname>.<svc>.<ns>.svc.<domain> or, without a hostname,
+//     <a-b-c-d>.<svc>.<ns>.svc.<domain>, with its PTR; SRV has one record
+//     per endpoint and named port, targeting the endpoint's name. No ready
+//     endpoint: no names (NXDOMAIN, as CoreDNS).
+//
+// domain is the cluster domain with the trailing dot. Headless hosts are
+// Merge hosts, so the same Service in several clusters answers the union.
+func serviceHosts(domain string, svc *service, eps []*endpointSlice) []nametable.Host {
+	name := svc.name + "." + svc.namespace + ".svc." + domain
+	switch {
+	case svc.externalName != "":
+		return []nametable.Host{{Name: name, Kubernetes: true, CNAME: svc.externalName}}
+	case !svc.headless:
+		h := nametable.Host{Name: name, Kubernetes: true}
+		splitAddrs(&h, svc.clusterIPs)
+		for _, p := range svc.ports {
+			h.Ports = append(h.Ports, nametable.HostPort{Name: p.name, Protocol: p.proto, Port: p.port})
+		}
+		return []nametable.Host{h}
+	}
+
+	svcHost := nametable.Host{Name: name, Kubernetes: true, Merge: true, NoPTR: true}
+	var epHosts []nametable.Host
+	byLabel := map[string]int{} // endpoint label -> index in epHosts
+	seen := map[netip.Addr]bool{}
+	// Slices in name order, so the answer order does not depend on the
+	// order events came in.
+	eps = slices.Clone(eps)
+	slices.SortFunc(eps, func(a, b *endpointSlice) int { return strings.Compare(a.name, b.name) })
+	for _, es := range eps {
+		for _, ep := range es.endpoints {
+			if !ep.ready && !svc.publishNotReady {
+				continue
+			}
+			var fresh []netip.Addr
+			for _, a := range ep.addrs {
+				if !seen[a] {
+					seen[a] = true
+					fresh = append(fresh, a)
+				}
+			}
+			if len(fresh) == 0 {
+				continue // the same endpoint in two slices during an update
+			}
+			label := ep.hostname
+			if label == "" {
+				label = dashed(fresh[0])
+			}
+			epName := label + "." + name
+			i, ok := byLabel[label]
+			if !ok {
+				i = len(epHosts)
+				byLabel[label] = i
+				epHosts = append(epHosts, nametable.Host{Name: epName, Merge: true})
+			}
+			splitAddrs(&epHosts[i], fresh)
+			splitAddrs(&svcHost, fresh)
+			for _, p := range es.ports {
+				hp := nametable.HostPort{Name: p.name, Protocol: p.proto, Port: p.port, Target: epName}
+				if !slices.Contains(svcHost.Ports, hp) {
+					svcHost.Ports = append(svcHost.Ports, hp)
+				}
+			}
+		}
+	}
+	return append([]nametable.Host{svcHost}, epHosts...)
+}
+
+func splitAddrs(h *nametable.Host, addrs []netip.Addr) {
+	for _, a := range addrs {
+		if a.Is4() {
+			h.V4 = append(h.V4, a)
+		} else {
+			h.V6 = append(h.V6, a)
+		}
+	}
+}
+
+// dashed is the label of an endpoint without a hostname: its address with
+// '-' for '.' or ':' (10-244-1-5, fd00-10--5), as CoreDNS names them.
+func dashed(a netip.Addr) string {
+	if a.Is4() {
+		return strings.ReplaceAll(a.String(), ".", "-")
+	}
+	s := strings.ReplaceAll(a.String(), ":", "-")
+	if strings.HasPrefix(s, "-") || strings.HasSuffix(s, "-") {
+		// "::1" would start a label with '-': spell it out.
+		s = strings.ReplaceAll(a.StringExpanded(), ":", "-")
+	}
+	return s
+}

@@ -1,0 +1,190 @@
+package kubesource
+
+import (
+	"net/netip"
+	"strings"
+
+	corev1 "k8s.io/api/core/v1"
+	discoveryv1 "k8s.io/api/discovery/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/runtime/schema"
+)
+
+// The informers keep these compact objects, not the API objects: a
+// transform turns each API object into one as it arrives, so an informer
+// cache of 100k Services holds only what DNS needs (names, addresses,
+// ports, readiness). They are immutable once made.
+
+// meta is the part of ObjectMeta the informer needs to key an object.
+type meta struct {
+	name, namespace string
+}
+
+// GetObjectMeta implements metav1.ObjectMetaAccessor (the informer's key
+// function reads namespace and name through it).
+func (m *meta) GetObjectMeta() metav1.Object {
+	return &metav1.ObjectMeta{Name: m.name, Namespace: m.namespace}
+}
+
+// GetObjectKind implements runtime.Object.
+func (m *meta) GetObjectKind() schema.ObjectKind { return schema.EmptyObjectKind }
+
+func (m *meta) key() string { return m.namespace + "/" + m.name }
+
+type port struct {
+	name, proto string
+	port        uint16
+}
+
+// service is a Service as DNS sees it.
+type service struct {
+	meta
+	clusterIPs      []netip.Addr
+	headless        bool
+	externalName    string
+	publishNotReady bool
+	ports           []port
+}
+
+// DeepCopyObject implements runtime.Object; the object is immutable.
+func (s *service) DeepCopyObject() runtime.Object { return s }
+
+// endpointSlice is an EndpointSlice as DNS sees it: its Service, ports and
+// endpoints.
+type endpointSlice struct {
+	meta
+	service   string // the kubernetes.io/service-name label
+	ports     []port
+	endpoints []endpoint
+}
+
+type endpoint struct {
+	addrs    []netip.Addr
+	hostname string
+	ready    bool
+}
+
+// DeepCopyObject implements runtime.Object; the object is immutable.
+func (s *endpointSlice) DeepCopyObject() runtime.Object { return s }
+
+// pod is a Pod of this node: its IPs are clients of its namespace.
+type pod struct {
+	meta
+	ips []netip.Addr
+}
+
+// DeepCopyObject implements runtime.Object; the object is immutable.
+func (p *pod) DeepCopyObject() runtime.Object { return p }
+
+func parseAddrs(ss ...string) []netip.Addr {
+	var out []netip.Addr
+	for _, s := range ss {
+		if a, err := netip.ParseAddr(s); err == nil {
+			out = append(out, a.Unmap())
+		}
+	}
+	return out
+}
+
+func protoName(p corev1.Protocol) string {
+	switch p {
+	case corev1.ProtocolUDP:
+		return "udp"
+	case corev1.ProtocolSCTP:
+		return "sctp"
+	}
+	return "tcp"
+}
+
+// transformService keeps what DNS needs of a Service.
+func transformService(obj any) (any, error) {
+	s, ok := obj.(*corev1.Service)
+	if !ok {
+		return obj, nil // already transformed, or a tombstone
+	}
+	out := &service{
+		meta:            meta{name: s.Name, namespace: s.Namespace},
+		publishNotReady: s.Spec.PublishNotReadyAddresses,
+	}
+	switch {
+	case s.Spec.Type == corev1.ServiceTypeExternalName:
+		out.externalName = s.Spec.ExternalName
+	case s.Spec.ClusterIP == corev1.ClusterIPNone:
+		out.headless = true
+	default:
+		ips := s.Spec.ClusterIPs
+		if len(ips) == 0 && s.Spec.ClusterIP != "" {
+			ips = []string{s.Spec.ClusterIP}
+		}
+		out.clusterIPs = parseAddrs(ips...)
+	}
+	for _, p := range s.Spec.Ports {
+		if p.Name == "" || p.Port <= 0 || p.Port > 65535 {
+			continue // SRV records need a named port
+		}
+		out.ports = append(out.ports, port{name: strings.ToLower(p.Name), proto: protoName(p.Protocol), port: uint16(p.Port)})
+	}
+	return out, nil
+}
+
+// transformSlice keeps what DNS needs of an EndpointSlice.
+func transformSlice(obj any) (any, error) {
+	s, ok := obj.(*discoveryv1.EndpointSlice)
+	if !ok {
+		return obj, nil
+	}
+	out := &endpointSlice{
+		meta:    meta{name: s.Name, namespace: s.Namespace},
+		service: s.Labels[discoveryv1.LabelServiceName],
+	}
+	if s.AddressType != discoveryv1.AddressTypeIPv4 && s.AddressType != discoveryv1.AddressTypeIPv6 {
+		return out, nil // FQDN slices have no addresses DNS can serve
+	}
+	for _, p := range s.Ports {
+		if p.Name == nil || *p.Name == "" || p.Port == nil || *p.Port <= 0 || *p.Port > 65535 {
+			continue
+		}
+		proto := corev1.ProtocolTCP
+		if p.Protocol != nil {
+			proto = *p.Protocol
+		}
+		out.ports = append(out.ports, port{name: strings.ToLower(*p.Name), proto: protoName(proto), port: uint16(*p.Port)})
+	}
+	for _, e := range s.Endpoints {
+		ep := endpoint{
+			addrs: parseAddrs(e.Addresses...),
+			// A nil condition means unknown, which consumers treat as ready.
+			ready: e.Conditions.Ready == nil || *e.Conditions.Ready,
+		}
+		if e.Hostname != nil {
+			ep.hostname = strings.ToLower(*e.Hostname)
+		}
+		if len(ep.addrs) > 0 {
+			out.endpoints = append(out.endpoints, ep)
+		}
+	}
+	return out, nil
+}
+
+// transformPod keeps a Pod's IPs, and none for a Pod whose IPs are not its
+// own (host network) or no longer its own (finished).
+func transformPod(obj any) (any, error) {
+	p, ok := obj.(*corev1.Pod)
+	if !ok {
+		return obj, nil
+	}
+	out := &pod{meta: meta{name: p.Name, namespace: p.Namespace}}
+	if p.Spec.HostNetwork || p.Status.Phase == corev1.PodSucceeded || p.Status.Phase == corev1.PodFailed {
+		return out, nil
+	}
+	var ips []string
+	for _, pip := range p.Status.PodIPs {
+		ips = append(ips, pip.IP)
+	}
+	if len(ips) == 0 && p.Status.PodIP != "" {
+		ips = []string{p.Status.PodIP}
+	}
+	out.ips = parseAddrs(ips...)
+	return out, nil
+}

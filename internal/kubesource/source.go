@@ -1,0 +1,369 @@
+// Package kubesource is the name source of a Kubernetes cluster: client-go
+// informers over Services, EndpointSlices and (for the local cluster) the
+// Pods of this node, each with a transform that keeps only what DNS needs,
+// turned into name table hosts (Kubernetes DNS specification) and client
+// namespaces for the name store. It is the only package that imports
+// client-go; the resolver and the table never do.
+package kubesource
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net/netip"
+	"strings"
+	"sync"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	discoveryv1 "k8s.io/api/discovery/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/fields"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/watch"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/cache"
+
+	"github.com/meshdns/meshdns-ebpf/internal/names"
+	"github.com/meshdns/meshdns-ebpf/internal/resolver/nametable"
+)
+
+// Config configures a Kubernetes source.
+type Config struct {
+	// Name of the source in the store ("kubernetes", "cluster/<name>").
+	Name string
+	// Rest is the API server connection.
+	Rest *rest.Config
+	// Domain is the cluster domain ("cluster.local").
+	Domain string
+	// NodeName, when set, watches the Pods of this node: their IPs become
+	// clients of their namespace. Remote clusters leave it empty.
+	NodeName string
+	Logger   *slog.Logger
+}
+
+// Source is a Kubernetes cluster as a name source.
+type Source struct {
+	cfg    Config
+	domain string // with the trailing dot
+	log    *slog.Logger
+	cs     kubernetes.Interface
+}
+
+// New validates cfg and creates the client. It contacts nothing.
+func New(cfg Config) (*Source, error) {
+	if cfg.Name == "" {
+		return nil, errors.New("kubernetes source: no name")
+	}
+	if cfg.Rest == nil {
+		return nil, errors.New("kubernetes source: no API server configuration")
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.Default()
+	}
+	domain := strings.ToLower(strings.Trim(cfg.Domain, "."))
+	if domain == "" {
+		domain = nametable.DefaultClusterDomain
+	}
+	rc := rest.CopyConfig(cfg.Rest)
+	// Protobuf: less CPU and memory than JSON for the built-in types.
+	rc.ContentType = "application/vnd.kubernetes.protobuf"
+	rc.AcceptContentTypes = "application/vnd.kubernetes.protobuf,application/json"
+	if rc.UserAgent == "" {
+		rc.UserAgent = "meshdns-ebpf"
+	}
+	cs, err := kubernetes.NewForConfig(rc)
+	if err != nil {
+		return nil, fmt.Errorf("kubernetes source %s: %w", cfg.Name, err)
+	}
+	return &Source{cfg: cfg, domain: domain + ".", log: cfg.Logger.With("source", cfg.Name), cs: cs}, nil
+}
+
+// Name implements names.Source.
+func (s *Source) Name() string { return s.cfg.Name }
+
+const byService = "service"
+
+// Run implements names.Source: it runs the informers, delivers every
+// change to sink, marks the source synced once every informer has listed,
+// and reports the API server's reachability through sink.Failed.
+func (s *Source) Run(ctx context.Context, sink names.Sink) error {
+	h := &health{sink: sink, log: s.log, failing: map[string]error{}}
+	svcInf := s.informer(h, "services", &corev1.Service{}, transformService,
+		func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) {
+			return s.cs.CoreV1().Services("").List(ctx, o)
+		},
+		func(ctx context.Context, o metav1.ListOptions) (watch.Interface, error) {
+			return s.cs.CoreV1().Services("").Watch(ctx, o)
+		}, nil)
+	sliceInf := s.informer(h, "endpointslices", &discoveryv1.EndpointSlice{}, transformSlice,
+		func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) {
+			return s.cs.DiscoveryV1().EndpointSlices("").List(ctx, o)
+		},
+		func(ctx context.Context, o metav1.ListOptions) (watch.Interface, error) {
+			return s.cs.DiscoveryV1().EndpointSlices("").Watch(ctx, o)
+		},
+		cache.Indexers{byService: func(obj any) ([]string, error) {
+			if es, ok := obj.(*endpointSlice); ok && es.service != "" {
+				return []string{es.namespace + "/" + es.service}, nil
+			}
+			return nil, nil
+		}})
+	informers := []cache.SharedIndexInformer{svcInf, sliceInf}
+
+	recompute := func(key string) {
+		obj, ok, _ := svcInf.GetIndexer().GetByKey(key)
+		svc, _ := obj.(*service)
+		if !ok || svc == nil {
+			_ = sink.Set(key, nil)
+			return
+		}
+		objs, _ := sliceInf.GetIndexer().ByIndex(byService, key)
+		eps := make([]*endpointSlice, 0, len(objs))
+		for _, o := range objs {
+			if es, ok := o.(*endpointSlice); ok {
+				eps = append(eps, es)
+			}
+		}
+		if err := sink.Set(key, serviceHosts(s.domain, svc, eps)); err != nil {
+			s.log.Warn("service not answered", "service", key, "err", err)
+		}
+	}
+	sliceKey := func(obj any) string {
+		if es, ok := unwrap(obj).(*endpointSlice); ok && es.service != "" {
+			return es.namespace + "/" + es.service
+		}
+		return ""
+	}
+	var regs []cache.ResourceEventHandlerRegistration
+	reg, err := svcInf.AddEventHandler(cache.ResourceEventHandlerFuncs{
+		AddFunc:    func(obj any) { recompute(keyOf(obj)) },
+		UpdateFunc: func(_, obj any) { recompute(keyOf(obj)) },
+		DeleteFunc: func(obj any) { recompute(keyOf(obj)) },
+	})
+	if err != nil {
+		return err
+	}
+	regs = append(regs, reg)
+	reg, err = sliceInf.AddEventHandler(cache.ResourceEventHandlerFuncs{
+		AddFunc: func(obj any) { recompute(sliceKey(obj)) },
+		UpdateFunc: func(old, obj any) {
+			if k := sliceKey(old); k != sliceKey(obj) && k != "" {
+				recompute(k)
+			}
+			recompute(sliceKey(obj))
+		},
+		DeleteFunc: func(obj any) { recompute(sliceKey(obj)) },
+	})
+	if err != nil {
+		return err
+	}
+	regs = append(regs, reg)
+
+	if s.cfg.NodeName != "" {
+		sel := fields.OneTermEqualSelector("spec.nodeName", s.cfg.NodeName).String()
+		podInf := s.informer(h, "pods", &corev1.Pod{}, transformPod,
+			func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) {
+				o.FieldSelector = sel
+				return s.cs.CoreV1().Pods("").List(ctx, o)
+			},
+			func(ctx context.Context, o metav1.ListOptions) (watch.Interface, error) {
+				o.FieldSelector = sel
+				return s.cs.CoreV1().Pods("").Watch(ctx, o)
+			}, nil)
+		setPod := func(obj any, gone bool) {
+			p, ok := unwrap(obj).(*pod)
+			if !ok {
+				return
+			}
+			var ips []netip.Addr
+			if !gone {
+				ips = p.ips
+			}
+			if err := sink.SetClients(p.key(), ips, p.namespace); err != nil {
+				s.log.Warn("pod not recorded as a client", "pod", p.key(), "err", err)
+			}
+		}
+		reg, err := podInf.AddEventHandler(cache.ResourceEventHandlerFuncs{
+			AddFunc:    func(obj any) { setPod(obj, false) },
+			UpdateFunc: func(_, obj any) { setPod(obj, false) },
+			DeleteFunc: func(obj any) { setPod(obj, true) },
+		})
+		if err != nil {
+			return err
+		}
+		regs = append(regs, reg)
+		informers = append(informers, podInf)
+	}
+
+	var wg sync.WaitGroup
+	for _, inf := range informers {
+		wg.Add(1)
+		go func() { defer wg.Done(); inf.RunWithContext(ctx) }()
+	}
+	defer wg.Wait()
+	// Synced once every handler has been given what the initial lists held.
+	synced := make([]cache.InformerSynced, len(regs))
+	for i, r := range regs {
+		synced[i] = r.HasSynced
+	}
+	start := time.Now()
+	if !cache.WaitForCacheSync(ctx.Done(), synced...) {
+		return nil // stopped before the first sync
+	}
+	sink.Synced()
+	s.log.Info("kubernetes source synced", "after", time.Since(start).Round(time.Millisecond),
+		"services", len(svcInf.GetStore().ListKeys()), "endpointslices", len(sliceInf.GetStore().ListKeys()))
+	<-ctx.Done()
+	return nil
+}
+
+// informer makes a shared index informer whose transform keeps only what
+// DNS needs and whose list and watch report the API server's health.
+func (s *Source) informer(h *health, what string, example runtime.Object, transform cache.TransformFunc,
+	list func(context.Context, metav1.ListOptions) (runtime.Object, error),
+	watchFn func(context.Context, metav1.ListOptions) (watch.Interface, error), indexers cache.Indexers) cache.SharedIndexInformer {
+	lw := &cache.ListWatch{
+		ListWithContextFunc: func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) {
+			var out runtime.Object
+			err := h.call(ctx, what, func() (err error) { out, err = list(ctx, o); return err })
+			return out, err
+		},
+		WatchFuncWithContext: func(ctx context.Context, o metav1.ListOptions) (watch.Interface, error) {
+			var out watch.Interface
+			err := h.call(ctx, what, func() (err error) { out, err = watchFn(ctx, o); return err })
+			return out, err
+		},
+	}
+	if indexers == nil {
+		indexers = cache.Indexers{}
+	}
+	inf := cache.NewSharedIndexInformerWithOptions(lw, example, cache.SharedIndexInformerOptions{
+		Indexers:          indexers,
+		ObjectDescription: s.cfg.Name + " " + what,
+	})
+	_ = inf.SetTransform(transform)
+	_ = inf.SetWatchErrorHandlerWithContext(func(_ context.Context, _ *cache.Reflector, err error) {
+		if !errors.Is(err, context.Canceled) {
+			h.report(what, err)
+		}
+	})
+	return inf
+}
+
+func unwrap(obj any) any {
+	if t, ok := obj.(cache.DeletedFinalStateUnknown); ok {
+		return t.Obj
+	}
+	return obj
+}
+
+func keyOf(obj any) string {
+	if t, ok := obj.(cache.DeletedFinalStateUnknown); ok {
+		return t.Key
+	}
+	k, _ := cache.MetaNamespaceKeyFunc(obj)
+	return k
+}
+
+// health tracks whether the API server answers the informers' lists and
+// watches. While it does not, the calls are retried here, every 100 ms
+// growing to 500 ms, instead of failing into the reflector's own backoff
+// (800 ms doubling to 30 s): a restarted API server is seen again within
+// about half a second, and the last state keeps serving meanwhile. That
+// includes refusals (403 right after an API server restart, before its
+// RBAC caches fill; or a ClusterRole that lacks a rule, fixed later): they
+// are reported at once and retried, so a fixed role takes effect at once.
+type health struct {
+	sink    names.Sink
+	log     *slog.Logger
+	mu      sync.Mutex
+	failing map[string]error
+}
+
+func (h *health) call(ctx context.Context, what string, fn func() error) error {
+	delay := 100 * time.Millisecond
+	for {
+		err := fn()
+		if err == nil {
+			h.report(what, nil)
+			return nil
+		}
+		if ctx.Err() != nil {
+			return err
+		}
+		h.report(what, err)
+		if !retriable(err) {
+			return err
+		}
+		t := time.NewTimer(delay)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return ctx.Err()
+		case <-t.C:
+		}
+		delay = min(2*delay, 500*time.Millisecond)
+	}
+}
+
+// retriable reports whether the call should be retried here; a resource
+// version that is too old is the reflector's to handle (it lists anew).
+func retriable(err error) bool {
+	return !apierrors.IsGone(err) && !apierrors.IsResourceExpired(err)
+}
+
+func (h *health) report(what string, err error) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if err == nil {
+		if _, was := h.failing[what]; !was {
+			return
+		}
+		delete(h.failing, what)
+	} else {
+		if apierrors.IsForbidden(err) {
+			err = fmt.Errorf("%s: %w (the agent's ClusterRole must allow get, list and watch on %s)", what, err, what)
+		} else {
+			err = fmt.Errorf("%s: %w", what, err)
+		}
+		if prev, was := h.failing[what]; !was || prev.Error() != err.Error() {
+			h.log.Warn("kubernetes API call failing", "resource", what, "err", err)
+		}
+		h.failing[what] = err
+	}
+	for _, e := range h.failing {
+		h.sink.Failed(e)
+		return
+	}
+	h.sink.Failed(nil)
+}
+
+// ClusterDNS returns the cluster IPs of the cluster DNS Service ns/name
+// (kube-system/kube-dns: what pods have in their resolv.conf).
+func ClusterDNS(ctx context.Context, rc *rest.Config, service string) ([]netip.Addr, error) {
+	ns, name, ok := strings.Cut(service, "/")
+	if !ok || ns == "" || name == "" {
+		return nil, fmt.Errorf("cluster DNS service %q: want namespace/name", service)
+	}
+	cs, err := kubernetes.NewForConfig(rc)
+	if err != nil {
+		return nil, err
+	}
+	svc, err := cs.CoreV1().Services(ns).Get(ctx, name, metav1.GetOptions{})
+	if err != nil {
+		return nil, fmt.Errorf("find the cluster DNS Service %s: %w", service, err)
+	}
+	ips := svc.Spec.ClusterIPs
+	if len(ips) == 0 && svc.Spec.ClusterIP != "" {
+		ips = []string{svc.Spec.ClusterIP}
+	}
+	addrs := parseAddrs(ips...)
+	if len(addrs) == 0 {
+		return nil, fmt.Errorf("the cluster DNS Service %s has no cluster IP", service)
+	}
+	return addrs, nil
+}

@@ -1,0 +1,124 @@
+package kubetest
+
+import (
+	"context"
+	"path/filepath"
+	"regexp"
+	"strings"
+	"testing"
+	"time"
+
+	authenticationv1 "k8s.io/api/authentication/v1"
+	corev1 "k8s.io/api/core/v1"
+	rbacv1 "k8s.io/api/rbac/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/clientcmd"
+	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
+)
+
+// token returns the static token of user (Admin or one of Options.Users).
+func (cp *ControlPlane) token(t testing.TB, user string) string {
+	t.Helper()
+	if user == Admin {
+		return cp.pki.adminToken
+	}
+	tok, ok := cp.pki.userTokens[user]
+	if !ok {
+		t.Fatalf("kubetest: user %q is not in Options.Users (the token file is fixed when the API server starts)", user)
+	}
+	return tok
+}
+
+// RESTConfig is a client configuration for user (Admin or one of Options.Users)
+// that trusts the API server's CA. It has no client-side rate limit: tests and
+// benchmarks create objects as fast as the server takes them.
+func (cp *ControlPlane) RESTConfig(t testing.TB, user string) *rest.Config {
+	t.Helper()
+	return cp.restConfigForToken(cp.token(t, user))
+}
+
+func (cp *ControlPlane) restConfigForToken(token string) *rest.Config {
+	return &rest.Config{
+		Host:            cp.Host(),
+		BearerToken:     token,
+		TLSClientConfig: rest.TLSClientConfig{CAData: cp.pki.caPEM},
+		QPS:             -1,
+		Timeout:         30 * time.Second,
+	}
+}
+
+// Kubeconfig writes a kubeconfig file for user (Admin or one of Options.Users) into
+// the test's temporary directory and returns its path.
+func (cp *ControlPlane) Kubeconfig(t testing.TB, user string) string {
+	t.Helper()
+	return cp.writeKubeconfig(t, filepath.Join(t.TempDir(), fileSafe(user)+".kubeconfig"), user, cp.token(t, user))
+}
+
+// ServiceAccountKubeconfig creates the ServiceAccount namespace/name if it does not
+// exist, requests a token for it (TokenRequest, one hour) and writes a kubeconfig
+// with it: the identity a DaemonSet's pod would have.
+func (cp *ControlPlane) ServiceAccountKubeconfig(t testing.TB, namespace, name string) string {
+	t.Helper()
+	ctx, cancel := opContext(t)
+	defer cancel()
+	cp.EnsureNamespace(t, namespace)
+	sa := &corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Namespace: namespace, Name: name}}
+	if _, err := cp.client.CoreV1().ServiceAccounts(namespace).Create(ctx, sa, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
+		t.Fatalf("kubetest: create ServiceAccount %s/%s: %v", namespace, name, err)
+	}
+	expiry := int64(3600)
+	tr, err := cp.client.CoreV1().ServiceAccounts(namespace).CreateToken(ctx, name,
+		&authenticationv1.TokenRequest{Spec: authenticationv1.TokenRequestSpec{ExpirationSeconds: &expiry}}, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatalf("kubetest: token for ServiceAccount %s/%s: %v", namespace, name, err)
+	}
+	user := "system:serviceaccount:" + namespace + ":" + name
+	return cp.writeKubeconfig(t, filepath.Join(t.TempDir(), fileSafe(user)+".kubeconfig"), user, tr.Status.Token)
+}
+
+func (cp *ControlPlane) writeKubeconfig(t testing.TB, path, user, token string) string {
+	t.Helper()
+	cfg := clientcmdapi.NewConfig()
+	cfg.Clusters["kubetest"] = &clientcmdapi.Cluster{Server: cp.Host(), CertificateAuthorityData: cp.pki.caPEM}
+	cfg.AuthInfos[user] = &clientcmdapi.AuthInfo{Token: token}
+	cfg.Contexts["kubetest"] = &clientcmdapi.Context{Cluster: "kubetest", AuthInfo: user}
+	cfg.CurrentContext = "kubetest"
+	if err := clientcmd.WriteToFile(*cfg, path); err != nil {
+		t.Fatalf("kubetest: write kubeconfig %s: %v", path, err)
+	}
+	return path
+}
+
+// BindClusterRole binds the ClusterRole role to user with a ClusterRoleBinding, so a
+// test runs a client with exactly that role (the project's shipped ClusterRole).
+// user is a user name: one of Options.Users, or a ServiceAccount's
+// "system:serviceaccount:NS:NAME". It returns the binding's name.
+func (cp *ControlPlane) BindClusterRole(t testing.TB, role, user string) string {
+	t.Helper()
+	ctx, cancel := opContext(t)
+	defer cancel()
+	name := "kubetest:" + fileSafe(user) + ":" + fileSafe(role)
+	crb := &rbacv1.ClusterRoleBinding{
+		ObjectMeta: metav1.ObjectMeta{Name: name},
+		RoleRef:    rbacv1.RoleRef{APIGroup: rbacv1.GroupName, Kind: "ClusterRole", Name: role},
+		Subjects:   []rbacv1.Subject{{APIGroup: rbacv1.GroupName, Kind: rbacv1.UserKind, Name: user}},
+	}
+	if _, err := cp.client.RbacV1().ClusterRoleBindings().Create(ctx, crb, metav1.CreateOptions{}); err != nil {
+		t.Fatalf("kubetest: bind ClusterRole %s to %s: %v", role, user, err)
+	}
+	return name
+}
+
+var unsafeChars = regexp.MustCompile(`[^a-zA-Z0-9.-]+`)
+
+// fileSafe turns a user or role name into something usable in file and object names.
+func fileSafe(s string) string {
+	return strings.Trim(unsafeChars.ReplaceAllString(strings.ToLower(s), "-"), "-")
+}
+
+// opContext bounds one API call of a helper: 30 s, ended with the test.
+func opContext(t testing.TB) (context.Context, context.CancelFunc) {
+	return context.WithTimeout(t.Context(), 30*time.Second)
+}

@@ -1,0 +1,311 @@
+// Package filesource has the name sources that come from name table files
+// (docs/name-table.md): File reads a JSON or YAML file and reloads it live
+// (including the Kubernetes ConfigMap "..data" symlink swap); Static serves
+// a table held in memory, such as the embedded demo table.
+package filesource
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"sync"
+	"syscall"
+	"time"
+
+	"github.com/fsnotify/fsnotify"
+
+	"github.com/meshdns/meshdns-ebpf/internal/names"
+	"github.com/meshdns/meshdns-ebpf/internal/resolver/nametable"
+)
+
+// PollInterval is how often the watcher stats the file as a fallback to
+// fsnotify (which misses changes on some filesystems and bind mounts).
+const PollInterval = time.Second
+
+// DefaultMaxSize caps the size of a names file (100k Services take about
+// 15 MB of YAML).
+const DefaultMaxSize = 64 << 20
+
+// debounce lets a burst of events (truncate then write, or kubelet's
+// several renames) settle before the file is read.
+const debounce = 50 * time.Millisecond
+
+// Options configure a File source.
+type Options struct {
+	// Domain is the cluster domain (for Kubernetes short names).
+	Domain string
+	// MaxSize caps the file size (default DefaultMaxSize).
+	MaxSize int64
+	Logger  *slog.Logger
+}
+
+// File is the source of a names file. A file that fails to load (bad
+// content, deleted, unreadable, not a regular file, too large) keeps the
+// last good state serving, and the failure is logged and counted. Reading
+// never blocks on a FIFO or device, and no lock is held while reading.
+type File struct {
+	path string
+	opts Options
+	log  *slog.Logger
+
+	mu    sync.Mutex // guards the fields below
+	last  fingerprint
+	tried bool
+	ready *content // checked before Run, delivered first by Run
+}
+
+type content struct {
+	hosts   map[string]nametable.Host
+	clients map[netip.Addr]string
+}
+
+// NewFile creates the source for path. It reads nothing yet.
+func NewFile(path string, opts Options) (*File, error) {
+	if path == "" {
+		return nil, errors.New("name table path is empty")
+	}
+	if opts.MaxSize <= 0 {
+		opts.MaxSize = DefaultMaxSize
+	}
+	if opts.Logger == nil {
+		opts.Logger = slog.Default()
+	}
+	return &File{path: path, opts: opts, log: opts.Logger.With("source", "file", "path", path)}, nil
+}
+
+// Name implements names.Source.
+func (f *File) Name() string { return "file" }
+
+// Path is the watched file.
+func (f *File) Path() string { return f.path }
+
+// Check reads and validates the file now. The agent calls it before it
+// starts, so that a bad file at start is an error, not something to serve
+// around.
+func (f *File) Check() error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	fp := f.stat()
+	c, err := f.read()
+	f.last, f.tried = fp, true
+	if err != nil {
+		return err
+	}
+	f.ready = c
+	return nil
+}
+
+// fingerprint identifies the file content cheaply: the symlink chain
+// (kubelet swaps ..data) and the final file's identity, size and mtime.
+type fingerprint struct {
+	exists      bool
+	link, data  string
+	dev, ino    uint64
+	size, mtime int64
+	mode        os.FileMode
+}
+
+func (f *File) stat() fingerprint {
+	var fp fingerprint
+	fp.link, _ = os.Readlink(f.path)
+	fp.data, _ = os.Readlink(filepath.Join(filepath.Dir(f.path), "..data"))
+	fi, err := os.Stat(f.path)
+	if err != nil {
+		return fp
+	}
+	fp.exists = true
+	fp.size = fi.Size()
+	fp.mtime = fi.ModTime().UnixNano()
+	fp.mode = fi.Mode()
+	if st, ok := fi.Sys().(*syscall.Stat_t); ok {
+		fp.dev, fp.ino = uint64(st.Dev), st.Ino
+	}
+	return fp
+}
+
+// read reads, parses and validates the file.
+func (f *File) read() (*content, error) {
+	data, err := readRegular(f.path, f.opts.MaxSize)
+	if err != nil {
+		return nil, err
+	}
+	file, err := nametable.Parse(data)
+	if err != nil {
+		return nil, fmt.Errorf("name table %s: %w", f.path, err)
+	}
+	hosts, clients, err := file.Hosts(f.opts.Domain)
+	if err != nil {
+		return nil, fmt.Errorf("name table %s: %w", f.path, err)
+	}
+	return &content{hosts, clients}, nil
+}
+
+// readRegular reads a regular file of at most max bytes. A FIFO, socket or
+// device is an error, never a blocking read.
+func readRegular(path string, max int64) ([]byte, error) {
+	fi, err := os.Stat(path)
+	if err != nil {
+		return nil, fmt.Errorf("name table %s: %w", path, err)
+	}
+	if !fi.Mode().IsRegular() {
+		return nil, fmt.Errorf("name table %s: not a regular file (%s)", path, fi.Mode().Type())
+	}
+	// O_NONBLOCK: should a FIFO appear between Stat and Open, open and read
+	// return at once instead of waiting for a writer.
+	fh, err := os.OpenFile(path, os.O_RDONLY|syscall.O_NONBLOCK, 0)
+	if err != nil {
+		return nil, fmt.Errorf("name table %s: %w", path, err)
+	}
+	defer fh.Close()
+	if fi, err = fh.Stat(); err != nil || !fi.Mode().IsRegular() {
+		return nil, fmt.Errorf("name table %s: not a regular file", path)
+	}
+	if fi.Size() > max {
+		return nil, fmt.Errorf("name table %s: %d bytes, more than the limit of %d", path, fi.Size(), max)
+	}
+	data, err := io.ReadAll(io.LimitReader(fh, max+1))
+	if err != nil {
+		return nil, fmt.Errorf("name table %s: %w", path, err)
+	}
+	if int64(len(data)) > max {
+		return nil, fmt.Errorf("name table %s: more than the limit of %d bytes", path, max)
+	}
+	return data, nil
+}
+
+// load reads the file when its fingerprint changed since the last attempt
+// (a broken file is not re-read until it changes) and delivers it.
+func (f *File) load(sink names.Sink, force bool) {
+	f.mu.Lock()
+	fp := f.stat()
+	if f.tried && fp == f.last && !force {
+		f.mu.Unlock()
+		return
+	}
+	f.last, f.tried = fp, true
+	f.mu.Unlock()
+
+	start := time.Now()
+	c, err := f.read()
+	if err == nil {
+		err = sink.Load(c.hosts, c.clients)
+	}
+	if err != nil {
+		f.log.Error("name table load failed, keeping the last good one", "err", err)
+		sink.Failed(err)
+		return
+	}
+	sink.Failed(nil)
+	f.log.Info("name table loaded", "hosts", len(c.hosts), "clients", len(c.clients), "duration", time.Since(start))
+}
+
+// Run implements names.Source: it delivers the file (the one Check read,
+// or reads it now) and then watches it until ctx ends: fsnotify on the
+// file's directory, plus a stat/readlink poll every PollInterval as a
+// fallback.
+func (f *File) Run(ctx context.Context, sink names.Sink) error {
+	f.mu.Lock()
+	c := f.ready
+	f.ready = nil
+	f.mu.Unlock()
+	if c != nil {
+		if err := sink.Load(c.hosts, c.clients); err != nil {
+			return err
+		}
+		f.log.Info("name table loaded", "hosts", len(c.hosts), "clients", len(c.clients))
+	} else {
+		f.load(sink, true)
+	}
+	sink.Synced()
+
+	dir := filepath.Dir(f.path)
+	var events <-chan fsnotify.Event
+	var errs <-chan error
+	fw, err := fsnotify.NewWatcher()
+	if err != nil {
+		f.log.Warn("fsnotify unavailable, polling only", "err", err)
+	} else {
+		defer fw.Close()
+		events, errs = fw.Events, fw.Errors
+	}
+	watching := false
+	addWatch := func() {
+		if fw == nil || watching {
+			return
+		}
+		if err := fw.Add(dir); err != nil {
+			f.log.Debug("cannot watch directory yet, polling", "dir", dir, "err", err)
+			return
+		}
+		watching = true
+	}
+	addWatch()
+
+	poll := time.NewTicker(PollInterval)
+	defer poll.Stop()
+	timer := time.NewTimer(time.Hour)
+	timer.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return nil
+		case ev, ok := <-events:
+			if !ok {
+				events = nil
+				continue
+			}
+			if ev.Name == dir && ev.Op&(fsnotify.Remove|fsnotify.Rename) != 0 {
+				watching = false
+			}
+			timer.Reset(debounce)
+		case err, ok := <-errs:
+			if !ok {
+				errs = nil
+				continue
+			}
+			f.log.Warn("fsnotify error, relying on polling", "err", err)
+		case <-timer.C:
+			f.load(sink, false)
+		case <-poll.C:
+			addWatch()
+			f.load(sink, false)
+		}
+	}
+}
+
+// Static serves a name table held in memory (the embedded demo table).
+type Static struct {
+	name string
+	c    content
+}
+
+// NewStatic parses data (JSON or YAML) into a source called name.
+func NewStatic(name string, data []byte, domain string) (*Static, error) {
+	file, err := nametable.Parse(data)
+	if err != nil {
+		return nil, fmt.Errorf("%s name table: %w", name, err)
+	}
+	hosts, clients, err := file.Hosts(domain)
+	if err != nil {
+		return nil, fmt.Errorf("%s name table: %w", name, err)
+	}
+	return &Static{name: name, c: content{hosts, clients}}, nil
+}
+
+// Name implements names.Source.
+func (s *Static) Name() string { return s.name }
+
+// Run implements names.Source.
+func (s *Static) Run(ctx context.Context, sink names.Sink) error {
+	if err := sink.Load(s.c.hosts, s.c.clients); err != nil {
+		return err
+	}
+	sink.Synced()
+	<-ctx.Done()
+	return nil
+}

@@ -1,0 +1,266 @@
+package filesource
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/meshdns/meshdns-ebpf/internal/metrictest"
+	"github.com/meshdns/meshdns-ebpf/internal/names"
+	"github.com/meshdns/meshdns-ebpf/internal/resolver/nametable"
+)
+
+var quiet = slog.New(slog.DiscardHandler)
+
+// kubeletWrite mimics the ConfigMap volume update: a new timestamped
+// directory, a temporary symlink to it, renamed over ..data atomically.
+func kubeletWrite(t *testing.T, dir, file, content string, gen int) {
+	t.Helper()
+	ts := filepath.Join(dir, fmt.Sprintf("..2026_01_01_00_00_%02d.%d", gen, gen))
+	if err := os.Mkdir(ts, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(ts, file), []byte(content), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	tmp := filepath.Join(dir, "..data_tmp")
+	if err := os.Symlink(filepath.Base(ts), tmp); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Rename(tmp, filepath.Join(dir, "..data")); err != nil {
+		t.Fatal(err)
+	}
+	link := filepath.Join(dir, file)
+	if _, err := os.Lstat(link); os.IsNotExist(err) {
+		if err := os.Symlink(filepath.Join("..data", file), link); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+func hostIP(tb *nametable.Table, name string) string {
+	if tb == nil {
+		return "<nil table>"
+	}
+	n := tb.Lookup(name)
+	if n == nil || len(n.Host.V4) == 0 {
+		return ""
+	}
+	return n.Host.V4[0].String()
+}
+
+type env struct {
+	store *names.Store
+	reg   *prometheus.Registry
+	file  *File
+}
+
+// start runs a store with the file source for path (Check first when
+// check is set, as the agent does).
+func start(t *testing.T, path string, check bool) *env {
+	t.Helper()
+	reg := prometheus.NewRegistry()
+	m, err := names.NewMetrics(reg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	st, err := names.New(names.Config{Metrics: m, Logger: quiet})
+	if err != nil {
+		t.Fatal(err)
+	}
+	f, err := NewFile(path, Options{Domain: st.Domain(), Logger: quiet})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if check {
+		if err := f.Check(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := st.Add(f, names.SourceOptions{Priority: names.PriorityFile}); err != nil {
+		t.Fatal(err)
+	}
+	if err := st.Start(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = st.Close() })
+	return &env{st, reg, f}
+}
+
+func (e *env) errors(t *testing.T) float64 {
+	return metrictest.Value(t, e.reg, "meshdns_names_source_errors_total", "source", "file")
+}
+
+func waitFor(t *testing.T, e *env, what string, cond func(*nametable.Table) bool) {
+	t.Helper()
+	deadline := time.Now().Add(3 * time.Second)
+	for time.Now().Before(deadline) {
+		if cond(e.store.Table()) {
+			return
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	t.Fatalf("not within 3s: %s", what)
+}
+
+func waitErrors(t *testing.T, e *env, want float64) {
+	t.Helper()
+	deadline := time.Now().Add(3 * time.Second)
+	for e.errors(t) < want && time.Now().Before(deadline) {
+		time.Sleep(5 * time.Millisecond)
+	}
+	if got := e.errors(t); got != want {
+		t.Fatalf("file source errors = %v, want %v", got, want)
+	}
+}
+
+func TestFileConfigMapSwap(t *testing.T) {
+	dir := t.TempDir()
+	const file = "name-table.yaml"
+	kubeletWrite(t, dir, file, "table:\n  a.example.com:\n    ips: [192.0.2.1]\n", 1)
+	e := start(t, filepath.Join(dir, file), true)
+	waitFor(t, e, "initial table", func(tb *nametable.Table) bool { return hostIP(tb, "a.example.com.") == "192.0.2.1" })
+
+	kubeletWrite(t, dir, file, "table:\n  a.example.com:\n    ips: [192.0.2.2]\n", 2)
+	waitFor(t, e, "new address after ..data swap", func(tb *nametable.Table) bool { return hostIP(tb, "a.example.com.") == "192.0.2.2" })
+
+	// A bad file keeps the old table, counts, and says why.
+	kubeletWrite(t, dir, file, "table:\n  a.example.com:\n    ips: [not-an-ip]\n", 3)
+	waitErrors(t, e, 1)
+	if got := hostIP(e.store.Table(), "a.example.com."); got != "192.0.2.2" {
+		t.Fatalf("after bad file: a = %q, want the previous 192.0.2.2", got)
+	}
+	if st := e.store.Status()[0]; !strings.Contains(st.LastError, "ips[0]") || !strings.Contains(st.LastError, file) || st.FailingSince.IsZero() {
+		t.Fatalf("status after a bad file = %+v, want the file and field, failing", st)
+	}
+	if got := metrictest.Value(t, e.reg, "meshdns_nametable_hosts"); got != 1 {
+		t.Fatalf("hosts gauge = %v", got)
+	}
+
+	// Fixed again, then an empty file is a valid empty table.
+	kubeletWrite(t, dir, file, "table:\n  b.example.com:\n    ips: [192.0.2.3]\n", 4)
+	waitFor(t, e, "b after fix", func(tb *nametable.Table) bool { return hostIP(tb, "b.example.com.") == "192.0.2.3" })
+	if st := e.store.Status()[0]; !st.FailingSince.IsZero() {
+		t.Fatalf("still failing after a good load: %+v", st)
+	}
+	kubeletWrite(t, dir, file, "", 5)
+	waitFor(t, e, "empty table", func(tb *nametable.Table) bool { return tb != nil && tb.Len() == 0 })
+}
+
+func TestFileAtomicRenameAndDelete(t *testing.T) {
+	dir := t.TempDir()
+	path := filepath.Join(dir, "table.json")
+	if err := os.WriteFile(path, []byte(`{"table": {"c.example.com": {"ips": ["192.0.2.4"]}}}`), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	e := start(t, path, false)
+	waitFor(t, e, "first load", func(tb *nametable.Table) bool { return hostIP(tb, "c.example.com.") == "192.0.2.4" })
+	// Atomic replace (write temp + rename), as a careful writer does.
+	tmp := filepath.Join(dir, ".tmp")
+	if err := os.WriteFile(tmp, []byte(`{"table": {"c.example.com": {"ips": ["192.0.2.5"]}}}`), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Rename(tmp, path); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, e, "c after rename", func(tb *nametable.Table) bool { return hostIP(tb, "c.example.com.") == "192.0.2.5" })
+
+	// A deleted file keeps the last good table and is an error, not an
+	// empty table.
+	if err := os.Remove(path); err != nil {
+		t.Fatal(err)
+	}
+	waitErrors(t, e, 1)
+	if got := hostIP(e.store.Table(), "c.example.com."); got != "192.0.2.5" {
+		t.Fatalf("after delete: c = %q, want the last good 192.0.2.5", got)
+	}
+	if st := e.store.Status()[0]; !strings.Contains(st.LastError, "no such file") {
+		t.Fatalf("status after delete = %+v", st)
+	}
+}
+
+// The first load is checked before the agent starts: a bad file, a missing
+// file, a FIFO, a device or an oversized file is an error at once, never a
+// hang.
+func TestFileCheckErrors(t *testing.T) {
+	dir := t.TempDir()
+	bad := filepath.Join(dir, "bad.yaml")
+	if err := os.WriteFile(bad, []byte("table: [\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	fifo := filepath.Join(dir, "fifo")
+	if err := syscall.Mkfifo(fifo, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	big := filepath.Join(dir, "big.yaml")
+	if err := os.WriteFile(big, []byte("table: {}\n"+strings.Repeat("#", 2000)+"\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	tests := []struct {
+		path string
+		max  int64
+		want string
+	}{
+		{bad, 0, "line"},
+		{filepath.Join(dir, "missing.yaml"), 0, "no such file"},
+		{fifo, 0, "not a regular file"},
+		{"/dev/zero", 0, "not a regular file"},
+		{dir, 0, "not a regular file"},
+		{big, 1024, "more than the limit of 1024"},
+	}
+	for _, tt := range tests {
+		t.Run(filepath.Base(tt.path), func(t *testing.T) {
+			f, err := NewFile(tt.path, Options{MaxSize: tt.max, Logger: quiet})
+			if err != nil {
+				t.Fatal(err)
+			}
+			done := make(chan error, 1)
+			go func() { done <- f.Check() }()
+			select {
+			case err = <-done:
+			case <-time.After(5 * time.Second):
+				t.Fatalf("Check(%s) hangs", tt.path)
+			}
+			if err == nil || !strings.Contains(err.Error(), tt.path) || !strings.Contains(err.Error(), tt.want) {
+				t.Fatalf("Check = %v, want an error naming %s and %q", err, tt.path, tt.want)
+			}
+		})
+	}
+}
+
+// A FIFO swapped in while running fails that reload without blocking
+// anything: the last table keeps serving and other sources still update.
+func TestFileBecomesFIFO(t *testing.T) {
+	dir := t.TempDir()
+	path := filepath.Join(dir, "t.yaml")
+	if err := os.WriteFile(path, []byte("table:\n  d.example.com:\n    ips: [192.0.2.6]\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	e := start(t, path, true)
+	waitFor(t, e, "first load", func(tb *nametable.Table) bool { return hostIP(tb, "d.example.com.") == "192.0.2.6" })
+	if err := os.Remove(path); err != nil {
+		t.Fatal(err)
+	}
+	if err := syscall.Mkfifo(path, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	waitErrors(t, e, 1)
+	other, err := NewStatic("other", []byte("table:\n  e.example.com:\n    ips: [192.0.2.7]\n"), "")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := e.store.Add(other, names.SourceOptions{Priority: 1}); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, e, "another source's host while the file is a FIFO", func(tb *nametable.Table) bool {
+		return hostIP(tb, "e.example.com.") == "192.0.2.7" && hostIP(tb, "d.example.com.") == "192.0.2.6"
+	})
+}

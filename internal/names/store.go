@@ -1,0 +1,514 @@
+// Package names is the name store. It runs the name sources (the names
+// file, the embedded demo table, the Kubernetes API server of this and of
+// remote clusters, Istio ServiceEntries), merges what they contribute by
+// source priority through a nametable.Builder, and publishes immutable
+// table snapshots for the resolver. A burst of changes is coalesced over a
+// short window into one snapshot, and a snapshot copies only what changed.
+//
+// The store is ready once every blocking source has delivered its first
+// complete state; before that Table returns nil and the resolver is not
+// ready. A source that later fails (an unreachable API server) keeps its
+// last state serving and reports the error in Status and metrics.
+//
+// Data flows one way: sources -> Sink -> Builder -> Table -> resolver.
+package names
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net/netip"
+	"slices"
+	"sort"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/meshdns/meshdns-ebpf/internal/resolver/nametable"
+)
+
+// Source priorities (higher wins a name; see docs/kubernetes.md).
+const (
+	PriorityFile           = 100 // --names: the operator's own table
+	PriorityKubernetes     = 80  // this cluster
+	PriorityRemoteCluster  = 60  // clusters of --remote-kubeconfigs / Istio remote secrets
+	PriorityServiceEntries = 40  // Istio ServiceEntries (a Service of the same host wins)
+	PriorityDemo           = 0   // the embedded demo table
+)
+
+// DefaultWindow is how long a burst of changes is collected before one
+// snapshot is published.
+const DefaultWindow = 20 * time.Millisecond
+
+// Source feeds the store.
+type Source interface {
+	// Name identifies the source in status, metrics and the table
+	// listing, e.g. "file", "kubernetes", "cluster/east".
+	Name() string
+	// Run delivers the source's state to sink until ctx ends. It calls
+	// sink.Synced once its first complete state has been delivered. An
+	// error it returns is reported and the source is not restarted; its
+	// last state keeps serving.
+	Run(ctx context.Context, sink Sink) error
+}
+
+// Sink is how a source changes what it contributes. It is safe for
+// concurrent use.
+type Sink interface {
+	// Set replaces the hosts of one object (a Service with its endpoint
+	// names, a ServiceEntry, a file entry); no hosts removes it.
+	Set(key string, hosts []nametable.Host) error
+	// SetClients records the IPs of one client (a Pod of this node) and
+	// its namespace; no IPs removes it.
+	SetClients(key string, ips []netip.Addr, namespace string) error
+	// Load replaces everything the source contributes.
+	Load(hosts map[string]nametable.Host, clients map[netip.Addr]string) error
+	// Synced marks the first complete state as delivered.
+	Synced()
+	// Failed records that the source cannot reach its origin (nil: it can
+	// again). Its last state keeps serving.
+	Failed(err error)
+}
+
+// SourceOptions say how the store treats a source.
+type SourceOptions struct {
+	Priority int
+	// NonBlocking sources never hold back readiness (remote clusters).
+	NonBlocking bool
+}
+
+// SourceStatus is a source's state, for `status` and metrics.
+type SourceStatus struct {
+	Name       string    `json:"name"`
+	Priority   int       `json:"priority"`
+	Blocking   bool      `json:"blocking"`
+	Synced     bool      `json:"synced"`
+	Objects    int       `json:"objects"`
+	Clients    int       `json:"clients"`
+	LastUpdate time.Time `json:"lastUpdate,omitzero"`
+	Errors     uint64    `json:"errors"`
+	LastError  string    `json:"lastError,omitempty"`
+	// FailingSince is when the source lost its origin; zero while healthy.
+	FailingSince time.Time `json:"failingSince,omitzero"`
+}
+
+// Config configures a Store.
+type Config struct {
+	Table nametable.Options
+	// Window coalesces changes (default DefaultWindow).
+	Window time.Duration
+	Logger *slog.Logger
+	// Metrics, when set, receives the store's metrics (NewMetrics).
+	Metrics *Metrics
+}
+
+// Store runs sources and publishes tables. Create with New, add sources,
+// then Start; Close stops everything.
+type Store struct {
+	cfg Config
+	log *slog.Logger
+
+	mu      sync.Mutex // guards b, srcs, ready and the source states
+	b       *nametable.Builder
+	srcs    map[string]*sourceState
+	ready   bool
+	pubErr  error
+	started bool
+	ctx     context.Context
+	cancel  context.CancelFunc
+	wg      sync.WaitGroup
+
+	cur      atomic.Pointer[nametable.Table]
+	kick     chan struct{}
+	closed   chan struct{}
+	closeOne sync.Once
+	lastPub  atomic.Int64 // unix nanos of the last publish
+}
+
+type sourceState struct {
+	src     Source
+	opts    SourceOptions
+	synced  bool
+	clients int
+	last    time.Time
+	errors  uint64
+	lastErr string
+	failing time.Time
+	cancel  context.CancelFunc
+	done    chan struct{}
+	removed bool
+}
+
+// New creates a store.
+func New(cfg Config) (*Store, error) {
+	if cfg.Window <= 0 {
+		cfg.Window = DefaultWindow
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.Default()
+	}
+	b, err := nametable.NewBuilder(cfg.Table)
+	if err != nil {
+		return nil, err
+	}
+	s := &Store{
+		cfg:    cfg,
+		log:    cfg.Logger,
+		b:      b,
+		srcs:   map[string]*sourceState{},
+		kick:   make(chan struct{}, 1),
+		closed: make(chan struct{}),
+	}
+	if cfg.Metrics != nil {
+		cfg.Metrics.attach(s)
+	}
+	return s, nil
+}
+
+// Domain is the cluster domain the tables are built for ("cluster.local.").
+func (s *Store) Domain() string { return s.b.Domain() }
+
+// Add registers a source; after Start it starts at once. Names must be
+// unique.
+func (s *Store) Add(src Source, opts SourceOptions) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	name := src.Name()
+	if name == "" {
+		return errors.New("names: a source needs a name")
+	}
+	if st, ok := s.srcs[name]; ok && !st.removed {
+		return fmt.Errorf("names: source %q added twice", name)
+	}
+	st := &sourceState{src: src, opts: opts}
+	s.srcs[name] = st
+	s.b.AddSource(name, opts.Priority)
+	if s.started {
+		s.run(st)
+	}
+	return nil
+}
+
+// Remove stops a source and removes everything it contributed.
+func (s *Store) Remove(name string) {
+	s.mu.Lock()
+	st, ok := s.srcs[name]
+	if !ok || st.removed {
+		s.mu.Unlock()
+		return
+	}
+	st.removed = true
+	cancel, done := st.cancel, st.done
+	s.mu.Unlock()
+	if cancel != nil {
+		cancel()
+		<-done
+	}
+	s.mu.Lock()
+	if cur := s.srcs[name]; cur == st {
+		delete(s.srcs, name)
+		s.b.RemoveSource(name)
+	}
+	s.mu.Unlock()
+	s.poke()
+}
+
+// Start runs the sources and the publisher. ctx bounds nothing here (the
+// sources start in the background); stop with Close.
+func (s *Store) Start(ctx context.Context) error {
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.started {
+		return errors.New("names: store already started")
+	}
+	s.started = true
+	s.ctx, s.cancel = context.WithCancel(context.Background())
+	s.wg.Add(1)
+	go s.publisher()
+	for _, st := range s.srcs {
+		s.run(st)
+	}
+	s.checkReadyLocked()
+	return nil
+}
+
+// run starts a source's goroutine; s.mu is held.
+func (s *Store) run(st *sourceState) {
+	ctx, cancel := context.WithCancel(s.ctx)
+	st.cancel, st.done = cancel, make(chan struct{})
+	s.wg.Add(1)
+	go func() {
+		defer s.wg.Done()
+		defer close(st.done)
+		err := st.src.Run(ctx, &sink{s: s, st: st, name: st.src.Name()})
+		if err != nil && ctx.Err() == nil {
+			s.log.Error("name source stopped", "source", st.src.Name(), "err", err)
+			s.mu.Lock()
+			st.errors++
+			st.lastErr = err.Error()
+			if st.failing.IsZero() {
+				st.failing = time.Now()
+			}
+			s.mu.Unlock()
+		}
+	}()
+}
+
+// Close stops the sources and the publisher. The last table stays
+// readable.
+func (s *Store) Close() error {
+	s.closeOne.Do(func() {
+		s.mu.Lock()
+		cancel := s.cancel
+		s.mu.Unlock()
+		if cancel != nil {
+			cancel()
+		}
+		close(s.closed)
+		s.wg.Wait()
+	})
+	return nil
+}
+
+// Table returns the current snapshot, nil until the store is ready.
+func (s *Store) Table() *nametable.Table { return s.cur.Load() }
+
+// Ready returns nil once every blocking source has synced and the first
+// table is published, else an error naming what is missing.
+func (s *Store) Ready() error {
+	if s.cur.Load() != nil {
+		return nil
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	var waiting []string
+	for name, st := range s.srcs {
+		if !st.opts.NonBlocking && !st.synced {
+			w := name
+			if st.lastErr != "" {
+				w += " (" + st.lastErr + ")"
+			}
+			waiting = append(waiting, w)
+		}
+	}
+	sort.Strings(waiting)
+	if s.pubErr != nil && len(waiting) == 0 {
+		return s.pubErr
+	}
+	if len(waiting) == 0 {
+		return errors.New("first name table not published yet")
+	}
+	return fmt.Errorf("waiting for name sources to sync: %s", strings.Join(waiting, ", "))
+}
+
+// WaitReady blocks until Ready is nil or ctx ends.
+func (s *Store) WaitReady(ctx context.Context) error {
+	t := time.NewTicker(5 * time.Millisecond)
+	defer t.Stop()
+	for {
+		if s.cur.Load() != nil {
+			return nil
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("%w: %v", ctx.Err(), s.Ready())
+		case <-t.C:
+		}
+	}
+}
+
+// Status lists the sources by name.
+func (s *Store) Status() []SourceStatus {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	out := make([]SourceStatus, 0, len(s.srcs))
+	for name, st := range s.srcs {
+		if st.removed {
+			continue
+		}
+		out = append(out, SourceStatus{
+			Name: name, Priority: st.opts.Priority, Blocking: !st.opts.NonBlocking, Synced: st.synced,
+			Objects: s.b.Objects(name), Clients: st.clients, LastUpdate: st.last, Errors: st.errors,
+			LastError: st.lastErr, FailingSince: st.failing,
+		})
+	}
+	slices.SortFunc(out, func(a, b SourceStatus) int { return strings.Compare(a.Name, b.Name) })
+	return out
+}
+
+// LastPublish is when the last table was published (zero before).
+func (s *Store) LastPublish() time.Time {
+	if n := s.lastPub.Load(); n != 0 {
+		return time.Unix(0, n)
+	}
+	return time.Time{}
+}
+
+func (s *Store) poke() {
+	select {
+	case s.kick <- struct{}{}:
+	default:
+	}
+}
+
+// checkReadyLocked flips ready when every blocking source has synced.
+func (s *Store) checkReadyLocked() {
+	if s.ready {
+		return
+	}
+	for _, st := range s.srcs {
+		if !st.opts.NonBlocking && !st.synced && !st.removed {
+			return
+		}
+	}
+	s.ready = true
+	s.poke()
+}
+
+// publisher publishes a new table at most once per window while changes
+// come in.
+func (s *Store) publisher() {
+	defer s.wg.Done()
+	timer := time.NewTimer(time.Hour)
+	timer.Stop()
+	armed := false
+	for {
+		select {
+		case <-s.closed:
+			timer.Stop()
+			return
+		case <-s.kick:
+			if !armed {
+				timer.Reset(s.cfg.Window)
+				armed = true
+			}
+		case <-timer.C:
+			armed = false
+			s.publish()
+		}
+	}
+}
+
+func (s *Store) publish() {
+	s.mu.Lock()
+	if !s.ready || (!s.b.Changed() && s.cur.Load() != nil) {
+		s.mu.Unlock()
+		return
+	}
+	start := time.Now()
+	t, err := s.b.Publish()
+	s.pubErr = err
+	s.mu.Unlock()
+	if err != nil {
+		s.log.Error("name table published with hosts left out", "err", err)
+	}
+	first := s.cur.Load() == nil
+	s.cur.Store(t)
+	s.lastPub.Store(time.Now().UnixNano())
+	d := time.Since(start)
+	if m := s.cfg.Metrics; m != nil {
+		m.published(t, d)
+	}
+	if first {
+		s.log.Info("name table ready", "hosts", t.Len(), "build", d)
+	} else {
+		s.log.Debug("name table published", "hosts", t.Len(), "serial", t.Serial(), "build", d)
+	}
+}
+
+// sink is one source's handle on the store.
+type sink struct {
+	s    *Store
+	st   *sourceState
+	name string
+}
+
+func (k *sink) changed(err error) error {
+	if err != nil {
+		k.st.errors++
+		k.st.lastErr = err.Error()
+		k.s.log.Warn("name source delivered a bad object", "source", k.name, "err", err)
+		return err
+	}
+	k.st.last = time.Now()
+	k.s.poke()
+	return nil
+}
+
+func (k *sink) live() bool { return !k.st.removed }
+
+func (k *sink) Set(key string, hosts []nametable.Host) error {
+	k.s.mu.Lock()
+	defer k.s.mu.Unlock()
+	if !k.live() {
+		return nil
+	}
+	return k.changed(k.s.b.Set(k.name, key, hosts))
+}
+
+func (k *sink) SetClients(key string, ips []netip.Addr, ns string) error {
+	k.s.mu.Lock()
+	defer k.s.mu.Unlock()
+	if !k.live() {
+		return nil
+	}
+	had := k.s.b.HasClient(k.name, key)
+	err := k.s.b.SetClients(k.name, key, ips, ns)
+	if err == nil {
+		switch has := len(ips) > 0; {
+		case has && !had:
+			k.st.clients++
+		case !has && had:
+			k.st.clients--
+		}
+	}
+	return k.changed(err)
+}
+
+func (k *sink) Load(hosts map[string]nametable.Host, clients map[netip.Addr]string) error {
+	k.s.mu.Lock()
+	defer k.s.mu.Unlock()
+	if !k.live() {
+		return nil
+	}
+	err := k.s.b.Load(k.name, hosts, clients)
+	if err == nil {
+		k.st.clients = len(clients)
+	}
+	return k.changed(err)
+}
+
+func (k *sink) Synced() {
+	k.s.mu.Lock()
+	defer k.s.mu.Unlock()
+	if k.st.synced || !k.live() {
+		return
+	}
+	k.st.synced = true
+	k.s.log.Info("name source synced", "source", k.name, "objects", k.s.b.Objects(k.name))
+	k.s.checkReadyLocked()
+	k.s.poke()
+}
+
+func (k *sink) Failed(err error) {
+	k.s.mu.Lock()
+	defer k.s.mu.Unlock()
+	if err == nil {
+		if !k.st.failing.IsZero() {
+			k.s.log.Info("name source recovered", "source", k.name, "after", time.Since(k.st.failing).Round(time.Millisecond))
+		}
+		k.st.failing = time.Time{}
+		return
+	}
+	k.st.errors++
+	k.st.lastErr = err.Error()
+	if k.st.failing.IsZero() {
+		k.st.failing = time.Now()
+		k.s.log.Warn("name source failing, serving its last state", "source", k.name, "err", err)
+	}
+}

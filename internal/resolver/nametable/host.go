@@ -1,0 +1,275 @@
+package nametable
+
+import (
+	"fmt"
+	"net/netip"
+	"slices"
+	"strings"
+
+	"github.com/miekg/dns"
+)
+
+// Host is one host as a source contributes it to a Builder and as a table
+// name resolves to it. A source fills the exported fields above the line;
+// the Builder copies and normalises the host and fills the rest. Once in a
+// published Table a Host is immutable.
+type Host struct {
+	// Name is the canonical FQDN (any case, trailing dot optional);
+	// "*.example.com" is a wildcard host.
+	Name string
+	// Kubernetes marks a Kubernetes Service. A Kubernetes host named
+	// <short>.<ns>.svc.<domain> also answers <short>.<ns>. and
+	// <short>.<ns>.svc., and the bare <short>. (for clients of <ns>, or for
+	// any client when only one namespace has that short name).
+	Kubernetes bool
+	// V4 and V6 are its addresses (v4-mapped v6 counts as v4).
+	V4, V6 []netip.Addr
+	// CNAME makes the host an alias (a Kubernetes ExternalName Service):
+	// it is answered with a CNAME to this FQDN and has no addresses.
+	CNAME string
+	// Ports are answered as SRV records.
+	Ports []HostPort
+	// AltNames are extra names that answer like the host.
+	AltNames []string
+	// NeedVIP asks for an auto-allocated VIP pair (240.240.0.0/16 and
+	// 2001:2::/48) when the host has no address and no CNAME: an external
+	// host of resolution DNS.
+	NeedVIP bool
+	// Order sorts the hosts that get a VIP in the same batch (for example
+	// a creation timestamp and UID, so that every node allocates in the
+	// same order); ties and "" sort by name.
+	Order string
+	// Merge makes the same name from several sources answer the union of
+	// their addresses and ports when the winning contribution also has
+	// Merge (a headless Service's endpoints across clusters). Without it the
+	// highest-priority source alone answers.
+	Merge bool
+	// Visible lists the client namespaces that see the host; nil means
+	// every client. A client whose namespace is unknown sees only hosts
+	// with a nil Visible.
+	Visible []string
+	// NoPTR leaves the host's addresses out of reverse lookups.
+	NoPTR bool
+
+	// Filled by the Builder.
+
+	// Wildcard is true for a "*." host.
+	Wildcard bool
+	// AutoVIP is true when V4 and V6 were allocated by the table.
+	AutoVIP bool
+	// Namespace and Shortname of a Kubernetes host named
+	// <short>.<ns>.svc.<domain>.
+	Namespace, Shortname string
+	// Source is the name of the source that contributed the host (of the
+	// winning one, for a merged host).
+	Source string
+
+	key      string // the source's object key
+	prio     int    // the source's priority
+	soa      *dns.SOA
+	inDomain bool // under the cluster domain
+	linked   bool // has names in the table (false: no data, left out)
+	self     Name // the entry of the canonical name, when it wins alone
+}
+
+// HostPort is a named port, answered as SRV _<name>._<protocol>.<host>.
+type HostPort struct {
+	Name     string // lower-case DNS label
+	Protocol string // "tcp", "udp" or "sctp"
+	Port     uint16
+	// Target of the SRV record; "" is the host itself. A headless Service
+	// has one entry per endpoint and port, each naming its endpoint.
+	Target string
+}
+
+// HasData reports whether the host has anything to answer: addresses or a
+// CNAME.
+func (h *Host) HasData() bool { return len(h.V4)+len(h.V6) > 0 || h.CNAME != "" }
+
+// VisibleTo reports whether a client of namespace ns sees the host; known
+// is false when the client's namespace is unknown.
+func (h *Host) VisibleTo(ns string, known bool) bool {
+	if h.Visible == nil {
+		return true
+	}
+	return known && slices.Contains(h.Visible, ns)
+}
+
+// SRVTarget is the target of port p: its Target, or the host's name.
+func (h *Host) SRVTarget(p *HostPort) string {
+	if p.Target != "" {
+		return p.Target
+	}
+	return h.Name
+}
+
+// NormName lower-cases a host name and adds the trailing dot. A wildcard is
+// allowed only as the whole first label of a name with at least two more
+// labels.
+func NormName(s string) (string, error) {
+	n := strings.ToLower(strings.TrimSpace(s))
+	if n == "" || n == "." {
+		return "", fmt.Errorf("empty host name")
+	}
+	if !strings.HasSuffix(n, ".") {
+		n += "."
+	}
+	if _, ok := dns.IsDomainName(n); !ok {
+		return "", fmt.Errorf("%q is not a domain name", s)
+	}
+	rest := n
+	if strings.HasPrefix(n, "*.") {
+		rest = n[2:]
+		if strings.Count(rest, ".") < 2 {
+			return "", fmt.Errorf("%q: a wildcard needs a parent of at least two labels", s)
+		}
+	}
+	if strings.ContainsAny(rest, "*\\ ") {
+		return "", fmt.Errorf("%q: '*' is only allowed as the whole first label; no escapes or spaces", s)
+	}
+	return n, nil
+}
+
+// isLabel reports whether s is one lower-case DNS label of letters, digits,
+// '-' and '_'.
+func isLabel(s string) bool {
+	if len(s) == 0 || len(s) > 63 {
+		return false
+	}
+	for i := 0; i < len(s); i++ {
+		c := s[i]
+		if !(c >= 'a' && c <= 'z' || c >= '0' && c <= '9' || c == '-' || c == '_') {
+			return false
+		}
+	}
+	return true
+}
+
+// normAddrs unmaps, de-duplicates and splits addresses by family, keeping
+// their order.
+func normAddrs(v4, v6 []netip.Addr) (o4, o6 []netip.Addr, err error) {
+	add := func(a netip.Addr) error {
+		if !a.IsValid() || a.Zone() != "" {
+			return fmt.Errorf("%q is not an IP address", a)
+		}
+		a = a.Unmap()
+		if a.Is4() {
+			if !slices.Contains(o4, a) {
+				o4 = append(o4, a)
+			}
+		} else if !slices.Contains(o6, a) {
+			o6 = append(o6, a)
+		}
+		return nil
+	}
+	for _, a := range v4 {
+		if err := add(a); err != nil {
+			return nil, nil, err
+		}
+	}
+	for _, a := range v6 {
+		if err := add(a); err != nil {
+			return nil, nil, err
+		}
+	}
+	return o4, o6, nil
+}
+
+// normalize checks and completes h (a copy the Builder owns).
+func (b *Builder) normalize(h *Host) error {
+	n, err := NormName(h.Name)
+	if err != nil {
+		return err
+	}
+	h.Name = n
+	h.Wildcard = strings.HasPrefix(n, "*.")
+	h.inDomain = strings.HasSuffix(n, "."+b.domain) || n == b.domain
+	if h.V4, h.V6, err = normAddrs(h.V4, h.V6); err != nil {
+		return err
+	}
+	if h.CNAME != "" {
+		if h.CNAME, err = NormName(h.CNAME); err != nil {
+			return fmt.Errorf("cname: %w", err)
+		}
+		if strings.HasPrefix(h.CNAME, "*.") {
+			return fmt.Errorf("cname %q: not a wildcard", h.CNAME)
+		}
+		if len(h.V4)+len(h.V6) > 0 {
+			return fmt.Errorf("a CNAME host has no addresses")
+		}
+	}
+	h.AutoVIP = false
+	h.Namespace, h.Shortname = "", ""
+	if h.Kubernetes && !h.Wildcard && strings.HasSuffix(n, b.svc) {
+		if parts := strings.Split(strings.TrimSuffix(n, b.svc), "."); len(parts) == 2 {
+			h.Shortname, h.Namespace = n[:len(parts[0])], n[len(parts[0])+1:len(parts[0])+1+len(parts[1])]
+		}
+	}
+	if len(h.AltNames) > 0 {
+		alts := make([]string, 0, len(h.AltNames))
+		for i, a := range h.AltNames {
+			an, err := NormName(a)
+			if err != nil {
+				return fmt.Errorf("altNames[%d]: %w", i, err)
+			}
+			if an != n && !slices.Contains(alts, an) {
+				alts = append(alts, an)
+			}
+		}
+		h.AltNames = alts
+	}
+	if len(h.Ports) > 0 {
+		ports := make([]HostPort, len(h.Ports))
+		for i, p := range h.Ports {
+			p.Name = strings.ToLower(p.Name)
+			if !isLabel(p.Name) {
+				return fmt.Errorf("ports[%d]: name %q is not a single DNS label", i, p.Name)
+			}
+			switch p.Protocol = strings.ToLower(p.Protocol); p.Protocol {
+			case "":
+				p.Protocol = "tcp"
+			case "tcp", "udp", "sctp":
+			default:
+				return fmt.Errorf("ports[%d]: protocol %q is not TCP, UDP or SCTP", i, p.Protocol)
+			}
+			if p.Port == 0 {
+				return fmt.Errorf("ports[%d]: port 0", i)
+			}
+			if p.Target != "" {
+				if p.Target, err = NormName(p.Target); err != nil {
+					return fmt.Errorf("ports[%d]: target: %w", i, err)
+				}
+			}
+			ports[i] = p
+		}
+		h.Ports = ports
+	}
+	if h.Visible != nil {
+		vis := slices.Clone(h.Visible)
+		for i := range vis {
+			vis[i] = strings.ToLower(vis[i])
+		}
+		slices.Sort(vis)
+		h.Visible = slices.Compact(vis)
+	}
+	return nil
+}
+
+// sameHost reports whether two normalised hosts answer the same, so that an
+// update that does not change a host leaves the table alone.
+func sameHost(a, b *Host) bool {
+	return a.Name == b.Name && a.Kubernetes == b.Kubernetes && a.CNAME == b.CNAME &&
+		a.NeedVIP == b.NeedVIP && a.Order == b.Order && a.Merge == b.Merge && a.NoPTR == b.NoPTR &&
+		sameAddrs(a, b) && slices.Equal(a.Ports, b.Ports) &&
+		slices.Equal(a.AltNames, b.AltNames) && slices.Equal(a.Visible, b.Visible) &&
+		(a.Visible == nil) == (b.Visible == nil)
+}
+
+// sameAddrs compares the addresses of an old host a with a new host b; a
+// VIP a got from the table counts as equal to b asking for one.
+func sameAddrs(a, b *Host) bool {
+	if a.AutoVIP {
+		return b.NeedVIP && len(b.V4)+len(b.V6) == 0 && b.CNAME == ""
+	}
+	return slices.Equal(a.V4, b.V4) && slices.Equal(a.V6, b.V6)
+}

@@ -1,0 +1,410 @@
+package deploy
+
+import (
+	"os"
+	"path/filepath"
+	"slices"
+	"sort"
+	"strings"
+	"testing"
+
+	appsv1 "k8s.io/api/apps/v1"
+	corev1 "k8s.io/api/core/v1"
+	rbacv1 "k8s.io/api/rbac/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/util/intstr"
+	"sigs.k8s.io/yaml"
+)
+
+// render renders the default install plus components and decodes it strictly.
+func render(t *testing.T, components ...string) []object {
+	t.Helper()
+	var out []byte
+	var err error
+	if len(components) == 0 {
+		out, err = kustomize(manifestsDir())
+	} else {
+		out, err = kustomizeWith(t.TempDir(), components...)
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	objs, err := decodeStrict(out)
+	if err != nil {
+		t.Fatalf("strict decode of the rendered manifests: %v\n%s", err, out)
+	}
+	return objs
+}
+
+// renderChecked renders and fails on any policy violation.
+func renderChecked(t *testing.T, components ...string) []object {
+	t.Helper()
+	objs := render(t, components...)
+	if v := checkPolicy(objs); len(v) > 0 {
+		t.Fatalf("policy violations:\n%s", strings.Join(v, "\n"))
+	}
+	return objs
+}
+
+func find[T any](t *testing.T, objs []object, kind, name string) T {
+	t.Helper()
+	for _, o := range objs {
+		if o.kind == kind && o.name == name {
+			v, ok := o.obj.(T)
+			if !ok {
+				t.Fatalf("%s/%s decoded as %T", kind, name, o.obj)
+			}
+			return v
+		}
+	}
+	t.Fatalf("no %s/%s in the rendered manifests", kind, name)
+	var zero T
+	return zero
+}
+
+func kinds(objs []object) []string {
+	var ks []string
+	for _, o := range objs {
+		ks = append(ks, o.kind+"/"+o.name)
+	}
+	sort.Strings(ks)
+	return ks
+}
+
+func agent(t *testing.T, objs []object) corev1.Container {
+	t.Helper()
+	ds := find[*appsv1.DaemonSet](t, objs, "DaemonSet", "meshdns-ebpf")
+	if n := len(ds.Spec.Template.Spec.Containers); n != 1 {
+		t.Fatalf("DaemonSet has %d containers, want 1", n)
+	}
+	return ds.Spec.Template.Spec.Containers[0]
+}
+
+func envValue(c corev1.Container, name string) string {
+	for _, e := range c.Env {
+		if e.Name == name {
+			return e.Value
+		}
+	}
+	return ""
+}
+
+// ruleSet flattens rules to "group/resource[names]: verbs" lines for exact comparison.
+func ruleSet(rules []rbacv1.PolicyRule) []string {
+	var out []string
+	for _, r := range rules {
+		verbs := slices.Clone(r.Verbs)
+		sort.Strings(verbs)
+		for _, g := range r.APIGroups {
+			for _, res := range r.Resources {
+				out = append(out, g+"/"+res+"["+strings.Join(r.ResourceNames, ",")+"]: "+strings.Join(verbs, ","))
+			}
+		}
+	}
+	sort.Strings(out)
+	return out
+}
+
+func TestKustomizationListsEveryManifest(t *testing.T) {
+	var k struct {
+		Resources []string `json:"resources"`
+	}
+	b, err := os.ReadFile(filepath.Join(manifestsDir(), "kustomization.yaml"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := yaml.UnmarshalStrict(b, &k, yaml.DisallowUnknownFields); err != nil {
+		// Only resources matters here; the full file is checked by kustomize.
+		if err := yaml.Unmarshal(b, &k); err != nil {
+			t.Fatal(err)
+		}
+	}
+	files, _ := filepath.Glob(filepath.Join(manifestsDir(), "*.yaml"))
+	for _, f := range files {
+		if base := filepath.Base(f); base != "kustomization.yaml" && !slices.Contains(k.Resources, base) {
+			t.Errorf("%s is not listed in kustomization.yaml: `kubectl apply -k` would not apply it", base)
+		}
+	}
+}
+
+// Every source file decodes strictly on its own, before kustomize reformats it
+// (a duplicated key would otherwise be silently dropped).
+func TestManifestSourcesDecodeStrictly(t *testing.T) {
+	var files []string
+	for _, pat := range []string{"*.yaml", "components/*/*.yaml"} {
+		m, _ := filepath.Glob(filepath.Join(manifestsDir(), pat))
+		files = append(files, m...)
+	}
+	n := 0
+	for _, f := range files {
+		if filepath.Base(f) == "kustomization.yaml" {
+			continue
+		}
+		b, err := os.ReadFile(f)
+		if err != nil {
+			t.Fatal(err)
+		}
+		objs, err := decodeStrict(b)
+		if err != nil {
+			t.Errorf("%s: %v", f, err)
+		}
+		n += len(objs)
+	}
+	if n < 6 {
+		t.Fatalf("decoded only %d objects from %d files", n, len(files))
+	}
+}
+
+func TestDefaultInstall(t *testing.T) {
+	objs := renderChecked(t)
+	want := []string{"ClusterRole/meshdns-ebpf", "ClusterRoleBinding/meshdns-ebpf", "DaemonSet/meshdns-ebpf",
+		"Namespace/meshdns-system", "ResourceQuota/meshdns-ebpf-critical-pods", "ServiceAccount/meshdns-ebpf"}
+	if got := kinds(objs); !slices.Equal(got, want) {
+		t.Errorf("objects:\n got %v\nwant %v", got, want)
+	}
+
+	cr := find[*rbacv1.ClusterRole](t, objs, "ClusterRole", "meshdns-ebpf")
+	wantRules := []string{
+		"/pods[]: get,list,watch",
+		"/services[]: get,list,watch",
+		"apiextensions.k8s.io/customresourcedefinitions[serviceentries.networking.istio.io]: get,list,watch",
+		"discovery.k8s.io/endpointslices[]: get,list,watch",
+		"networking.istio.io/serviceentries[]: get,list,watch",
+	}
+	if got := ruleSet(cr.Rules); !slices.Equal(got, wantRules) {
+		t.Errorf("ClusterRole rules:\n got %q\nwant %q", got, wantRules)
+	}
+	crb := find[*rbacv1.ClusterRoleBinding](t, objs, "ClusterRoleBinding", "meshdns-ebpf")
+	if crb.RoleRef.Name != "meshdns-ebpf" || len(crb.Subjects) != 1 || crb.Subjects[0].Kind != "ServiceAccount" ||
+		crb.Subjects[0].Name != "meshdns-ebpf" || crb.Subjects[0].Namespace != "meshdns-system" {
+		t.Errorf("ClusterRoleBinding binds %v to %+v", crb.RoleRef, crb.Subjects)
+	}
+	ns := find[*corev1.Namespace](t, objs, "Namespace", "meshdns-system")
+	if ns.Labels["pod-security.kubernetes.io/enforce"] != "privileged" {
+		t.Errorf("namespace labels %v: the agent needs the privileged Pod Security level", ns.Labels)
+	}
+
+	ds := find[*appsv1.DaemonSet](t, objs, "DaemonSet", "meshdns-ebpf")
+	if ds.Spec.Template.Spec.ServiceAccountName != "meshdns-ebpf" {
+		t.Errorf("serviceAccountName %q", ds.Spec.Template.Spec.ServiceAccountName)
+	}
+	c := agent(t, objs)
+	if c.Image != "localhost/meshdns-ebpf:dev" {
+		t.Errorf("image %q: kustomization's images entry not applied", c.Image)
+	}
+	if got := envValue(c, "MESHDNS_MODE"); got != "auto" || !slices.Contains(c.Args, "--mode=$(MESHDNS_MODE)") {
+		t.Errorf("mode: env %q, args %v", got, c.Args)
+	}
+	if !slices.Equal(c.SecurityContext.Capabilities.Add, allowedCaps) {
+		t.Errorf("auto mode capabilities %v, want %v", c.SecurityContext.Capabilities.Add, allowedCaps)
+	}
+	if !slices.Contains(c.Args, "--admin=$(NODE_IP):9153") {
+		t.Errorf("args %v: the admin server must listen on the node IP", c.Args)
+	}
+	ann := ds.Spec.Template.Annotations
+	if ann["prometheus.io/scrape"] != "true" || ann["prometheus.io/port"] != "9153" {
+		t.Errorf("pod annotations %v: Prometheus' pod discovery needs scrape and port", ann)
+	}
+	var paths []string
+	for _, v := range ds.Spec.Template.Spec.Volumes {
+		if v.HostPath != nil {
+			paths = append(paths, v.HostPath.Path)
+		}
+	}
+	sort.Strings(paths)
+	if want := []string{"/run/meshdns", "/run/xtables.lock", "/sys/fs/bpf", "/sys/fs/cgroup"}; !slices.Equal(paths, want) {
+		t.Errorf("host paths %v, want %v", paths, want)
+	}
+}
+
+func TestComponents(t *testing.T) {
+	t.Run("ebpf-only", func(t *testing.T) {
+		objs := renderChecked(t, "ebpf-only")
+		c := agent(t, objs)
+		if got := envValue(c, "MESHDNS_MODE"); got != "ebpf" {
+			t.Errorf("MESHDNS_MODE %q, want ebpf", got)
+		}
+		if want := []corev1.Capability{"BPF", "NET_ADMIN", "NET_BIND_SERVICE"}; !slices.Equal(c.SecurityContext.Capabilities.Add, want) {
+			t.Errorf("capabilities %v, want %v", c.SecurityContext.Capabilities.Add, want)
+		}
+		ds := find[*appsv1.DaemonSet](t, objs, "DaemonSet", "meshdns-ebpf")
+		for _, v := range ds.Spec.Template.Spec.Volumes {
+			if v.Name == "xtables-lock" {
+				t.Error("xtables-lock volume still present")
+			}
+		}
+		for _, m := range c.VolumeMounts {
+			if m.MountPath == "/run/xtables.lock" {
+				t.Error("xtables lock still mounted")
+			}
+		}
+		if len(c.VolumeMounts) != 3 {
+			t.Errorf("mounts %v", c.VolumeMounts)
+		}
+	})
+	t.Run("istio-remote-secrets", func(t *testing.T) {
+		objs := renderChecked(t, "istio-remote-secrets")
+		role := find[*rbacv1.Role](t, objs, "Role", "meshdns-ebpf-remote-secrets")
+		if got, want := ruleSet(role.Rules), []string{"/secrets[]: get,list,watch"}; !slices.Equal(got, want) || role.Namespace != "meshdns-system" {
+			t.Errorf("Role %s rules %q", role.Namespace, got)
+		}
+		rb := find[*rbacv1.RoleBinding](t, objs, "RoleBinding", "meshdns-ebpf-remote-secrets")
+		if rb.RoleRef.Kind != "Role" || rb.Subjects[0].Name != "meshdns-ebpf" || rb.Namespace != "meshdns-system" {
+			t.Errorf("RoleBinding %+v", rb)
+		}
+		if c := agent(t, objs); c.Args[len(c.Args)-1] != "--istio-remote-secrets" {
+			t.Errorf("args %v", c.Args)
+		}
+	})
+	t.Run("prometheus-operator", func(t *testing.T) {
+		objs := renderChecked(t, "prometheus-operator")
+		svc := find[*corev1.Service](t, objs, "Service", "meshdns-ebpf-metrics")
+		ds := find[*appsv1.DaemonSet](t, objs, "DaemonSet", "meshdns-ebpf")
+		if svc.Spec.ClusterIP != corev1.ClusterIPNone || len(svc.Spec.Ports) != 1 ||
+			svc.Spec.Ports[0].TargetPort != intstr.FromInt32(9153) {
+			t.Errorf("metrics Service %+v: want headless, port 9153 by number (no named container port exists)", svc.Spec)
+		}
+		for k, v := range svc.Spec.Selector {
+			if ds.Spec.Template.Labels[k] != v {
+				t.Errorf("Service selector %v does not select the agent's pods %v", svc.Spec.Selector, ds.Spec.Template.Labels)
+			}
+		}
+		if len(ds.Spec.Template.Annotations) != 0 {
+			t.Errorf("pod annotations %v: the agents would be scraped twice", ds.Spec.Template.Annotations)
+		}
+		sm := find[*unstructured.Unstructured](t, objs, "ServiceMonitor", "meshdns-ebpf")
+		sel, _, _ := unstructured.NestedStringMap(sm.Object, "spec", "selector", "matchLabels")
+		for k, v := range sel {
+			if svc.Labels[k] != v {
+				t.Errorf("ServiceMonitor selector %v does not select the Service's labels %v", sel, svc.Labels)
+			}
+		}
+		eps, _, _ := unstructured.NestedSlice(sm.Object, "spec", "endpoints")
+		if len(eps) != 1 || eps[0].(map[string]any)["port"] != svc.Spec.Ports[0].Name {
+			t.Errorf("ServiceMonitor endpoints %v, want the Service's port %q", eps, svc.Spec.Ports[0].Name)
+		}
+	})
+	t.Run("names-configmap", func(t *testing.T) {
+		objs := renderChecked(t, "names-configmap")
+		find[*corev1.ConfigMap](t, objs, "ConfigMap", "meshdns-names")
+		c := agent(t, objs)
+		if !slices.Contains(c.Args, "--names=/etc/meshdns/names.yaml") || !slices.Contains(c.Args, "--kubernetes") {
+			t.Errorf("args %v", c.Args)
+		}
+		if !slices.ContainsFunc(c.VolumeMounts, func(m corev1.VolumeMount) bool { return m.MountPath == "/etc/meshdns" && m.ReadOnly }) {
+			t.Errorf("mounts %v", c.VolumeMounts)
+		}
+	})
+	t.Run("all", func(t *testing.T) {
+		renderChecked(t, "ebpf-only", "istio-remote-secrets", "prometheus-operator", "names-configmap")
+	})
+}
+
+// The policy check itself must fail on each thing it forbids.
+func TestPolicyCatchesViolations(t *testing.T) {
+	base := render(t)
+	for _, tc := range []struct {
+		name, want string
+		mutate     func(*appsv1.DaemonSet)
+	}{
+		{"SYS_ADMIN", "SYS_ADMIN", func(d *appsv1.DaemonSet) {
+			c := &d.Spec.Template.Spec.Containers[0]
+			c.SecurityContext.Capabilities.Add = append(c.SecurityContext.Capabilities.Add, "SYS_ADMIN")
+		}},
+		{"other capability", "PERFMON", func(d *appsv1.DaemonSet) {
+			c := &d.Spec.Template.Spec.Containers[0]
+			c.SecurityContext.Capabilities.Add = append(c.SecurityContext.Capabilities.Add, "PERFMON")
+		}},
+		{"no drop ALL", "drop ALL", func(d *appsv1.DaemonSet) { d.Spec.Template.Spec.Containers[0].SecurityContext.Capabilities.Drop = nil }},
+		{"privileged", "privileged", func(d *appsv1.DaemonSet) {
+			d.Spec.Template.Spec.Containers[0].SecurityContext.Privileged = ptr(true)
+		}},
+		{"hostPID", "hostPID", func(d *appsv1.DaemonSet) { d.Spec.Template.Spec.HostPID = true }},
+		{"host /etc", "host path /etc", func(d *appsv1.DaemonSet) {
+			d.Spec.Template.Spec.Volumes = append(d.Spec.Template.Spec.Volumes, corev1.Volume{Name: "etc",
+				VolumeSource: corev1.VolumeSource{HostPath: &corev1.HostPathVolumeSource{Path: "/etc"}}})
+		}},
+		{"declared port", "declares ports", func(d *appsv1.DaemonSet) {
+			d.Spec.Template.Spec.Containers[0].Ports = []corev1.ContainerPort{{ContainerPort: 9153}}
+		}},
+		{"writable root", "readOnlyRootFilesystem", func(d *appsv1.DaemonSet) {
+			d.Spec.Template.Spec.Containers[0].SecurityContext.ReadOnlyRootFilesystem = nil
+		}},
+		{"escalation unset", "allowPrivilegeEscalation", func(d *appsv1.DaemonSet) {
+			d.Spec.Template.Spec.Containers[0].SecurityContext.AllowPrivilegeEscalation = nil
+		}},
+		{"escalation on", "allowPrivilegeEscalation", func(d *appsv1.DaemonSet) {
+			d.Spec.Template.Spec.Containers[0].SecurityContext.AllowPrivilegeEscalation = ptr(true)
+		}},
+		{"no seccomp", "seccompProfile", func(d *appsv1.DaemonSet) {
+			d.Spec.Template.Spec.Containers[0].SecurityContext.SeccompProfile = nil
+			d.Spec.Template.Spec.SecurityContext = nil
+		}},
+		{"unconfined", "seccompProfile", func(d *appsv1.DaemonSet) {
+			d.Spec.Template.Spec.Containers[0].SecurityContext.SeccompProfile = &corev1.SeccompProfile{Type: corev1.SeccompProfileTypeUnconfined}
+		}},
+		{"maxSurge 2", "maxSurge", func(d *appsv1.DaemonSet) {
+			d.Spec.UpdateStrategy.RollingUpdate.MaxSurge = ptr(intstr.FromInt32(2))
+		}},
+		{"maxUnavailable 1", "maxUnavailable", func(d *appsv1.DaemonSet) {
+			d.Spec.UpdateStrategy.RollingUpdate.MaxUnavailable = ptr(intstr.FromInt32(1))
+		}},
+		{"maxUnavailable percent", "maxUnavailable", func(d *appsv1.DaemonSet) {
+			d.Spec.UpdateStrategy.RollingUpdate.MaxUnavailable = ptr(intstr.FromString("10%"))
+		}},
+		{"OnDelete", "RollingUpdate", func(d *appsv1.DaemonSet) {
+			d.Spec.UpdateStrategy = appsv1.DaemonSetUpdateStrategy{Type: appsv1.OnDeleteDaemonSetStrategyType}
+		}},
+		{"loopback admin", "loopback admin", func(d *appsv1.DaemonSet) {
+			c := &d.Spec.Template.Spec.Containers[0]
+			c.Args = append(c.Args, "--admin=127.0.0.1:9153")
+		}},
+		{"probe host", "sets host", func(d *appsv1.DaemonSet) {
+			d.Spec.Template.Spec.Containers[0].ReadinessProbe.HTTPGet.Host = "127.0.0.1"
+		}},
+		{"cluster DNS for the agent", "dnsPolicy", func(d *appsv1.DaemonSet) {
+			d.Spec.Template.Spec.DNSPolicy = corev1.DNSClusterFirstWithHostNet
+		}},
+		{"no memory limit", "memory limit", func(d *appsv1.DaemonSet) {
+			d.Spec.Template.Spec.Containers[0].Resources.Limits = nil
+		}},
+		{"node name", "NODE_NAME", func(d *appsv1.DaemonSet) {
+			d.Spec.Template.Spec.Containers[0].Env = nil
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var objs []object
+			for _, o := range base {
+				if ds, ok := o.obj.(*appsv1.DaemonSet); ok {
+					ds = ds.DeepCopy()
+					tc.mutate(ds)
+					o.obj = ds
+				}
+				objs = append(objs, o)
+			}
+			v := checkPolicy(objs)
+			if !slices.ContainsFunc(v, func(s string) bool { return strings.Contains(s, tc.want) }) {
+				t.Fatalf("the policy check did not catch it (want a violation mentioning %q); got %q", tc.want, v)
+			}
+		})
+	}
+	t.Run("secrets cluster-wide", func(t *testing.T) {
+		var objs []object
+		for _, o := range base {
+			if cr, ok := o.obj.(*rbacv1.ClusterRole); ok {
+				cr = cr.DeepCopy()
+				cr.Rules = append(cr.Rules, rbacv1.PolicyRule{APIGroups: []string{""}, Resources: []string{"secrets"}, Verbs: []string{"get", "list", "watch", "create"}})
+				o.obj = cr
+			}
+			objs = append(objs, o)
+		}
+		v := checkPolicy(objs)
+		for _, want := range []string{"secrets cluster-wide", `verb "create"`} {
+			if !slices.ContainsFunc(v, func(s string) bool { return strings.Contains(s, want) }) {
+				t.Errorf("no violation mentioning %q in %q", want, v)
+			}
+		}
+	})
+}
+
+func ptr[T any](v T) *T { return &v }

@@ -1,0 +1,195 @@
+package deploy
+
+import (
+	"fmt"
+	"slices"
+	"strings"
+
+	appsv1 "k8s.io/api/apps/v1"
+	corev1 "k8s.io/api/core/v1"
+	rbacv1 "k8s.io/api/rbac/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
+)
+
+// The least-privilege contract of docs/kubernetes.md, checked on every rendered
+// manifest set (the default install and each component).
+var (
+	// allowedHostPaths: the cgroup2 root (or its hybrid-host location), bpffs,
+	// the agent's state dir, the xtables lock (iptables-legacy), and the node's
+	// resolv.conf file for setups that mount it instead of using dnsPolicy Default.
+	allowedHostPaths = []string{"/sys/fs/cgroup", "/sys/fs/cgroup/unified", "/sys/fs/bpf", "/run/meshdns", "/run/xtables.lock", "/etc/resolv.conf"}
+	// allowedCaps: the union of what eBPF mode (BPF, NET_ADMIN, NET_BIND_SERVICE)
+	// and iptables mode (NET_ADMIN, NET_RAW, NET_BIND_SERVICE) need.
+	allowedCaps = []corev1.Capability{"BPF", "NET_ADMIN", "NET_BIND_SERVICE", "NET_RAW"}
+	// The agent's memory must fit under the limit: its caches are sized for 256 MiB.
+	minMemoryLimit = resource.MustParse("256Mi")
+	readOnlyVerbs  = []string{"get", "list", "watch"}
+)
+
+// checkPolicy returns every violation in objs; none is the pass.
+func checkPolicy(objs []object) []string {
+	var v []string
+	bad := func(o object, format string, args ...any) {
+		v = append(v, fmt.Sprintf("%s/%s: %s", o.kind, o.name, fmt.Sprintf(format, args...)))
+	}
+	daemonsets := 0
+	for _, o := range objs {
+		switch obj := o.obj.(type) {
+		case *appsv1.DaemonSet:
+			daemonsets++
+			checkDaemonSet(obj, func(f string, a ...any) { bad(o, f, a...) })
+		case *appsv1.Deployment, *appsv1.StatefulSet, *appsv1.ReplicaSet, *corev1.Pod:
+			bad(o, "only the DaemonSet may run pods")
+		case *rbacv1.ClusterRole:
+			checkRules(obj.Rules, true, func(f string, a ...any) { bad(o, f, a...) })
+		case *rbacv1.Role:
+			if obj.Namespace != "meshdns-system" {
+				bad(o, "a Role outside the agent's namespace (%q)", obj.Namespace)
+			}
+			checkRules(obj.Rules, false, func(f string, a ...any) { bad(o, f, a...) })
+		}
+	}
+	if daemonsets != 1 {
+		v = append(v, fmt.Sprintf("want exactly one DaemonSet, found %d", daemonsets))
+	}
+	return v
+}
+
+func checkRules(rules []rbacv1.PolicyRule, cluster bool, bad func(string, ...any)) {
+	for _, r := range rules {
+		for _, verb := range r.Verbs {
+			if !slices.Contains(readOnlyVerbs, verb) {
+				bad("verb %q: the agent only reads (get, list, watch)", verb)
+			}
+		}
+		for _, res := range r.Resources {
+			if res == "*" || strings.Contains(res, "/") {
+				bad("resource %q: no wildcards or subresources", res)
+			}
+			if cluster && res == "secrets" {
+				bad("secrets cluster-wide: remote secrets are read through a Role in the agent's namespace")
+			}
+		}
+		if slices.Contains(r.APIGroups, "*") || len(r.NonResourceURLs) > 0 {
+			bad("wildcard API group or non-resource URL")
+		}
+	}
+}
+
+func checkDaemonSet(ds *appsv1.DaemonSet, bad func(string, ...any)) {
+	u := ds.Spec.UpdateStrategy
+	if u.Type != appsv1.RollingUpdateDaemonSetStrategyType || u.RollingUpdate == nil {
+		bad("updateStrategy must be RollingUpdate with maxSurge 1, maxUnavailable 0")
+	} else {
+		if s := u.RollingUpdate.MaxSurge; s == nil || s.String() != "1" {
+			bad("rollingUpdate.maxSurge must be 1, is %v", s)
+		}
+		if m := u.RollingUpdate.MaxUnavailable; m == nil || m.String() != "0" {
+			bad("rollingUpdate.maxUnavailable must be 0, is %v", m)
+		}
+	}
+	p := ds.Spec.Template.Spec
+	if !p.HostNetwork {
+		bad("hostNetwork must be true (the agent captures the node's DNS)")
+	}
+	if p.HostPID || p.HostIPC {
+		bad("hostPID/hostIPC must be off")
+	}
+	if p.DNSPolicy != corev1.DNSDefault {
+		bad("dnsPolicy must be Default (upstreams are the node's nameservers, never the cluster DNS it answers), is %q", p.DNSPolicy)
+	}
+	if p.PriorityClassName != "system-node-critical" {
+		bad("priorityClassName must be system-node-critical")
+	}
+	if !slices.ContainsFunc(p.Tolerations, func(t corev1.Toleration) bool {
+		return t.Key == "" && t.Operator == corev1.TolerationOpExists && t.Effect == ""
+	}) {
+		bad("must tolerate every taint (operator: Exists)")
+	}
+	if sc := p.SecurityContext; sc != nil && sc.SeccompProfile != nil && sc.SeccompProfile.Type != corev1.SeccompProfileTypeRuntimeDefault {
+		bad("pod seccompProfile %q: want RuntimeDefault", sc.SeccompProfile.Type)
+	}
+	for _, vol := range p.Volumes {
+		if hp := vol.HostPath; hp != nil && !slices.Contains(allowedHostPaths, hp.Path) {
+			bad("volume %q mounts host path %s: allowed are %v", vol.Name, hp.Path, allowedHostPaths)
+		}
+	}
+	if len(p.InitContainers) > 0 || len(p.EphemeralContainers) > 0 {
+		bad("no init or ephemeral containers")
+	}
+	for _, c := range p.Containers {
+		checkContainer(c, p.SecurityContext, func(f string, a ...any) { bad("container "+c.Name+": "+f, a...) })
+	}
+}
+
+func checkContainer(c corev1.Container, pod *corev1.PodSecurityContext, bad func(string, ...any)) {
+	if len(c.Ports) > 0 {
+		bad("declares ports %v: with hostNetwork they are host ports and block the surge pod", c.Ports)
+	}
+	sc := c.SecurityContext
+	if sc == nil {
+		bad("no securityContext")
+		return
+	}
+	if sc.Privileged != nil && *sc.Privileged {
+		bad("privileged")
+	}
+	if sc.AllowPrivilegeEscalation == nil || *sc.AllowPrivilegeEscalation {
+		bad("allowPrivilegeEscalation must be false")
+	}
+	if sc.ReadOnlyRootFilesystem == nil || !*sc.ReadOnlyRootFilesystem {
+		bad("readOnlyRootFilesystem must be true")
+	}
+	seccomp := sc.SeccompProfile
+	if seccomp == nil && pod != nil {
+		seccomp = pod.SeccompProfile
+	}
+	if seccomp == nil || seccomp.Type != corev1.SeccompProfileTypeRuntimeDefault {
+		bad("seccompProfile must be RuntimeDefault")
+	}
+	if sc.ProcMount != nil && *sc.ProcMount != corev1.DefaultProcMount {
+		bad("procMount must be Default")
+	}
+	if caps := sc.Capabilities; caps == nil || !slices.Contains(caps.Drop, "ALL") {
+		bad("capabilities must drop ALL")
+	} else {
+		for _, a := range caps.Add {
+			if a == "SYS_ADMIN" || a == "CAP_SYS_ADMIN" {
+				bad("asks for SYS_ADMIN")
+			} else if !slices.Contains(allowedCaps, a) {
+				bad("asks for capability %s: allowed are %v", a, allowedCaps)
+			}
+		}
+	}
+	for _, probe := range []struct {
+		name string
+		p    *corev1.Probe
+	}{{"startupProbe", c.StartupProbe}, {"livenessProbe", c.LivenessProbe}, {"readinessProbe", c.ReadinessProbe}} {
+		switch {
+		case probe.p == nil:
+			bad("no %s", probe.name)
+		case probe.p.HTTPGet == nil:
+			bad("%s must be an HTTP probe of the agent's admin endpoint", probe.name)
+		case probe.p.HTTPGet.Host != "":
+			bad("%s sets host %q: probes must reach the agent on the node IP (the pod IP)", probe.name, probe.p.HTTPGet.Host)
+		}
+	}
+	if lim, ok := c.Resources.Limits[corev1.ResourceMemory]; !ok || lim.Cmp(minMemoryLimit) < 0 {
+		bad("memory limit must be at least %s", minMemoryLimit.String())
+	}
+	env := map[string]corev1.EnvVar{}
+	for _, e := range c.Env {
+		env[e.Name] = e
+	}
+	if e, ok := env["NODE_NAME"]; !ok || e.ValueFrom == nil || e.ValueFrom.FieldRef == nil || e.ValueFrom.FieldRef.FieldPath != "spec.nodeName" {
+		bad("NODE_NAME must come from the downward API (spec.nodeName)")
+	}
+	if !slices.Contains(c.Args, "--kubernetes") {
+		bad("args must include --kubernetes")
+	}
+	for _, a := range c.Args {
+		if strings.HasPrefix(a, "--admin=") && strings.HasPrefix(strings.TrimPrefix(a, "--admin="), "127.") {
+			bad("%s: a loopback admin address is unreachable for Prometheus and for kubelet's probes", a)
+		}
+	}
+}
