@@ -249,6 +249,13 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 	if err := a.store.Start(ctx); err != nil {
 		return fmt.Errorf("start name sources: %w", err)
 	}
+	if a.inherit != nil {
+		// Our resolver will read the predecessor's sockets as soon as it starts:
+		// not before it can answer as well as the predecessor does.
+		if err := waitReady(ctx, a.store.Ready, handoverTimeout); err != nil {
+			return fmt.Errorf("taking over: the name sources are not ready: %w", err)
+		}
+	}
 
 	// Upstream forwarder.
 	ucfg := upstream.NewConfig(cfg.Upstreams...)
@@ -293,7 +300,7 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 		Logger:        log.With("component", "resolver"),
 	}
 	if a.dp != nil {
-		rc.OnDequeue = func(int) { a.dp.Dequeued() }
+		rc.OnDequeue = a.dp.Dequeued
 	}
 	if a.inherit != nil {
 		rc.Inherited, a.inherit.listeners = a.inherit.listeners, nil
@@ -392,6 +399,25 @@ func (a *Agent) Ready() error {
 		return err
 	}
 	return a.srv.Ready()
+}
+
+// waitReady polls ready until it reports nil, ctx is done or d passed.
+func waitReady(ctx context.Context, ready func() error, d time.Duration) error {
+	deadline := time.Now().Add(d)
+	for {
+		err := ready()
+		if err == nil {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			return err
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(20 * time.Millisecond):
+		}
+	}
 }
 
 func (a *Agent) save() error {
@@ -518,7 +544,11 @@ func (a *Agent) followReadiness() error {
 	if a.dp == nil {
 		return nil
 	}
-	ready := a.store.Ready() == nil && a.srv.Ready() == nil
+	notReady := a.store.Ready()
+	if notReady == nil {
+		notReady = a.srv.Ready()
+	}
+	ready := notReady == nil
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	if a.closing || a.handedOff || ready == a.serving {
@@ -529,7 +559,7 @@ func (a *Agent) followReadiness() error {
 			return err
 		}
 		a.serving = false
-		a.log.Warn("resolver not ready: capture off", "reason", a.Ready())
+		a.log.Warn("resolver not ready: capture off", "reason", notReady)
 		return nil
 	}
 	if err := a.serveSockets(); err != nil {

@@ -105,7 +105,10 @@ func TestFillFromResolvConf(t *testing.T) {
 			[]string{"169.254.53.1"}, []string{"169.254.53.1:53"}, ""},
 		{"same address, other port is a real upstream", "nameserver 169.254.53.1\n",
 			[]string{"--listen", "127.0.0.1:5353", "--upstream", "127.0.0.1:5300,127.0.0.1:5353,127.0.0.1:5354"},
-			[]string{"169.254.53.1"}, []string{"127.0.0.1:5300"}, ""},
+			[]string{"169.254.53.1"}, []string{"127.0.0.1:5300", "127.0.0.1:5354"}, ""},
+		{"capture-all slot ports are ours too", "nameserver 169.254.53.1\n",
+			[]string{"--listen", "127.0.0.1:5353", "--capture-all", "--upstream", "127.0.0.1:5300,127.0.0.1:5357,127.0.0.1:5358"},
+			[]string{"169.254.53.1"}, []string{"127.0.0.1:5300", "127.0.0.1:5358"}, ""},
 		{"nothing upstream", "search only\n", nil, nil, nil, "no nameserver"},
 		{"nothing to capture", "nameserver 169.254.53.1\n", []string{"--nameservers", "169.254.20.53"}, nil, nil, "nothing to capture"},
 	}

@@ -38,14 +38,18 @@ func (c *Config) fillFromResolvConf(log *slog.Logger) error {
 		}
 	}
 	// Never forward to ourselves: our listen addresses on any slot port (the listen
-	// port, one per nameserver, one more for capture-all). Another port on the same
+	// port, one per nameserver, the capture-all ones). Another port on the same
 	// address is someone else's server and fine.
+	slots := len(c.Nameservers)
+	if c.CaptureAll {
+		slots += redirect.CaptureAllSlots
+	}
 	ours := func(a netip.Addr, port uint16, checkPort bool) bool {
 		for _, l := range c.Listen {
 			if a != l.Addr() {
 				continue
 			}
-			if !checkPort || (port >= l.Port() && int(port) <= int(l.Port())+len(c.Nameservers)) {
+			if !checkPort || (port >= l.Port() && int(port) < int(l.Port())+max(slots, 1)) {
 				return true
 			}
 		}

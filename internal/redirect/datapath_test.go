@@ -16,7 +16,6 @@ import (
 	"time"
 
 	"github.com/cilium/ebpf"
-	"github.com/cilium/ebpf/asm"
 	"github.com/cilium/ebpf/link"
 	"github.com/meshdns/meshdns-ebpf/internal/testenv"
 )
@@ -477,14 +476,7 @@ func TestInstallBadInput(t *testing.T) {
 
 	// A failure half-way through attaching (another program holds recvmsg6
 	// exclusively) removes the links and pins made so far.
-	prog, err := ebpf.NewProgram(&ebpf.ProgramSpec{
-		Type: ebpf.CGroupSockAddr, AttachType: ebpf.AttachCGroupUDP6Recvmsg, License: "GPL",
-		Instructions: asm.Instructions{asm.Mov.Imm(asm.R0, 1), asm.Return()},
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer prog.Close()
+	prog := passProgram(t, ebpf.CGroupSockAddr, ebpf.AttachCGroupUDP6Recvmsg)
 	opts := link.RawAttachProgramOptions{Target: n.cg.FD(), Program: prog, Attach: ebpf.AttachCGroupUDP6Recvmsg}
 	if err := link.RawAttachProgram(opts); err != nil {
 		t.Fatal(err)

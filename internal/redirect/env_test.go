@@ -15,6 +15,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/cilium/ebpf"
+	"github.com/cilium/ebpf/asm"
 	"github.com/cilium/ebpf/link"
 
 	"github.com/meshdns/meshdns-ebpf/internal/testenv"
@@ -216,7 +218,7 @@ func (n *testNet) serve(t *testing.T, d *Datapath, cfg Config) {
 
 // progressTo makes every fake resolver's reads count as d's progress (nil: none).
 func (n *testNet) progressTo(d *Datapath) {
-	fn := func() {}
+	fn := func(int) {}
 	if d != nil {
 		fn = d.Dequeued
 	}
@@ -371,3 +373,18 @@ func pinsUnder(t *testing.T, dir string) []string {
 func hp(a netip.Addr, port uint16) string { return netip.AddrPortFrom(a, port).String() }
 
 func mapped(a netip.Addr) netip.Addr { return netip.AddrFrom16(a.As16()) }
+
+// passProgram loads a program of type typ for attach that lets everything
+// through (a foreign program, or one an older version left).
+func passProgram(t *testing.T, typ ebpf.ProgramType, attach ebpf.AttachType) *ebpf.Program {
+	t.Helper()
+	prog, err := ebpf.NewProgram(&ebpf.ProgramSpec{
+		Type: typ, AttachType: attach, License: "GPL",
+		Instructions: asm.Instructions{asm.Mov.Imm(asm.R0, 1), asm.Return()},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { prog.Close() })
+	return prog
+}

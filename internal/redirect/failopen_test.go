@@ -16,7 +16,6 @@ import (
 	"time"
 
 	"github.com/cilium/ebpf"
-	"github.com/cilium/ebpf/asm"
 	"github.com/cilium/ebpf/link"
 	"github.com/miekg/dns"
 
@@ -230,7 +229,7 @@ func runAgent(cfgJSON string) int {
 		_ = w.WriteMsg(m)
 	})
 	go (&dns.Server{PacketConn: udp, Handler: handler, MsgAcceptFunc: func(dns.Header) dns.MsgAcceptAction {
-		d.Dequeued()
+		d.Dequeued(1)
 		return dns.MsgAccept
 	}}).ActivateAndServe()
 	go (&dns.Server{Listener: tcp, Handler: handler}).ActivateAndServe()
@@ -348,14 +347,7 @@ func TestStartAdoptsPinnedLinks(t *testing.T) {
 	wantOriginal(t, n.query(t, proc{uid: userUID}, "-dst="+hp(ns1, 53))[0])
 
 	// What an older version left: a sock_release link and an orig_dst map.
-	old, err := ebpf.NewProgram(&ebpf.ProgramSpec{
-		Type: ebpf.CGroupSock, AttachType: ebpf.AttachCgroupInetSockRelease, License: "GPL",
-		Instructions: asm.Instructions{asm.Mov.Imm(asm.R0, 1), asm.Return()},
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer old.Close()
+	old := passProgram(t, ebpf.CGroupSock, ebpf.AttachCgroupInetSockRelease)
 	oldLink, err := link.AttachRawLink(link.RawLinkOptions{Target: n.cg.FD(), Program: old, Attach: ebpf.AttachCgroupInetSockRelease})
 	if err != nil {
 		t.Fatal(err)

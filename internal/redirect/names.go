@@ -40,6 +40,9 @@ const (
 	sockEntries    = int(redirectMeshdnsLimitsSOCK_ENTRIES)
 )
 
+// CaptureAllSlots is how many slot ports capture-all adds (see SlotPorts).
+const CaptureAllSlots = maxAllSlots
+
 // Flags of meshdns_config.flags (enum meshdns_flags).
 const (
 	flagTarget4         = uint32(redirectMeshdnsFlagsFLAG_TARGET4)

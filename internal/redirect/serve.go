@@ -43,6 +43,11 @@ func (d *Datapath) Serve(socks []Socket) error {
 			return err
 		}
 	}
+	// A watch a previous resolver left (it stopped with a redirect unanswered)
+	// says nothing about this one: start afresh.
+	if d.progress != nil {
+		atomic.StoreUint64(d.progress.field(unsafe.Offsetof(redirectMeshdnsProgress{}.WatchSince)), 0)
+	}
 	return nil
 }
 
@@ -146,14 +151,14 @@ func (p *progress) load(off uintptr) uint64 { return atomic.LoadUint64(p.field(o
 
 func (p *progress) close() { _ = unix.Munmap(p.mem) }
 
-// Dequeued records that the resolver read one datagram, or accepted one
-// connection, from a socket the programs redirect to. The resolver's read
-// loops call it for every one (an atomic add on shared memory, no syscall):
+// Dequeued records that the resolver read n datagrams, or accepted n
+// connections, from sockets the programs redirect to. The resolver's read
+// loops call it for every read (an atomic add on shared memory, no syscall):
 // it is what tells a live resolver from a stalled one. Do not call it after
 // Close.
-func (d *Datapath) Dequeued() {
+func (d *Datapath) Dequeued(n int) {
 	if c := d.dequeued.Load(); c != nil {
-		atomic.AddUint64(c, 1)
+		atomic.AddUint64(c, uint64(n))
 	}
 }
 
@@ -265,9 +270,9 @@ func Register(pinDir string, socks []Socket) (*Registration, error) {
 	return r, nil
 }
 
-// Dequeued counts one read (see Datapath.Dequeued).
-func (r *Registration) Dequeued() {
-	atomic.AddUint64(r.progress.field(unsafe.Offsetof(redirectMeshdnsProgress{}.Dequeued)), 1)
+// Dequeued counts n reads (see Datapath.Dequeued).
+func (r *Registration) Dequeued(n int) {
+	atomic.AddUint64(r.progress.field(unsafe.Offsetof(redirectMeshdnsProgress{}.Dequeued)), uint64(n))
 }
 
 // Close unregisters the sockets.

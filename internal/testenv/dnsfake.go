@@ -30,7 +30,7 @@ type FakeDNS struct {
 	udp     *net.UDPConn
 	tcp     *net.TCPListener
 
-	onRead    atomic.Pointer[func()]
+	onRead    atomic.Pointer[func(n int)]
 	readDelay atomic.Int64  // nanoseconds each read waits before it reads
 	frozen    chan struct{} // non-nil while frozen: reads wait until it is closed
 }
@@ -114,10 +114,10 @@ func (f *FakeDNS) Close() {
 // with the datapath as a resolver's sockets).
 func (f *FakeDNS) Conns() (*net.UDPConn, *net.TCPListener) { return f.udp, f.tcp }
 
-// OnRead sets a function called for every message the server reads (UDP
-// datagrams, empty ones included, and TCP messages), before it is handled: a
-// resolver's progress signal.
-func (f *FakeDNS) OnRead(fn func()) { f.onRead.Store(&fn) }
+// OnRead sets a function called (with 1) for every message the server reads
+// (UDP datagrams, empty ones included, and TCP messages), before it is
+// handled: a resolver's progress signal.
+func (f *FakeDNS) OnRead(fn func(n int)) { f.onRead.Store(&fn) }
 
 // Freeze stops the server reading its sockets (queries queue up, as with a
 // SIGSTOPped resolver) until the returned function is called.
@@ -171,7 +171,7 @@ func (fr *fakeReader) wait() {
 
 func (fr *fakeReader) read() {
 	if fn := fr.f.onRead.Load(); fn != nil {
-		(*fn)()
+		(*fn)(1)
 	}
 }
 

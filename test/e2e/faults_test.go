@@ -192,6 +192,19 @@ func TestPID1Restart(t *testing.T) {
 	n.assertClean()
 }
 
+// onlyInFlight checks that the only failed lookups started before the agent
+// called who died: those it had in flight.
+func onlyInFlight(t *testing.T, who string, res loadResult, died int64) {
+	t.Helper()
+	fell, bad := split(res.between(died, died+int64(time.Hour)))
+	inFlight := len(res.fails) - len(fell) - len(bad)
+	t.Logf("the %s died mid-handover: %d lookups; %d failed, in flight in it; of those started after its death %d failed and %d fell through",
+		who, res.sent, inFlight, len(bad), len(fell))
+	if len(bad)+len(fell) > 0 {
+		t.Errorf("lookups started after the %s died failed:\n%s%s", who, describe(bad, died), describe(fell, died))
+	}
+}
+
 // childOf returns the only child of pid.
 func childOf(t *testing.T, pid int) int {
 	t.Helper()
@@ -277,14 +290,7 @@ func TestHandoverFaults(t *testing.T) {
 			t.Fatalf("the running agent did not take its state back")
 		}
 		n.waitRedirected(200) // still capturing, through the running agent
-		res := ld.stop()
-		fell, bad := split(res.between(died, died+int64(time.Hour)))
-		inFlight := len(res.fails) - len(fell) - len(bad)
-		t.Logf("successor died mid-handover: %d lookups; %d failed while it lived (in flight in it), after its death %d failed and %d fell through",
-			res.sent, inFlight, len(bad), len(fell))
-		if len(bad)+len(fell) > 0 {
-			t.Errorf("lookups started after the successor died failed:\n%s%s", describe(bad, died), describe(fell, died))
-		}
+		onlyInFlight(t, "successor", ld.stop(), died)
 		if old.exited() {
 			t.Fatalf("the running agent exited")
 		}
@@ -308,14 +314,7 @@ func TestHandoverFaults(t *testing.T) {
 			t.Fatalf("the successor did not take over; log:\n%s", n.stderr.String())
 		}
 		n.waitRedirected(200)
-		res := ld.stop()
-		fell, bad := split(res.between(died, died+int64(time.Hour)))
-		inFlight := len(res.fails) - len(fell) - len(bad)
-		t.Logf("predecessor died after handing over: %d lookups; %d failed before its death (in flight in it), after it %d failed and %d fell through",
-			res.sent, inFlight, len(bad), len(fell))
-		if len(bad)+len(fell) > 0 {
-			t.Errorf("lookups started after the predecessor died failed:\n%s%s", describe(bad, died), describe(fell, died))
-		}
+		onlyInFlight(t, "predecessor", ld.stop(), died)
 	})
 	if miss := n.mapMiss() - missBefore; miss != 0 {
 		t.Errorf("%d replies from the wrong source", miss)

@@ -67,7 +67,7 @@ type loadFail struct {
 
 type loadResult struct {
 	sent, ok, wrong, nx, failed int
-	servfail, lost              int // -raw clients only
+	servfail, lost              int               // -raw clients only
 	perClient                   map[string]string // client -> its summary line
 	fails                       []loadFail
 }

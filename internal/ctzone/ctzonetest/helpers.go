@@ -133,13 +133,13 @@ func proxyMain(args []string) error {
 // for the datapath it registered with.
 type countingReader struct {
 	dns.Reader
-	count func()
+	count func(n int)
 }
 
 func (c countingReader) ReadUDP(conn *net.UDPConn, timeout time.Duration) ([]byte, *dns.SessionUDP, error) {
 	b, s, err := c.Reader.ReadUDP(conn, timeout)
 	if err == nil {
-		c.count()
+		c.count(1)
 	}
 	return b, s, err
 }
@@ -147,7 +147,7 @@ func (c countingReader) ReadUDP(conn *net.UDPConn, timeout time.Duration) ([]byt
 func (c countingReader) ReadTCP(conn net.Conn, timeout time.Duration) ([]byte, error) {
 	b, err := c.Reader.ReadTCP(conn, timeout)
 	if err == nil {
-		c.count()
+		c.count(1)
 	}
 	return b, err
 }
