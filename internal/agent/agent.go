@@ -785,7 +785,7 @@ func (a *Agent) shutdown(handoff bool) {
 				add("capture off", a.dp.Unserve())
 			}
 			if a.rules != nil {
-				add("remove iptables capture", a.rules.Close())
+				add("remove iptables capture", a.rules.StopCapture())
 			}
 		}
 		if a.srv != nil {

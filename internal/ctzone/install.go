@@ -8,6 +8,8 @@ import (
 	"strings"
 	"sync"
 	"time"
+
+	"github.com/ti-mo/conntrack"
 )
 
 // Rules is a rule set: New validates, Start installs it and starts the repair
@@ -369,6 +371,46 @@ func (r *Rules) run(ctx context.Context) {
 			r.cfg.Logger.Error("iptables mode rules check failed", "err", err)
 		}
 	}
+}
+
+// StopCapture removes the capture (the nat-table rules: new queries reach
+// their original nameserver) and stops the repair loop, but keeps the zone
+// rules and the conntrack entries of flows already captured, so the replies to
+// queries the resolver still answers are translated back. Close removes the
+// rest. For a stop that drains the resolver in between.
+func (r *Rules) StopCapture() error {
+	r.mu.Lock()
+	stop, done := r.stopRun, r.runDone
+	r.stopRun = nil
+	r.mu.Unlock()
+	if stop != nil {
+		stop()
+		<-done
+	}
+	r.op.Lock()
+	defer r.op.Unlock()
+	if r.ns == nil {
+		return nil
+	}
+	err := r.ns.do(func() error {
+		var errs []error
+		for _, x := range r.families() {
+			if _, err := x.binary("-restore"); err != nil {
+				continue
+			}
+			errs = append(errs, r.applyTable(x, "nat", nil))
+		}
+		// Entries of answered queries would still NAT a new query that reuses
+		// their source port to the resolver: gone. Unanswered ones (in flight)
+		// stay for their replies.
+		_, err := deleteFlows(func(f conntrack.Flow) bool { return f.Zone == r.cfg.Zone && f.Status.SeenReply() })
+		return errors.Join(append(errs, err)...)
+	})
+	if err != nil {
+		return fmt.Errorf("remove iptables capture: %w", err)
+	}
+	r.cfg.Logger.Info("iptables mode capture removed; zone rules stay until the resolver drained", "backend", r.backend)
+	return nil
 }
 
 // Handoff tells the rules that a successor adopted them: Close then leaves

@@ -320,3 +320,38 @@ func TestHandoverFaults(t *testing.T) {
 		t.Errorf("%d replies from the wrong source", miss)
 	}
 }
+
+// In iptables mode SIGTERM drains too: the capture rules go first (new queries
+// go to their original nameserver; conntrack entries of answered queries are
+// flushed so a reused source port is not captured again), the resolver answers
+// what it was already sent, and only then are the zone rules and the entries
+// of those flows removed, so their replies still reach the clients translated
+// back. Before, the flush came first and took the replies of every query in
+// flight (47 of 2,494 lookups lost). A few lookups with a 300 ms upstream around
+// the stop are still lost in some runs (0 to 3 of ~3,000 measured; cause not
+// found yet, see the report of issue 13): the bound is 10.
+func TestIptablesStopDrainsUnderLoad(t *testing.T) {
+	testenv.RequirePrivileged(t, "iptables-save")
+	n := newNode(t)
+	pod := n.addLoadPod()
+	n.start("iptables")
+	ld := n.startLoad(pod, 1000)
+	if !testenv.WaitFor(30*time.Second, func() bool { return len(n.orig.Queries()) >= 300 }) {
+		t.Fatalf("the load did not reach the upstream")
+	}
+	stop := monotonic()
+	if err := n.signal(syscall.SIGTERM); err != nil {
+		t.Fatalf("agent exit: %v", err)
+	}
+	n.orig.Reset()
+	if !testenv.WaitFor(30*time.Second, func() bool { return len(n.orig.Queries()) >= 1000 }) {
+		t.Fatalf("lookups did not reach the original nameserver after the stop")
+	}
+	res := ld.stop()
+	_, bad := split(res.fails)
+	t.Logf("iptables mode, SIGTERM under 1,000 lookups/s (a quarter with a 300 ms upstream): %d lookups, %d lost or wrong",
+		res.sent, len(bad))
+	if len(bad) > 10 {
+		t.Errorf("%d lookups failed across the stop, want at most 10:\n%s", len(bad), describe(bad, stop))
+	}
+}
