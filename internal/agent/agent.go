@@ -826,9 +826,12 @@ func (a *Agent) shutdown(handoff bool) {
 		for _, e := range errs {
 			log.Error("stop", "err", e)
 		}
-		if handoff {
+		switch {
+		case handoff && a.successor != 0:
 			log.Info("handed over and drained; waiting for SIGTERM", "successor", a.successor)
-		} else {
+		case handoff:
+			log.Info("gave up taking over; the running agent serves on")
+		default:
 			log.Info("stopped")
 		}
 	})

@@ -9,6 +9,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/meshdns/meshdns-ebpf/internal/testenv"
 )
 
 // soakEnv turns the soak on and sets its length (`make soak`: 10m). It is not
@@ -78,7 +80,15 @@ func TestSoak(t *testing.T) {
 			n.orig.SetDelay("*."+flakyZone, 0)
 			n.orig.Reset() // its query log would grow for the whole soak
 			reloads++
-			n.writeNames(fmt.Sprintf("soak-%d.default.svc.cluster.local", reloads))
+			short := fmt.Sprintf("soak-%d", reloads)
+			n.writeNames(short)
+			// The reload takes: the new name resolves through capture.
+			if !testenv.WaitFor(5*time.Second, func() bool {
+				out, _ := n.client(n.ns, 1000, "dig", "+short", "+time=1", "+tries=1", short+".default.svc.cluster.local")
+				return strings.TrimSpace(out) == "240.240.0.99"
+			}) {
+				t.Errorf("table reload %d did not take within 5 s", reloads)
+			}
 		case 0:
 			if (sec/30)%2 == 1 {
 				n.upgrade("ebpf")
@@ -173,10 +183,10 @@ func vmRSS(pid int) int {
 	return 0
 }
 
-// writeNames rewrites the name table with one more entry (a reload).
-func (n *node) writeNames(extra string) {
+// writeNames rewrites the name table with one more Service, short (a reload).
+func (n *node) writeNames(short string) {
 	n.t.Helper()
-	y := namesYAML + "  " + extra + ":\n    ips: [\"240.240.0.99\"]\n    registry: Kubernetes\n    shortname: soak\n    namespace: default\n"
+	y := namesYAML + "  " + short + ".default.svc.cluster.local:\n    ips: [\"240.240.0.99\"]\n    registry: Kubernetes\n    shortname: " + short + "\n    namespace: default\n"
 	tmp := n.names + ".tmp"
 	if err := os.WriteFile(tmp, []byte(y), 0o644); err != nil {
 		n.t.Fatal(err)
