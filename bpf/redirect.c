@@ -32,8 +32,8 @@
  * (a BPF_F_MMAPABLE array, written without a syscall); the programs start a
  * watch when they redirect and see no dequeue since the previous watch, and
  * treat the resolver as stalled once a watch is older than config.stall_ns with
- * the count unchanged. A slow resolver that still dequeues now and then never
- * is. The agent sends itself an empty datagram when a watch ages without a
+ * the count unchanged, twice, stall_ns / 4 apart (see resolver_stalled). A slow
+ * resolver that still dequeues now and then never is. The agent sends itself an empty datagram when a watch ages without a
  * dequeue (a redirected socket that never sent anything), so a live, idle
  * resolver is not taken for a stalled one.
  *
@@ -156,7 +156,8 @@ struct meshdns_progress {
 	__u64 pad0[7];
 	__u64 watch_since; /* bpf_ktime_get_ns when the watch started; 0: none */
 	__u64 watch_count; /* dequeued when the watch started */
-	__u64 pad1[6];
+	__u64 suspect_since; /* when a program first saw this watch past stall_ns */
+	__u64 pad1[5];
 };
 
 /* A nameserver address; IPv4 as ::ffff:a.b.c.d. */
@@ -302,14 +303,19 @@ static __always_inline int resolver_listening(enum resolver_sock_kind family, en
 
 /*
  * Whether the resolver stopped dequeuing: a watch is running, nothing was
- * dequeued since it started, and it is older than stall_ns. Otherwise a new
- * watch starts when something was dequeued since the last one (or none runs).
+ * dequeued since it started, it is older than stall_ns, and it already was
+ * when a program looked stall_ns / 4 ago. Otherwise a new watch starts when
+ * something was dequeued since the last one (or none runs). The second look
+ * gives a resolver that could not run at all for a while (the whole machine
+ * paused: a VM preempted, every CPU busy) the same chance to dequeue as the
+ * client that runs first afterwards: only a resolver that still does not
+ * dequeue then is stalled. A frozen one is detected after 1.25 * stall_ns.
  */
 static __always_inline int resolver_stalled(struct meshdns_config *cfg)
 {
 	__u32 zero = 0;
 	struct meshdns_progress *p = bpf_map_lookup_elem(&progress, &zero);
-	__u64 now, since, dequeued;
+	__u64 now, since, dequeued, suspect;
 
 	if (!p)
 		return 0;
@@ -319,11 +325,17 @@ static __always_inline int resolver_stalled(struct meshdns_config *cfg)
 	if (since == 0 || dequeued != *(volatile __u64 *)&p->watch_count) {
 		p->watch_count = dequeued;
 		p->watch_since = now;
+		p->suspect_since = 0;
 		return 0;
 	}
-	if (since > now)
-		return 0; /* started on another CPU after our read of now */
-	return now - since > cfg->stall_ns;
+	if (since > now || now - since <= cfg->stall_ns)
+		return 0; /* (since > now: started on another CPU after our read of now) */
+	suspect = *(volatile __u64 *)&p->suspect_since;
+	if (suspect < since || suspect > now) {
+		p->suspect_since = now; /* first look past stall_ns */
+		return 0;
+	}
+	return now - suspect > cfg->stall_ns / 4;
 }
 
 static __always_inline int is_v4_loopback(__u32 ip4)

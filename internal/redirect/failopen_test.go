@@ -125,7 +125,10 @@ func TestStallDetection(t *testing.T) {
 		thaw := slot0.Freeze()
 		defer thaw()
 		frozen := monotonicNow()
-		rs := n.query(t, proc{uid: userUID}, "-mode=loop", "-dst="+hp(ns1, 53), "-dur=1s", "-timeout=200ms")
+		// A query every 50 ms at most: the programs confirm a stall with a second
+		// look stall/4 after the first one past the timeout (a sparser client
+		// sends one more query to the frozen resolver).
+		rs := n.query(t, proc{uid: userUID}, "-mode=loop", "-dst="+hp(ns1, 53), "-dur=1s", "-timeout=50ms")
 		var lastToResolver, firstOriginal time.Duration = -1, -1
 		lost := 0
 		for _, r := range rs {

@@ -67,10 +67,11 @@ func resolverSockIndex(v6, tcp bool, slot int) uint32 {
 }
 
 // DefaultStallAfter is how long the programs wait for the resolver to dequeue
-// anything after a redirect before they declare it stalled and fail open. A
-// frozen resolver is detected within this (plus the time to the first redirect
-// after it froze); it stays below the 250 ms the design allows.
-const DefaultStallAfter = 200 * time.Millisecond
+// anything after a redirect before they suspect it stalled; they fail open
+// when it still has not a quarter of that later. A frozen resolver is detected
+// 200 ms (1.25 times this) after the first redirect it does not read, below the
+// 250 ms the design allows.
+const DefaultStallAfter = 160 * time.Millisecond
 
 // Pin layout under Config.PinDir.
 const (

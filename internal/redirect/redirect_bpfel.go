@@ -103,12 +103,13 @@ const (
 )
 
 type redirectMeshdnsProgress struct {
-	_          structs.HostLayout
-	Dequeued   uint64
-	Pad0       [7]uint64
-	WatchSince uint64
-	WatchCount uint64
-	Pad1       [6]uint64
+	_            structs.HostLayout
+	Dequeued     uint64
+	Pad0         [7]uint64
+	WatchSince   uint64
+	WatchCount   uint64
+	SuspectSince uint64
+	Pad1         [5]uint64
 }
 
 type redirectNsKey struct {

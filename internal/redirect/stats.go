@@ -286,7 +286,7 @@ type Status struct {
 	Programs        []ProgramInfo    `json:"programs"`
 	ResolverSockets int              `json:"resolver_sockets"` // registered resolver sockets (0: capture is off)
 	Dequeued        uint64           `json:"dequeued"`         // datagrams and connections the resolver read
-	Stalled         bool             `json:"stalled"`          // a watch aged past the stall timeout
+	Stalled         bool             `json:"stalled"`          // a watch aged past the stall timeout and a quarter more (the programs' second look)
 	WatchAge        time.Duration    `json:"watch_age_ns"`     // age of the running watch with no dequeue since; 0: none
 	Capturing       bool             `json:"capturing"`        // resolver sockets registered and not stalled
 	StallAfter      time.Duration    `json:"stall_after_ns"`
@@ -327,7 +327,7 @@ func ReadStatus(pinDir string) (*Status, error) {
 	st.StallAfter = time.Duration(c.StallNs)
 	if now := monotonicNow(); p.WatchSince != 0 && p.WatchCount == p.Dequeued && now >= p.WatchSince {
 		st.WatchAge = time.Duration(now - p.WatchSince)
-		st.Stalled = st.WatchAge > st.StallAfter
+		st.Stalled = st.WatchAge > st.StallAfter+st.StallAfter/4
 	}
 	var key uint32
 	var cookie uint64

@@ -66,6 +66,12 @@ func TestSoak(t *testing.T) {
 	start := time.Now()
 	restarts, upgrades, reloads := 0, 0, 0
 	var gaps [][2]int64 // plain restarts: from SIGTERM to serving again
+	type event struct {
+		at   int64
+		what string
+	}
+	var events []event
+	mark := func(what string) { events = append(events, event{monotonic(), what}) }
 	tick := time.NewTicker(time.Second)
 	defer tick.Stop()
 	for sec := 1; time.Since(start) < dur; sec++ {
@@ -73,14 +79,17 @@ func TestSoak(t *testing.T) {
 		sample()
 		switch sec % 30 {
 		case 5:
+			mark("upstream slow")
 			n.orig.SetDelay("*."+flakyZone, 800*time.Millisecond) // slow
 		case 10:
+			mark("upstream down")
 			n.orig.SetDelay("*."+flakyZone, 10*time.Second) // down: answers long after anyone waits
 		case 15:
 			n.orig.SetDelay("*."+flakyZone, 0)
 			n.orig.Reset() // its query log would grow for the whole soak
 			reloads++
 			short := fmt.Sprintf("soak-%d", reloads)
+			mark("table reload " + short)
 			n.writeNames(short)
 			// The reload takes: the new name resolves through capture.
 			if !testenv.WaitFor(5*time.Second, func() bool {
@@ -91,10 +100,12 @@ func TestSoak(t *testing.T) {
 			}
 		case 0:
 			if (sec/30)%2 == 1 {
+				mark("overlapped upgrade")
 				n.upgrade("ebpf")
 				upgrades++
 			} else {
 				from := monotonic()
+				mark("plain restart")
 				if err := n.signal(syscall.SIGTERM); err != nil {
 					t.Fatalf("restart: agent exit: %v", err)
 				}
@@ -149,7 +160,19 @@ func TestSoak(t *testing.T) {
 		float64(first)/1024, float64(peak)/1024, float64(last)/1024, len(samples), upgrades+restarts+1)
 	t.Logf("soak clients: glibc: %s; musl: %s; raw: %s", res.perClient["glibc"], res.perClient["musl"], res.perClient["raw"])
 	if len(lost)+len(wrong) > 0 || miss > 0 {
-		t.Errorf("soak: %d lost, %d wrong, %d wrong-source:\n%s%s", len(lost), len(wrong), miss, describe(lost, 0), describe(wrong, 0))
+		// Which event each failure followed.
+		after := map[string]int{}
+		for _, f := range append(append([]loadFail{}, lost...), wrong...) {
+			last := "start"
+			var since int64
+			for _, e := range events {
+				if e.at <= f.start {
+					last, since = e.what, f.start-e.at
+				}
+			}
+			after[fmt.Sprintf("%s (+%v)", last, time.Duration(since).Round(100*time.Millisecond))]++
+		}
+		t.Errorf("soak: %d lost, %d wrong, %d wrong-source; after: %v\n%s%s", len(lost), len(wrong), miss, after, describe(lost, 0), describe(wrong, 0))
 	}
 	if peak > 2*first+64*1024 {
 		t.Errorf("agent RSS grew: start %d KiB, peak %d KiB", first, peak)
