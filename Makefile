@@ -27,6 +27,7 @@ export GOFLAGS := -buildvcs=false
 # both platforms into one index.
 IMAGE_ARCHES      ?= amd64
 IMAGE_CACHE       ?= $(CURDIR)/.cache/image
+IMAGE_LOCK        ?= $(CURDIR)/deploy/image/debs.lock
 IMAGE_OUT         ?= $(CURDIR)/out/image
 IMAGE_NAME        ?= localhost/meshdns-ebpf
 IMAGE_TAG         ?= $(VERSION)
@@ -94,13 +95,13 @@ soak: test-deps
 
 image:
 	@cd tools/image && CGO_ENABLED=0 $(GO) build -trimpath -o $(IMAGE_TOOL) .
-	@IMAGE_CACHE=$(IMAGE_CACHE) scripts/image-debs.sh fetch $(IMAGE_ARCHES)
+	@IMAGE_CACHE=$(IMAGE_CACHE) IMAGE_LOCK=$(IMAGE_LOCK) scripts/image-debs.sh fetch $(IMAGE_ARCHES)
 	@bins=; for a in $(IMAGE_ARCHES); do \
 	  CGO_ENABLED=0 GOOS=linux GOARCH=$$a GOAMD64=v1 GOARM64=v8.0 $(GO) build -trimpath \
 	    -ldflags "-s -w $(LDFLAGS)" -o $(IMAGE_OUT)/bin/$$a/meshdns-ebpf ./cmd/meshdns-ebpf || exit 1; \
 	  bins=$$bins$${bins:+,}$$a=$(IMAGE_OUT)/bin/$$a/meshdns-ebpf; \
 	done; \
-	$(IMAGE_TOOL) build -lock deploy/image/debs.lock -debs $(IMAGE_CACHE)/debs -bin $$bins \
+	$(IMAGE_TOOL) build -lock $(IMAGE_LOCK) -debs $(IMAGE_CACHE)/debs -bin $$bins \
 	  -version $(IMAGE_TAG) -revision "$(REVISION)" -epoch $(SOURCE_DATE_EPOCH) \
 	  -name $(IMAGE_NAME) -out $(IMAGE_OUT)
 

@@ -11,8 +11,11 @@
 #   BENCH_WAIT_IDLE=10m    first wait (up to 10m) until both cores are idle
 #   BENCH_NO_INSTALL=1     do not run scripts/install-bench-deps.sh when something is missing
 #   BENCH_NO_BUILD=1       do not (re)build bin/meshdns-ebpf
-#   BENCH_MESHDNS_ARGS=".."  extra flags for our resolver (default --authoritative)
+#   BENCH_MESHDNS_ARGS=".."  extra flags for our resolver (default --authoritative=true)
 #   COREDNS=PATH           CoreDNS binary (default: the install script's cache dir)
+#   BENCH_KUBE=0           skip the Kubernetes node mode benchmark (bench/kube)
+#   BENCH_KUBE_SCALES=a,b  its Service counts (default 10000,100000)
+#   BENCH_KUBE_DURATION=10s  each of its dnsperf runs
 # Extra arguments are passed to benchrun (see `benchrun -h`), e.g. -reps 5 -duration 20s.
 set -euo pipefail
 
@@ -57,6 +60,7 @@ log "building harness into $work/bin"
 go build -o "$work/bin/benchrun" ./bench/cmd/benchrun
 go build -o "$work/bin/fakeupstream" ./bench/fakeupstream
 go build -o "$work/bin/floor" ./bench/floor
+go build -o "$work/bin/lookup" ./bench/lookup
 
 meshdns="$repo/bin/meshdns-ebpf"
 skip=""
@@ -73,7 +77,7 @@ if [ "${BENCH_NO_BUILD:-0}" != 1 ]; then
 	fi
 fi
 
-args=(-repo "$repo" -work "$work" -fakeupstream "$work/bin/fakeupstream" -floor "$work/bin/floor"
+args=(-repo "$repo" -work "$work" -fakeupstream "$work/bin/fakeupstream" -floor "$work/bin/floor" -lookup "$work/bin/lookup"
 	-coredns "$coredns" -meshdns "$meshdns" -out "$repo/bench/RESULTS.md")
 [ -n "$skip" ] && args+=(-meshdns-skip "$skip")
 [ "${BENCH_QUICK:-0}" = 1 ] && args+=(-quick)
@@ -82,4 +86,29 @@ args=(-repo "$repo" -work "$work" -fakeupstream "$work/bin/fakeupstream" -floor 
 [ -n "${BENCH_MESHDNS_ARGS+x}" ] && args+=(-meshdns-args "$BENCH_MESHDNS_ARGS")
 
 # The harness itself stays on the generator's core; servers go to core 1.
-exec taskset -c 0 "$work/bin/benchrun" "${args[@]}" "$@"
+taskset -c 0 "$work/bin/benchrun" "${args[@]}" "$@"
+
+# The Kubernetes node mode against CoreDNS's kubernetes plugin, both on one
+# real API server (bench/kube). Its section goes into RESULTS.md above the
+# hand-written part.
+if [ "${BENCH_KUBE:-1}" != 0 ] && [ -z "$skip" ]; then
+	log "Kubernetes benchmark (bench/kube): building the control plane if needed"
+	scripts/build-kube.sh
+	kube_out="$work/kube.md"
+	rm -f "$kube_out"
+	MESHDNS_BENCH_KUBE=1 MESHDNS="$meshdns" COREDNS="$coredns" MESHDNS_BENCH_KUBE_OUT="$kube_out" \
+		MESHDNS_BENCH_KUBE_SCALES="${BENCH_KUBE_SCALES:-10000,100000}" \
+		MESHDNS_BENCH_KUBE_DURATION="${BENCH_KUBE_DURATION:-10s}" \
+		go test -count=1 -timeout 120m -run TestKubernetesBench -v ./bench/kube/ >"$work/kube.log" 2>&1 ||
+		{ log "Kubernetes benchmark failed; see $work/kube.log"; tail -30 "$work/kube.log" >&2; exit 1; }
+	grep -E 'kube_test.go' "$work/kube.log" >&2 || true
+	marker='<!-- hand-written below: kept by benchrun across runs -->'
+	{
+		awk -v m="$marker" '$0 == m { exit } { print }' bench/RESULTS.md
+		cat "$kube_out"
+		echo
+		awk -v m="$marker" 'found { print } $0 == m { found = 1; print }' bench/RESULTS.md
+	} >"$work/RESULTS.md.new"
+	mv "$work/RESULTS.md.new" bench/RESULTS.md
+	log "Kubernetes results added to bench/RESULTS.md"
+fi

@@ -13,24 +13,22 @@ import (
 	"flag"
 	"fmt"
 	"log/slog"
-	"net"
 	"net/http"
 	"os"
 	"os/signal"
 	"strings"
-	"sync/atomic"
 	"syscall"
 
 	"github.com/miekg/dns"
 
 	"github.com/meshdns/meshdns-ebpf/bench/internal/meshdata"
+	"github.com/meshdns/meshdns-ebpf/internal/dnsfake"
 )
 
 // handler answers queries; see the package doc.
 type handler struct {
-	ttl     uint32
-	nx      []string // lower-case FQDN suffixes answered with NXDOMAIN
-	queries atomic.Uint64
+	ttl uint32
+	nx  []string // lower-case FQDN suffixes answered with NXDOMAIN
 }
 
 func (h *handler) soa(zone string) dns.RR {
@@ -75,17 +73,18 @@ func (h *handler) answer(req *dns.Msg) *dns.Msg {
 	return m
 }
 
-func (h *handler) ServeDNS(w dns.ResponseWriter, req *dns.Msg) {
-	h.queries.Add(1)
+// respond is the dnsfake answering function: the answer, truncated over UDP to the
+// client's advertised size as a real server does.
+func (h *handler) respond(proto string, req *dns.Msg) []*dns.Msg {
 	m := h.answer(req)
-	if w.LocalAddr().Network() == "udp" {
+	if proto == "udp" {
 		size := 512
 		if opt := req.IsEdns0(); opt != nil {
 			size = int(opt.UDPSize())
 		}
 		m.Truncate(size)
 	}
-	_ = w.WriteMsg(m)
+	return []*dns.Msg{m}
 }
 
 func main() {
@@ -107,26 +106,19 @@ func run(listen string, ttl uint32, nx, stats string) error {
 			h.nx = append(h.nx, strings.ToLower(dns.Fqdn(s)))
 		}
 	}
-	pc, err := net.ListenPacket("udp", listen)
+	srv, err := dnsfake.Listen(dnsfake.Config{Addr: listen, Respond: h.respond, NoRecord: true})
 	if err != nil {
-		return fmt.Errorf("listen udp %s: %w", listen, err)
+		return err
 	}
-	ln, err := net.Listen("tcp", listen)
-	if err != nil {
-		return fmt.Errorf("listen tcp %s: %w", listen, err)
-	}
-	errc := make(chan error, 3)
-	udp := &dns.Server{PacketConn: pc, Handler: h}
-	tcp := &dns.Server{Listener: ln, Handler: h}
-	go func() { errc <- udp.ActivateAndServe() }()
-	go func() { errc <- tcp.ActivateAndServe() }()
+	defer srv.Close()
+	errc := make(chan error, 1)
 	if stats != "" {
 		mux := http.NewServeMux()
 		mux.HandleFunc("GET /queries", func(w http.ResponseWriter, _ *http.Request) {
-			fmt.Fprintln(w, h.queries.Load())
+			fmt.Fprintln(w, srv.Count())
 		})
-		srv := &http.Server{Addr: stats, Handler: mux}
-		go func() { errc <- srv.ListenAndServe() }()
+		hs := &http.Server{Addr: stats, Handler: mux}
+		go func() { errc <- hs.ListenAndServe() }()
 	}
 	slog.Info("fakeupstream serving", "addr", listen, "ttl", ttl, "nx", h.nx)
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
@@ -136,8 +128,6 @@ func run(listen string, ttl uint32, nx, stats string) error {
 	case err := <-errc:
 		return fmt.Errorf("serve: %w", err)
 	}
-	_ = udp.Shutdown()
-	_ = tcp.Shutdown()
-	slog.Info("fakeupstream stopped", "queries", h.queries.Load())
+	slog.Info("fakeupstream stopped", "queries", srv.Count())
 	return nil
 }

@@ -1,32 +1,22 @@
 package main
 
 import (
-	"net"
 	"testing"
 
 	"github.com/miekg/dns"
 
 	"github.com/meshdns/meshdns-ebpf/bench/internal/meshdata"
+	"github.com/meshdns/meshdns-ebpf/internal/dnsfake"
 )
-
-// serveTest runs h on 127.0.0.1:0 (UDP) and returns the address.
-func serveTest(t *testing.T, h dns.Handler) string {
-	t.Helper()
-	pc, err := net.ListenPacket("udp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	started := make(chan struct{})
-	s := &dns.Server{PacketConn: pc, Handler: h, NotifyStartedFunc: func() { close(started) }}
-	go func() { _ = s.ActivateAndServe() }()
-	<-started
-	t.Cleanup(func() { _ = s.Shutdown() })
-	return pc.LocalAddr().String()
-}
 
 func TestFakeUpstream(t *testing.T) {
 	h := &handler{ttl: 300, nx: []string{"nx.example.net.", "cluster.local."}}
-	addr := serveTest(t, h)
+	srv, err := dnsfake.Listen(dnsfake.Config{Addr: "127.0.0.1:0", Respond: h.respond, NoRecord: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(srv.Close)
+	addr := srv.Addr.String()
 	for _, tc := range []struct {
 		name    string
 		qtype   uint16
@@ -75,7 +65,7 @@ func TestFakeUpstream(t *testing.T) {
 			t.Errorf("%s %s: SOA %q, want %q", tc.name, dns.TypeToString[tc.qtype], gotSOA, tc.soaZone)
 		}
 	}
-	if got := h.queries.Load(); got != 6 {
+	if got := srv.Count(); got != 6 {
 		t.Errorf("counted %d queries, want 6", got)
 	}
 }

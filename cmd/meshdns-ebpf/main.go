@@ -34,10 +34,11 @@ func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
 	err := run(ctx, os.Args[1:], os.Stdout, os.Stderr)
 	stop()
-	if err != nil {
-		if !errors.Is(err, flag.ErrHelp) {
-			fmt.Fprintln(os.Stderr, "meshdns-ebpf:", err)
-		}
+	switch {
+	case errors.Is(err, flag.ErrHelp):
+		// -h asked for the usage, which was printed: not an error.
+	case err != nil:
+		fmt.Fprintln(os.Stderr, "meshdns-ebpf:", err)
 		os.Exit(1)
 	}
 }

@@ -56,7 +56,6 @@ type Agent struct {
 	st           *State
 	nodes        *nodeAddrs
 	store        *names.Store
-	stopFwd      context.CancelFunc
 	fwd          *upstream.Forwarder
 	srv          *resolver.Server
 	dp           *redirect.Datapath
@@ -105,6 +104,8 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 			a.abort()
 		}
 	}()
+
+	tuneGC(log)
 
 	// The Kubernetes source: its API server, and the cluster DNS Service to
 	// capture.
@@ -260,6 +261,7 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 	// Upstream forwarder.
 	ucfg := upstream.NewConfig(cfg.Upstreams...)
 	ucfg.Mark = cfg.UpstreamMark
+	ucfg.CacheBytes = cfg.CacheBytes
 	ucfg.Registerer = reg
 	ucfg.Logger = log.With("component", "upstream")
 	if mode == ModeOff {
@@ -270,9 +272,9 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 	if a.fwd, err = upstream.New(ucfg); err != nil {
 		return fmt.Errorf("upstream: %w", err)
 	}
-	fwdCtx, stopFwd := context.WithCancel(context.Background())
-	a.stopFwd = stopFwd
-	a.fwd.Start(fwdCtx)
+	if err := a.fwd.Start(ctx); err != nil {
+		return fmt.Errorf("upstream: %w", err)
+	}
 
 	// The eBPF datapath first: it adopts the pinned links (a predecessor's
 	// programs are replaced in place) before the resolver counts its progress.
@@ -296,6 +298,8 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 		TTL:           cfg.TTL,
 		ClusterDomain: cfg.ClusterDomain,
 		Authoritative: cfg.Authoritative,
+		MaxPending:    cfg.MaxPending,
+		MaxTCPConns:   cfg.MaxTCPConns,
 		Registerer:    reg,
 		Logger:        log.With("component", "resolver"),
 	}
@@ -805,9 +809,6 @@ func (a *Agent) shutdown(handoff bool) {
 		}
 		if a.fwd != nil {
 			add("upstream", a.fwd.Close())
-		}
-		if a.stopFwd != nil {
-			a.stopFwd()
 		}
 		if a.store != nil {
 			add("name sources", a.store.Close())

@@ -13,6 +13,9 @@ import (
 	"strconv"
 	"strings"
 	"time"
+
+	"github.com/meshdns/meshdns-ebpf/internal/resolver"
+	"github.com/meshdns/meshdns-ebpf/internal/resolver/upstream"
 )
 
 // Capture modes.
@@ -58,6 +61,9 @@ type Config struct {
 	LinkName         string
 	LogLevel         string
 	LogFormat        string
+	CacheBytes       int // upstream cache memory cap
+	MaxPending       int // queries waiting for the upstream, in total
+	MaxTCPConns      int
 
 	// forceNoEBPF makes auto mode behave as if the kernel probe failed (tests).
 	forceNoEBPF string
@@ -160,6 +166,9 @@ func (c *Config) RegisterFlags(fs *flag.FlagSet) {
 	fs.StringVar(&c.NodeName, "node-name", os.Getenv("NODE_NAME"), "this node's name: its Pods' IPs tell the agent each client's namespace (default $NODE_NAME)")
 	fs.StringVar(&c.ClusterDNSService, "cluster-dns-service", DefaultClusterDNSService, "with a Kubernetes source and no --nameservers: the Service (namespace/name) whose cluster IPs pods use as nameserver; those are captured")
 	fs.StringVar(&c.LinkName, "link", DefaultLinkName, "dummy link that carries the node-local listen address")
+	fs.IntVar(&c.CacheBytes, "cache-bytes", upstream.DefaultCacheBytes, "memory cap of the upstream answer cache, in bytes")
+	fs.IntVar(&c.MaxPending, "max-pending", resolver.DefaultMaxPending, "queries waiting for the upstream at once; over it: SERVFAIL at once")
+	fs.IntVar(&c.MaxTCPConns, "max-tcp-conns", resolver.DefaultMaxTCPConns, "open TCP client connections; at the bound the longest idle one is closed")
 	fs.StringVar(&c.LogLevel, "log-level", "info", "debug, info, warn or error")
 	fs.StringVar(&c.LogFormat, "log-format", "text", "text or json")
 	fs.StringVar(&c.forceNoEBPF, "x-force-no-ebpf", "", "testing only: make auto mode behave as if the eBPF probe failed with this reason")
@@ -197,6 +206,9 @@ func (c *Config) Validate() error {
 	}
 	if c.UpstreamMark == 0 {
 		return fmt.Errorf("--upstream-mark must be non-zero")
+	}
+	if c.CacheBytes < 0 || c.MaxPending < 0 || c.MaxTCPConns < 0 {
+		return fmt.Errorf("--cache-bytes, --max-pending and --max-tcp-conns must not be negative")
 	}
 	if c.Kubeconfig != "" && c.InCluster {
 		return fmt.Errorf("--kubeconfig and --kubernetes: give one (--kubernetes uses the in-cluster service account)")

@@ -30,10 +30,11 @@ func serviceHosts(domain string, svc *service, eps []*endpointSlice) []nametable
 	case svc.externalName != "":
 		return []nametable.Host{{Name: name, Kubernetes: true, CNAME: svc.externalName}}
 	case !svc.headless:
-		h := nametable.Host{Name: name, Kubernetes: true}
-		splitAddrs(&h, svc.clusterIPs)
-		for _, p := range svc.ports {
-			h.Ports = append(h.Ports, nametable.HostPort{Name: p.name, Protocol: p.proto, Port: p.port})
+		h := nametable.Host{Name: name, Kubernetes: true, Ports: hostPorts(svc.ports)}
+		if len(svc.clusterIPs) == 1 && svc.clusterIPs[0].Is4() {
+			h.V4 = svc.clusterIPs // shared with the informer's object: both immutable
+		} else {
+			splitAddrs(&h, svc.clusterIPs)
 		}
 		return []nametable.Host{h}
 	}
@@ -83,6 +84,28 @@ func serviceHosts(domain string, svc *service, eps []*endpointSlice) []nametable
 		}
 	}
 	return append([]nametable.Host{svcHost}, epHosts...)
+}
+
+// hostPorts turns a Service's ports into SRV ports of the Service itself,
+// shared between every Service with the same ports (the table keeps them
+// and never changes them).
+func hostPorts(ps []port) []nametable.HostPort {
+	if len(ps) == 0 {
+		return nil
+	}
+	intern.Lock()
+	defer intern.Unlock()
+	if hp, ok := intern.hostPorts[&ps[0]]; ok && len(hp) == len(ps) {
+		return hp
+	}
+	hp := make([]nametable.HostPort, len(ps))
+	for i, p := range ps {
+		hp[i] = nametable.HostPort{Name: p.name, Protocol: p.proto, Port: p.port}
+	}
+	if len(intern.hostPorts) < 1<<16 {
+		intern.hostPorts[&ps[0]] = hp
+	}
+	return hp
 }
 
 func splitAddrs(h *nametable.Host, addrs []netip.Addr) {

@@ -2,13 +2,17 @@ package kubesource
 
 import (
 	"net/netip"
+	"strconv"
 	"strings"
+	"sync"
 
 	corev1 "k8s.io/api/core/v1"
 	discoveryv1 "k8s.io/api/discovery/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/runtime/schema"
+
+	"github.com/meshdns/meshdns-ebpf/internal/resolver/nametable"
 )
 
 // The informers keep these compact objects, not the API objects: a
@@ -77,6 +81,53 @@ type pod struct {
 // DeepCopyObject implements runtime.Object; the object is immutable.
 func (p *pod) DeepCopyObject() runtime.Object { return p }
 
+// intern shares the strings and port lists many objects repeat
+// (namespaces, port names, the same ports on thousands of Services): the
+// informer caches hold one copy.
+var intern = struct {
+	sync.Mutex
+	strs      map[string]string
+	ports     map[string][]port
+	hostPorts map[*port][]nametable.HostPort // by the interned port list's first element
+}{strs: map[string]string{}, ports: map[string][]port{}, hostPorts: map[*port][]nametable.HostPort{}}
+
+func internStr(s string) string {
+	intern.Lock()
+	defer intern.Unlock()
+	if v, ok := intern.strs[s]; ok {
+		return v
+	}
+	if len(intern.strs) < 1<<16 {
+		intern.strs[s] = s
+	}
+	return s
+}
+
+func internPorts(ps []port) []port {
+	if len(ps) == 0 {
+		return nil
+	}
+	var b strings.Builder
+	for _, p := range ps {
+		b.WriteString(p.name)
+		b.WriteByte('/')
+		b.WriteString(p.proto)
+		b.WriteByte('/')
+		b.WriteString(strconv.Itoa(int(p.port)))
+		b.WriteByte(',')
+	}
+	k := b.String()
+	intern.Lock()
+	defer intern.Unlock()
+	if v, ok := intern.ports[k]; ok {
+		return v
+	}
+	if len(intern.ports) < 1<<16 {
+		intern.ports[k] = ps
+	}
+	return ps
+}
+
 func parseAddrs(ss ...string) []netip.Addr {
 	var out []netip.Addr
 	for _, s := range ss {
@@ -104,7 +155,7 @@ func transformService(obj any) (any, error) {
 		return obj, nil // already transformed, or a tombstone
 	}
 	out := &service{
-		meta:            meta{name: s.Name, namespace: s.Namespace},
+		meta:            meta{name: s.Name, namespace: internStr(s.Namespace)},
 		publishNotReady: s.Spec.PublishNotReadyAddresses,
 	}
 	switch {
@@ -123,8 +174,9 @@ func transformService(obj any) (any, error) {
 		if p.Name == "" || p.Port <= 0 || p.Port > 65535 {
 			continue // SRV records need a named port
 		}
-		out.ports = append(out.ports, port{name: strings.ToLower(p.Name), proto: protoName(p.Protocol), port: uint16(p.Port)})
+		out.ports = append(out.ports, port{name: internStr(strings.ToLower(p.Name)), proto: protoName(p.Protocol), port: uint16(p.Port)})
 	}
+	out.ports = internPorts(out.ports)
 	return out, nil
 }
 
@@ -135,7 +187,7 @@ func transformSlice(obj any) (any, error) {
 		return obj, nil
 	}
 	out := &endpointSlice{
-		meta:    meta{name: s.Name, namespace: s.Namespace},
+		meta:    meta{name: s.Name, namespace: internStr(s.Namespace)},
 		service: s.Labels[discoveryv1.LabelServiceName],
 	}
 	if s.AddressType != discoveryv1.AddressTypeIPv4 && s.AddressType != discoveryv1.AddressTypeIPv6 {
@@ -149,8 +201,9 @@ func transformSlice(obj any) (any, error) {
 		if p.Protocol != nil {
 			proto = *p.Protocol
 		}
-		out.ports = append(out.ports, port{name: strings.ToLower(*p.Name), proto: protoName(proto), port: uint16(*p.Port)})
+		out.ports = append(out.ports, port{name: internStr(strings.ToLower(*p.Name)), proto: protoName(proto), port: uint16(*p.Port)})
 	}
+	out.ports = internPorts(out.ports)
 	for _, e := range s.Endpoints {
 		ep := endpoint{
 			addrs: parseAddrs(e.Addresses...),
@@ -174,7 +227,7 @@ func transformPod(obj any) (any, error) {
 	if !ok {
 		return obj, nil
 	}
-	out := &pod{meta: meta{name: p.Name, namespace: p.Namespace}}
+	out := &pod{meta: meta{name: p.Name, namespace: internStr(p.Namespace)}}
 	if p.Spec.HostNetwork || p.Status.Phase == corev1.PodSucceeded || p.Status.Phase == corev1.PodFailed {
 		return out, nil
 	}

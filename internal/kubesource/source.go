@@ -85,7 +85,57 @@ func New(cfg Config) (*Source, error) {
 // Name implements names.Source.
 func (s *Source) Name() string { return s.cfg.Name }
 
-const byService = "service"
+// sliceIndex is the EndpointSlices of each Service.
+type sliceIndex struct {
+	mu sync.Mutex
+	m  map[string][]*endpointSlice // "<ns>/<service>" -> its slices
+}
+
+func (x *sliceIndex) of(svc string) []*endpointSlice {
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	return x.m[svc] // never modified in place: copied on change
+}
+
+// set adds or replaces (by name) a slice of svc.
+func (x *sliceIndex) set(svc string, obj any) {
+	es, ok := unwrap(obj).(*endpointSlice)
+	if !ok || svc == "" {
+		return
+	}
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	cur := x.m[svc]
+	next := make([]*endpointSlice, 0, len(cur)+1)
+	for _, c := range cur {
+		if c.name != es.name {
+			next = append(next, c)
+		}
+	}
+	x.m[svc] = append(next, es)
+}
+
+// remove drops a slice (by name) from svc.
+func (x *sliceIndex) remove(svc string, obj any) {
+	es, ok := unwrap(obj).(*endpointSlice)
+	if !ok || svc == "" {
+		return
+	}
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	cur := x.m[svc]
+	next := make([]*endpointSlice, 0, len(cur))
+	for _, c := range cur {
+		if c.name != es.name {
+			next = append(next, c)
+		}
+	}
+	if len(next) == 0 {
+		delete(x.m, svc)
+		return
+	}
+	x.m[svc] = next
+}
 
 // Run implements names.Source: it runs the informers, delivers every
 // change to sink, marks the source synced once every informer has listed,
@@ -105,14 +155,11 @@ func (s *Source) Run(ctx context.Context, sink names.Sink) error {
 		},
 		func(ctx context.Context, o metav1.ListOptions) (watch.Interface, error) {
 			return s.cs.DiscoveryV1().EndpointSlices("").Watch(ctx, o)
-		},
-		cache.Indexers{byService: func(obj any) ([]string, error) {
-			if es, ok := obj.(*endpointSlice); ok && es.service != "" {
-				return []string{es.namespace + "/" + es.service}, nil
-			}
-			return nil, nil
-		}})
+		}, nil)
 	informers := []cache.SharedIndexInformer{svcInf, sliceInf}
+	// The slices of each Service, kept by the slice handler (an informer
+	// index would cost a set per Service).
+	slices := &sliceIndex{m: map[string][]*endpointSlice{}}
 
 	recompute := func(key string) {
 		obj, ok, _ := svcInf.GetIndexer().GetByKey(key)
@@ -121,14 +168,7 @@ func (s *Source) Run(ctx context.Context, sink names.Sink) error {
 			_ = sink.Set(key, nil)
 			return
 		}
-		objs, _ := sliceInf.GetIndexer().ByIndex(byService, key)
-		eps := make([]*endpointSlice, 0, len(objs))
-		for _, o := range objs {
-			if es, ok := o.(*endpointSlice); ok {
-				eps = append(eps, es)
-			}
-		}
-		if err := sink.Set(key, serviceHosts(s.domain, svc, eps)); err != nil {
+		if err := sink.Set(key, serviceHosts(s.domain, svc, slices.of(key))); err != nil {
 			s.log.Warn("service not answered", "service", key, "err", err)
 		}
 	}
@@ -149,14 +189,22 @@ func (s *Source) Run(ctx context.Context, sink names.Sink) error {
 	}
 	regs = append(regs, reg)
 	reg, err = sliceInf.AddEventHandler(cache.ResourceEventHandlerFuncs{
-		AddFunc: func(obj any) { recompute(sliceKey(obj)) },
-		UpdateFunc: func(old, obj any) {
-			if k := sliceKey(old); k != sliceKey(obj) && k != "" {
-				recompute(k)
-			}
+		AddFunc: func(obj any) {
+			slices.set(sliceKey(obj), obj)
 			recompute(sliceKey(obj))
 		},
-		DeleteFunc: func(obj any) { recompute(sliceKey(obj)) },
+		UpdateFunc: func(old, obj any) {
+			if k := sliceKey(old); k != sliceKey(obj) && k != "" {
+				slices.remove(k, old)
+				recompute(k)
+			}
+			slices.set(sliceKey(obj), obj)
+			recompute(sliceKey(obj))
+		},
+		DeleteFunc: func(obj any) {
+			slices.remove(sliceKey(obj), obj)
+			recompute(sliceKey(obj))
+		},
 	})
 	if err != nil {
 		return err

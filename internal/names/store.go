@@ -38,9 +38,9 @@ const (
 	PriorityDemo           = 0   // the embedded demo table
 )
 
-// DefaultWindow is how long a burst of changes is collected before one
-// snapshot is published.
-const DefaultWindow = 20 * time.Millisecond
+// DefaultWindow is the shortest time between two snapshots: a burst of
+// changes within it is published as one.
+const DefaultWindow = 5 * time.Millisecond
 
 // Source feeds the store.
 type Source interface {
@@ -370,26 +370,36 @@ func (s *Store) checkReadyLocked() {
 	s.poke()
 }
 
-// publisher publishes a new table at most once per window while changes
-// come in.
+// publisher publishes a change at once when the last publish is at least a
+// window ago, and otherwise at the end of that window: an isolated update
+// is answered within about a millisecond, and a burst costs one snapshot
+// per window.
 func (s *Store) publisher() {
 	defer s.wg.Done()
 	timer := time.NewTimer(time.Hour)
 	timer.Stop()
 	armed := false
+	var last time.Time
 	for {
 		select {
 		case <-s.closed:
 			timer.Stop()
 			return
 		case <-s.kick:
-			if !armed {
-				timer.Reset(s.cfg.Window)
-				armed = true
+			if armed {
+				continue
 			}
+			if wait := s.cfg.Window - time.Since(last); wait > 0 {
+				timer.Reset(wait)
+				armed = true
+				continue
+			}
+			s.publish()
+			last = time.Now()
 		case <-timer.C:
 			armed = false
 			s.publish()
+			last = time.Now()
 		}
 	}
 }

@@ -1,57 +1,45 @@
 package resolver
 
 import (
-	"context"
 	"encoding/binary"
 	"log/slog"
 	"net/netip"
 	"testing"
+	"time"
 
 	"github.com/miekg/dns"
 
 	"github.com/meshdns/meshdns-ebpf/internal/resolver/nametable"
+	"github.com/meshdns/meshdns-ebpf/internal/resolver/upstream"
 )
 
-// cannedForwarder answers every forwarded query without the network.
-type cannedForwarder struct{}
+// cannedForwarder answers every forwarded query at once without the network:
+// NXDOMAIN with an SOA, as packed records.
+type cannedForwarder struct{ a upstream.Answer }
 
-func (cannedForwarder) Forward(_ context.Context, req *dns.Msg) (*dns.Msg, string, error) {
-	m := new(dns.Msg)
-	m.SetRcode(req, dns.RcodeNameError)
-	m.Ns = []dns.RR{&dns.SOA{Hdr: dns.RR_Header{Name: ".", Rrtype: dns.TypeSOA, Class: dns.ClassINET, Ttl: 60},
-		Ns: "a.", Mbox: "b.", Minttl: 60}}
-	if o := req.IsEdns0(); o != nil {
-		m.SetEdns0(4096, o.Do())
-	}
-	return m, "cache", nil
+func newCannedForwarder() *cannedForwarder {
+	soa := &dns.SOA{Hdr: dns.RR_Header{Name: ".", Rrtype: dns.TypeSOA, Class: dns.ClassINET, Ttl: 60},
+		Ns: "a.", Mbox: "b.", Minttl: 60}
+	buf := make([]byte, 256)
+	n, _ := dns.PackRR(soa, buf, 0, nil, false)
+	return &cannedForwarder{a: upstream.Answer{Records: buf[:n], Authority: 1, Rcode: dns.RcodeNameError, RecursionAvailable: true}}
 }
 
-// handlePacket runs one UDP packet through exactly what serveUDP does and
-// returns the reply bytes (nil = not answered).
-func handlePacket(s *Server, fp *fastPath, pkt, out []byte, proto proto) []byte {
-	client := netip.MustParseAddr("127.0.0.2")
-	if len(pkt) < 12 {
-		return nil
-	}
-	if proto == protoUDP {
-		if b, _, ok := fp.answer(pkt, out, client); ok {
-			return b
-		}
-	}
-	req := new(dns.Msg)
-	if err := req.Unpack(pkt); err != nil {
-		return formErr(pkt, out)
-	}
-	ri := reqInfo{proto: proto, client: client}
-	resp, _ := s.respond(context.Background(), req, &ri)
-	if resp == nil {
-		return nil
-	}
-	b, err := resp.PackBuffer(out)
-	if err != nil {
-		return headerOnly(resp.Id, resp.Opcode, dns.RcodeServerFailure, out)
-	}
-	return b
+func (c *cannedForwarder) Cached(*upstream.Query) (upstream.Answer, bool) { return c.a, true }
+func (c *cannedForwarder) ForwardAsync(_ *upstream.Query, done upstream.Waiter) {
+	done(c.a, nil)
+}
+
+// handlePacket runs one message through the real entry point, Server's worker.serve,
+// exactly as the transports call it, and returns the reply bytes (nil = not answered).
+// Like the transports, it reuses one client struct per worker and protocol.
+func handlePacket(w *worker, pkt, out []byte, proto proto) []byte {
+	return w.serve(pkt, out, &testClients[proto], time.Now())
+}
+
+var testClients = [nProtos]client{
+	{proto: protoUDP, addr: netip.MustParseAddr("127.0.0.2")},
+	{proto: protoTCP, addr: netip.MustParseAddr("127.0.0.2")},
 }
 
 func FuzzServeDNS(f *testing.F) {
@@ -61,12 +49,12 @@ func FuzzServeDNS(f *testing.F) {
 	}
 	st := &staticTable{}
 	st.t.Store(tb)
-	s, err := New(Config{Listen: []string{"127.0.0.1:0"}, Table: st, Forwarder: cannedForwarder{},
+	s, err := New(Config{Listen: []string{"127.0.0.1:0"}, Table: st, Forwarder: newCannedForwarder(),
 		Authoritative: true, SearchDomains: []string{"corp.internal"}, Logger: slog.New(slog.DiscardHandler)})
 	if err != nil {
 		f.Fatal(err)
 	}
-	fp := newFastPath(s)
+	fp := newWorker(s)
 	out := make([]byte, dns.MaxMsgSize)
 	// More seeds live in testdata/fuzz/FuzzServeDNS.
 	for _, q := range []struct {
@@ -77,6 +65,8 @@ func FuzzServeDNS(f *testing.F) {
 		{"reviews.ns2.ns1.svc.cluster.local.", dns.TypeAAAA},
 		{"_http._tcp.reviews.ns2.", dns.TypeSRV},
 		{"headless.ns2.svc.cluster.local.", dns.TypeA},
+		{"www.example.com.ns3.svc.cluster.local.", dns.TypeA},
+		{"ext.example.org.", dns.TypeAAAA},
 	} {
 		m := new(dns.Msg)
 		m.SetQuestion(q.name, q.qtype)
@@ -88,7 +78,7 @@ func FuzzServeDNS(f *testing.F) {
 	}
 	f.Fuzz(func(t *testing.T, pkt []byte) {
 		for _, proto := range []proto{protoUDP, protoTCP} {
-			reply := handlePacket(s, fp, pkt, out, proto)
+			reply := handlePacket(fp, pkt, out, proto)
 			if reply == nil {
 				if len(pkt) >= 12 && !(pkt[2]&0x80 != 0 && pkt[3]&0xf == dns.RcodeFormatError) {
 					// Only FORMERR responses may go unanswered, and only when
@@ -113,7 +103,7 @@ func FuzzServeDNS(f *testing.F) {
 				req := new(dns.Msg)
 				if req.Unpack(pkt) == nil {
 					if o := req.IsEdns0(); o != nil {
-						limit = max(limit, int(o.UDPSize()))
+						limit = min(max(limit, int(o.UDPSize())), maxUDPResponse)
 					}
 				}
 			}
@@ -124,35 +114,38 @@ func FuzzServeDNS(f *testing.F) {
 	})
 }
 
-func benchServer(b *testing.B) (*Server, *fastPath) {
+func benchServer(b *testing.B) *worker {
 	tb, err := nametable.Build(testFile(), nametable.Options{})
 	if err != nil {
 		b.Fatal(err)
 	}
 	st := &staticTable{}
 	st.t.Store(tb)
-	s, err := New(Config{Listen: []string{"127.0.0.1:0"}, Table: st, Forwarder: cannedForwarder{},
+	s, err := New(Config{Listen: []string{"127.0.0.1:0"}, Table: st, Forwarder: newCannedForwarder(),
 		Authoritative: true, Logger: slog.New(slog.DiscardHandler)})
 	if err != nil {
 		b.Fatal(err)
 	}
-	return s, newFastPath(s)
+	return newWorker(s)
 }
 
-// BenchmarkHandle measures the per-packet work without sockets.
-func BenchmarkHandle(b *testing.B) {
-	s, fp := benchServer(b)
+// BenchmarkServe measures the real entry point (what the sockets call) per message,
+// without sockets: 0 allocs/op on the in-table and cache paths.
+func BenchmarkServe(b *testing.B) {
+	w := benchServer(b)
 	for _, c := range []struct {
 		name  string
 		qname string
 		qtype uint16
 		proto proto
 	}{
-		{"fast/A", "reviews.ns2.svc.cluster.local.", dns.TypeA, protoUDP},
-		{"fast/autopath", "reviews.ns2.ns1.svc.cluster.local.", dns.TypeA, protoUDP},
-		{"general/A-tcp", "reviews.ns2.svc.cluster.local.", dns.TypeA, protoTCP},
-		{"general/NODATA", "productpage.ns1.svc.cluster.local.", dns.TypeAAAA, protoUDP},
-		{"general/NXDOMAIN", "nope.ns1.svc.cluster.local.", dns.TypeA, protoUDP},
+		{"table/A", "reviews.ns2.svc.cluster.local.", dns.TypeA, protoUDP},
+		{"table/autopath", "reviews.ns2.ns1.svc.cluster.local.", dns.TypeA, protoUDP},
+		{"table/A-tcp", "reviews.ns2.svc.cluster.local.", dns.TypeA, protoTCP},
+		{"table/NODATA", "productpage.ns1.svc.cluster.local.", dns.TypeAAAA, protoUDP},
+		{"table/NXDOMAIN", "nope.ns1.svc.cluster.local.", dns.TypeA, protoUDP},
+		{"cache/A", "www.example.com.", dns.TypeA, protoUDP},
+		{"unpacked/SRV", "_http._tcp.reviews.ns2.svc.cluster.local.", dns.TypeSRV, protoUDP},
 	} {
 		b.Run(c.name, func(b *testing.B) {
 			m := new(dns.Msg)
@@ -162,7 +155,7 @@ func BenchmarkHandle(b *testing.B) {
 			out := make([]byte, dns.MaxMsgSize)
 			b.ReportAllocs()
 			for b.Loop() {
-				if handlePacket(s, fp, pkt, out, c.proto) == nil {
+				if handlePacket(w, pkt, out, c.proto) == nil {
 					b.Fatal("no reply")
 				}
 			}

@@ -1,7 +1,6 @@
 package resolver
 
 import (
-	"context"
 	"math/rand/v2"
 	"net/netip"
 	"slices"
@@ -44,7 +43,7 @@ func (ri *reqInfo) sizeLimit() int {
 	if ri.opt == nil {
 		return dns.MinMsgSize
 	}
-	return max(int(ri.opt.UDPSize()), dns.MinMsgSize)
+	return min(max(int(ri.opt.UDPSize()), dns.MinMsgSize), maxUDPResponse)
 }
 
 // local answers what can be answered without the forwarder. It returns
@@ -477,53 +476,6 @@ func (s *Server) chaos(resp *dns.Msg, q *dns.Question) *dns.Msg {
 	}
 	resp.Rcode = dns.RcodeRefused
 	return resp
-}
-
-// forward asks the forwarder and turns its answer into a response for this
-// client: our ID, the client's question (and its case), our own OPT.
-func (s *Server) forward(ctx context.Context, req *dns.Msg, ri *reqInfo) (*dns.Msg, source) {
-	id, question, rd, cd := req.Id, req.Question, req.RecursionDesired, req.CheckingDisabled
-	fwdReq := req
-	if ri.chase != "" {
-		c := *req
-		c.Question = []dns.Question{{Name: ri.chase, Qtype: question[0].Qtype, Qclass: question[0].Qclass}}
-		fwdReq = &c
-	}
-	fresp, src, err := s.fwd.Forward(ctx, fwdReq)
-	out := new(dns.Msg)
-	out.Id = id
-	out.Response = true
-	out.Opcode = dns.OpcodeQuery
-	out.RecursionDesired = rd
-	out.CheckingDisabled = cd
-	out.RecursionAvailable = true
-	out.Question = question
-	if err != nil || fresp == nil {
-		if err != nil {
-			s.log.Debug("forward failed", "name", question[0].Name, "err", err)
-		}
-		out.Rcode = dns.RcodeServerFailure
-		return out, srcError
-	}
-	out.Rcode = fresp.Rcode
-	out.Authoritative = fresp.Authoritative
-	out.AuthenticatedData = fresp.AuthenticatedData
-	out.Truncated = fresp.Truncated
-	out.Answer = fresp.Answer[:len(fresp.Answer):len(fresp.Answer)]
-	if ri.chase != "" {
-		out.Authoritative = false
-		out.Answer = append(ri.prefix[:len(ri.prefix):len(ri.prefix)], out.Answer...)
-	}
-	out.Ns = fresp.Ns[:len(fresp.Ns):len(fresp.Ns)]
-	for _, rr := range fresp.Extra {
-		if rr.Header().Rrtype != dns.TypeOPT {
-			out.Extra = append(out.Extra, rr)
-		}
-	}
-	if out.Rcode > 0xF && ri.opt == nil {
-		out.Rcode = dns.RcodeServerFailure // cannot express it without EDNS
-	}
-	return out, sourceFromForwarder(src)
 }
 
 // finish adds the OPT record and truncates to what the client accepts.

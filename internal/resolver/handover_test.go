@@ -59,13 +59,14 @@ func TestHandoverServesInheritedSockets(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	reg := prometheus.NewRegistry()
 	b, err := New(Config{
 		Listen:     []string{a.addr},
 		Table:      a.table,
-		Forwarder:  a.fwd,
+		Forwarder:  newForwarder(t, a.up.addr, reg),
 		Inherited:  files,
 		OnDequeue:  func(n int) { deqB.Add(int64(n)) },
-		Registerer: prometheus.NewRegistry(),
+		Registerer: reg,
 		Logger:     slog.New(slog.DiscardHandler),
 	})
 	if err != nil {
@@ -140,5 +141,72 @@ func TestDrainWaitsForQuiet(t *testing.T) {
 	}
 	if el := time.Since(start); el < 700*time.Millisecond {
 		t.Errorf("drain returned after %v, before 200 ms of quiet", el)
+	}
+}
+
+// Drain answers what was read before it: forwards in flight over UDP and over
+// a TCP connection, whose answers come after the drain began.
+func TestDrainAnswersInFlight(t *testing.T) {
+	ts := startServer(t, nil, nil)
+	ts.up.SetDelay(300 * time.Millisecond)
+	type sent struct {
+		proto string
+		c     net.Conn
+	}
+	var all []sent
+	for _, proto := range []string{"udp", "tcp"} {
+		m := new(dns.Msg)
+		m.SetQuestion(proto+".example.org.", dns.TypeA)
+		pkt, err := m.Pack()
+		if err != nil {
+			t.Fatal(err)
+		}
+		c, err := net.Dial(proto, ts.addr)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer c.Close()
+		if proto == "tcp" {
+			pkt = append([]byte{byte(len(pkt) >> 8), byte(len(pkt))}, pkt...)
+		}
+		if _, err := c.Write(pkt); err != nil {
+			t.Fatal(err)
+		}
+		all = append(all, sent{proto, c})
+	}
+	// Both are with the (slow) upstream when the drain begins.
+	deadline := time.Now().Add(5 * time.Second)
+	for ts.up.Count() < 2 && time.Now().Before(deadline) {
+		time.Sleep(5 * time.Millisecond)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	begin := time.Now()
+	if err := ts.s.Drain(ctx, 0); err != nil {
+		t.Fatalf("Drain: %v", err)
+	}
+	t.Logf("drain took %v", time.Since(begin).Round(time.Millisecond))
+	for _, s := range all {
+		_ = s.c.SetReadDeadline(time.Now().Add(2 * time.Second))
+		buf := make([]byte, 4096)
+		var n int
+		var err error
+		if s.proto == "udp" {
+			n, err = s.c.Read(buf)
+		} else if _, err = readFull(s.c, buf[:2]); err == nil {
+			n, err = readFull(s.c, buf[:int(buf[0])<<8|int(buf[1])])
+		}
+		if err != nil {
+			t.Errorf("%s: no answer after the drain: %v", s.proto, err)
+			continue
+		}
+		resp := new(dns.Msg)
+		if err := resp.Unpack(buf[:n]); err != nil {
+			t.Errorf("%s: %v", s.proto, err)
+			continue
+		}
+		if resp.Rcode != dns.RcodeNameError {
+			t.Errorf("%s: rcode %s, want the upstream's NXDOMAIN", s.proto, dns.RcodeToString[resp.Rcode])
+		}
 	}
 }

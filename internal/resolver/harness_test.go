@@ -15,7 +15,9 @@ import (
 	"github.com/miekg/dns"
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/meshdns/meshdns-ebpf/internal/dnsfake"
 	"github.com/meshdns/meshdns-ebpf/internal/resolver/nametable"
+	"github.com/meshdns/meshdns-ebpf/internal/resolver/upstream"
 )
 
 // staticTable is a TableSource with a fixed table (nil = not loaded).
@@ -25,18 +27,15 @@ type staticTable struct {
 
 func (s *staticTable) Table() *nametable.Table { return s.t.Load() }
 
-// fakeUpstream is a DNS server on 127.0.0.1:0 (UDP and TCP) that knows a
-// few external names and answers NXDOMAIN otherwise.
+// fakeUpstream is the shared fake nameserver (internal/dnsfake) on 127.0.0.1 that
+// knows a few external names and answers NXDOMAIN otherwise.
 type fakeUpstream struct {
-	addr    string
-	queries atomic.Int64
+	*dnsfake.Server
+	addr string
 }
 
-func startUpstream(t *testing.T) *fakeUpstream {
-	t.Helper()
-	u := &fakeUpstream{}
-	h := dns.HandlerFunc(func(w dns.ResponseWriter, r *dns.Msg) {
-		u.queries.Add(1)
+func upstreamAnswer(t testing.TB) dnsfake.Respond {
+	return func(_ string, r *dns.Msg) []*dns.Msg {
 		m := new(dns.Msg)
 		m.SetReply(r)
 		m.RecursionAvailable = true
@@ -45,6 +44,8 @@ func startUpstream(t *testing.T) *fakeUpstream {
 		switch {
 		case name == "ext.example.org." && q.Qtype == dns.TypeA:
 			m.Answer = []dns.RR{mustRR(t, "ext.example.org. 300 IN A 192.0.2.80")}
+		case name == "www.example.com." && q.Qtype == dns.TypeA:
+			m.Answer = []dns.RR{mustRR(t, "www.example.com. 300 IN CNAME edge.example.net."), mustRR(t, "edge.example.net. 300 IN A 192.0.2.81")}
 		case name == "many.example.org." && q.Qtype == dns.TypeA:
 			for i := range 40 {
 				m.Answer = append(m.Answer, mustRR(t, fmt.Sprintf("many.example.org. 300 IN A 192.0.2.%d", i+1)))
@@ -53,7 +54,7 @@ func startUpstream(t *testing.T) *fakeUpstream {
 			for i := range 40 {
 				m.Answer = append(m.Answer, mustRR(t, fmt.Sprintf("big.example.org. 300 IN TXT \"%s-%02d\"", strings.Repeat("x", 60), i)))
 			}
-		case name == "ext.example.org.":
+		case name == "ext.example.org." || name == "www.example.com.":
 			m.Ns = []dns.RR{mustRR(t, "example.org. 300 IN SOA ns.example.org. h.example.org. 1 2 3 4 300")}
 		default:
 			m.Rcode = dns.RcodeNameError
@@ -65,55 +66,44 @@ func startUpstream(t *testing.T) *fakeUpstream {
 			opt := m.IsEdns0()
 			opt.Option = append(opt.Option, &dns.EDNS0_NSID{Code: dns.EDNS0NSID, Nsid: "abcd"})
 		}
-		_ = w.WriteMsg(m)
-	})
-	var pc net.PacketConn
-	var ln net.Listener
-	for attempt := 0; ; attempt++ {
-		var err error
-		if pc, err = net.ListenPacket("udp", "127.0.0.1:0"); err != nil {
-			t.Fatal(err)
-		}
-		u.addr = pc.LocalAddr().String()
-		if ln, err = net.Listen("tcp", u.addr); err == nil {
-			break
-		}
-		pc.Close() // the TCP port of that number is taken (a wildcard listener): pick again
-		if attempt == 20 {
-			t.Fatal(err)
-		}
+		return []*dns.Msg{m}
 	}
-	us := &dns.Server{PacketConn: pc, Handler: h}
-	ts := &dns.Server{Listener: ln, Handler: h}
-	go func() { _ = us.ActivateAndServe() }()
-	go func() { _ = ts.ActivateAndServe() }()
-	t.Cleanup(func() { _ = us.Shutdown(); _ = ts.Shutdown() })
-	return u
 }
 
-// exchangeForwarder is a minimal Forwarder: one exchange with the fake
-// upstream, over TCP when the UDP answer is truncated.
-type exchangeForwarder struct {
-	addr string
-	fail atomic.Bool
-}
-
-func (f *exchangeForwarder) Forward(ctx context.Context, req *dns.Msg) (*dns.Msg, string, error) {
-	if f.fail.Load() {
-		return nil, "", fmt.Errorf("all upstreams failed")
-	}
-	q := req.Copy()
-	q.Id = dns.Id()
-	c := &dns.Client{Net: "udp", Timeout: 2 * time.Second, UDPSize: 4096}
-	resp, _, err := c.ExchangeContext(ctx, q, f.addr)
-	if err == nil && resp.Truncated {
-		c.Net = "tcp"
-		resp, _, err = c.ExchangeContext(ctx, q, f.addr)
-	}
+func startUpstream(t testing.TB) *fakeUpstream {
+	t.Helper()
+	s, err := dnsfake.Listen(dnsfake.Config{Addr: "127.0.0.1:0", Respond: upstreamAnswer(t)})
 	if err != nil {
-		return nil, "", err
+		t.Fatal(err)
 	}
-	return resp, "upstream", nil
+	t.Cleanup(s.Close)
+	return &fakeUpstream{Server: s, addr: s.Addr.String()}
+}
+
+// newForwarder is a started upstream.Forwarder to addr on reg.
+func newForwarder(t testing.TB, addr string, reg prometheus.Registerer) *upstream.Forwarder {
+	t.Helper()
+	cfg := upstream.NewConfig(netip.MustParseAddrPort(addr))
+	cfg.Registerer = reg
+	f, err := upstream.New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := f.Start(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { f.Close() })
+	return f
+}
+
+// failingForwarder fails every forwarded query (the upstreams are down).
+type failingForwarder struct{}
+
+func (failingForwarder) Cached(*upstream.Query) (upstream.Answer, bool) {
+	return upstream.Answer{}, false
+}
+func (failingForwarder) ForwardAsync(_ *upstream.Query, done upstream.Waiter) {
+	done(upstream.Answer{}, upstream.ErrAllFailed)
 }
 
 func mustRR(t testing.TB, s string) dns.RR {
@@ -129,7 +119,6 @@ type testServer struct {
 	s     *Server
 	addr  string
 	reg   *prometheus.Registry
-	fwd   *exchangeForwarder
 	table *staticTable
 	up    *fakeUpstream
 }
@@ -175,14 +164,14 @@ func buildTable(t *testing.T, hosts []nametable.Host, clients map[string]string)
 func startServerTable(t *testing.T, tb *nametable.Table, mod func(*Config)) *testServer {
 	t.Helper()
 	up := startUpstream(t)
-	ts := &testServer{reg: prometheus.NewRegistry(), fwd: &exchangeForwarder{addr: up.addr}, table: &staticTable{}, up: up}
+	ts := &testServer{reg: prometheus.NewRegistry(), table: &staticTable{}, up: up}
 	if tb != nil {
 		ts.table.t.Store(tb)
 	}
 	cfg := Config{
 		Listen:     []string{"127.0.0.1:0"},
 		Table:      ts.table,
-		Forwarder:  ts.fwd,
+		Forwarder:  newForwarder(t, up.addr, ts.reg),
 		Registerer: ts.reg,
 		Logger:     slog.New(slog.DiscardHandler),
 	}

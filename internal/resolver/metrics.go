@@ -1,6 +1,8 @@
 package resolver
 
 import (
+	"time"
+
 	"github.com/miekg/dns"
 	"github.com/prometheus/client_golang/prometheus"
 )
@@ -27,17 +29,6 @@ const (
 )
 
 var sourceNames = [nSources]string{"table", "cache", "upstream", "stale", "error"}
-
-func sourceFromForwarder(s string) source {
-	switch s {
-	case "cache":
-		return srcCache
-	case "stale":
-		return srcStale
-	default:
-		return srcUpstream
-	}
-}
 
 // qtypeLabels is the bounded qtype label set; anything else is "other".
 var qtypeLabels = []string{"A", "AAAA", "PTR", "SRV", "CNAME", "MX", "TXT", "NS", "SOA", "HTTPS", "SVCB", "ANY", "other"}
@@ -95,6 +86,9 @@ type metrics struct {
 	responses [nRcodes][nSources]prometheus.Counter
 	duration  [nSources]prometheus.Observer
 	dropped   prometheus.Counter
+	overload  [2]prometheus.Counter // total, client
+
+	tcpEvicted, tcpRefused prometheus.Counter
 }
 
 func newMetrics(reg prometheus.Registerer) (*metrics, error) {
@@ -115,14 +109,23 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 		Name: "meshdns_dns_dropped_total",
 		Help: "Packets not answered: shorter than a DNS header, or FORMERR responses sent to us (answering would loop).",
 	})
+	over := prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "meshdns_dns_overload_total",
+		Help: "Queries answered at once because too many upstream queries were pending: in total (SERVFAIL) or from this client (REFUSED).",
+	}, []string{"limit"})
+	tcpClosed := prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "meshdns_dns_tcp_connections_limited_total",
+		Help: "TCP connections closed at the connection bound: the longest idle one for a new one (evicted), or the new one when none was idle (refused).",
+	}, []string{"action"})
 	if reg != nil {
-		for _, c := range []prometheus.Collector{req, resp, dur, dropped} {
+		for _, c := range []prometheus.Collector{req, resp, dur, dropped, over, tcpClosed} {
 			if err := reg.Register(c); err != nil {
 				return nil, err
 			}
 		}
 	}
-	m := &metrics{dropped: dropped}
+	m := &metrics{dropped: dropped, overload: [2]prometheus.Counter{over.WithLabelValues("total"), over.WithLabelValues("client")},
+		tcpEvicted: tcpClosed.WithLabelValues("evicted"), tcpRefused: tcpClosed.WithLabelValues("refused")}
 	for p := range nProtos {
 		for q := range nQtypes {
 			m.requests[p][q] = req.WithLabelValues(protoNames[p], qtypeLabels[q])
@@ -137,4 +140,19 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 		m.duration[s] = dur.WithLabelValues(sourceNames[s])
 	}
 	return m, nil
+}
+
+// record counts one answered query: the request, the response and its latency. Every
+// path calls it once per response; it is the only place metrics are recorded.
+func (s *Server) record(p proto, qtype uint16, rcode int, src source, start time.Time) {
+	m := s.m
+	m.requests[p][qtypeIndex(qtype)].Inc()
+	m.responses[rcodeIndex(rcode)][src].Inc()
+	m.duration[src].Observe(time.Since(start).Seconds())
+}
+
+// recordDrop counts a message deliberately not answered.
+func (s *Server) recordDrop(p proto) {
+	s.m.requests[p][nQtypes-1].Inc()
+	s.m.dropped.Inc()
 }

@@ -1,16 +1,17 @@
-// Package resolver is the DNS server every captured query meets: UDP and
-// TCP listeners, a handler that answers mesh names from the name table
-// (alt names, autopath, NODATA/NXDOMAIN with SOA, PTR, SRV, shuffling,
-// EDNS and truncation) and hands everything else to a Forwarder, plus its
-// Prometheus metrics. Answer semantics are described in docs/resolver.md.
+// Package resolver is the DNS server every captured query meets. One query path
+// (pipeline.go) serves every transport: UDP readers that block in raw recvmmsg calls,
+// keeping their scheduler slots, and answer table and cache hits inline (udp_linux.go), TCP connections
+// (tcp.go) and in-process use (ServeDNS). Mesh names are answered from the name table
+// (table.go, handler.go: alt names, autopath, NODATA/NXDOMAIN with SOA, PTR, SRV,
+// shuffling); everything else goes to the Forwarder (forward.go), asynchronously and
+// bounded. Answer semantics are described in docs/resolver.md.
 package resolver
 
 import (
 	"context"
-	"encoding/binary"
 	"errors"
 	"fmt"
-	"io"
+	"hash/maphash"
 	"log/slog"
 	"net"
 	"net/netip"
@@ -26,16 +27,19 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/meshdns/meshdns-ebpf/internal/resolver/nametable"
+	"github.com/meshdns/meshdns-ebpf/internal/resolver/upstream"
 )
 
-// Forwarder answers what the table does not know. source is "upstream",
-// "cache" or "stale"; err != nil means the client gets SERVFAIL.
+// Forwarder answers what the table does not know (*upstream.Forwarder).
 type Forwarder interface {
-	Forward(ctx context.Context, req *dns.Msg) (resp *dns.Msg, source string, err error)
+	// Cached answers from a fresh cache entry without blocking, or reports false.
+	Cached(q *upstream.Query) (upstream.Answer, bool)
+	// ForwardAsync calls done exactly once with the answer or an error (SERVFAIL).
+	ForwardAsync(q *upstream.Query, done upstream.Waiter)
 }
 
-// TableSource provides the current name table; nil means not loaded yet.
-// *nametable.Watcher implements it.
+// TableSource provides the current name table; nil means not published yet.
+// *names.Store implements it.
 type TableSource interface {
 	Table() *nametable.Table
 }
@@ -52,7 +56,8 @@ type Config struct {
 	// ClusterDomain (default "cluster.local") must match the table's.
 	ClusterDomain string
 	// Authoritative answers NXDOMAIN (with SOA) locally for unknown names
-	// under the cluster domain instead of forwarding them.
+	// under the cluster domain instead of forwarding them, and enables autopath for
+	// external names.
 	Authoritative bool
 	// SearchDomains are extra node search domains stripped by autopath,
 	// besides <ns>.svc.<domain>, svc.<domain> and <domain>.
@@ -60,6 +65,13 @@ type Config struct {
 	// PodRecords answers <a-b-c-d>.<ns>.pod.<domain> with the address in
 	// the name (CoreDNS's "pods insecure").
 	PodRecords bool
+	// MaxPending bounds the queries waiting for the upstream (default 4096; over it:
+	// SERVFAIL at once); MaxPendingPerClient bounds them per client address (default
+	// 256; over it: REFUSED at once).
+	MaxPending, MaxPendingPerClient int
+	// MaxTCPConns bounds open TCP connections (default 1024): at the bound the
+	// connection idle the longest is closed for a new one.
+	MaxTCPConns int
 	// Inherited are pre-bound sockets from a predecessor, served instead of
 	// binding; OnDequeue is told of every read (see handover.go).
 	Inherited  []InheritedListener
@@ -71,14 +83,14 @@ type Config struct {
 const (
 	// DefaultTTL is used when Config.TTL is zero.
 	DefaultTTL = 30 * time.Second
-	// maxForwardInflight caps concurrently forwarded UDP queries; beyond
-	// it clients get SERVFAIL rather than an unbounded goroutine pile.
-	maxForwardInflight = 10000
+	// DefaultMaxTCPConns is used when Config.MaxTCPConns is zero.
+	DefaultMaxTCPConns = 1024
 	tcpIdleTimeout     = 10 * time.Second
 	tcpWriteTimeout    = 5 * time.Second
+	drainTimeout       = 3 * time.Second
 )
 
-// Server is the DNS server. Create it with New, then Start.
+// Server is the DNS server. Lifecycle: New (validate), Start (bind and serve), Close.
 type Server struct {
 	tables        TableSource
 	fwd           Forwarder
@@ -94,27 +106,29 @@ type Server struct {
 	m             *metrics
 	version       string
 	listen        []listenAddr
-	udpSockets    int
-	inherited     map[string]InheritedListener
-	onDequeue     func(n int)
-	lastRead      atomic.Int64 // unix ns of the last read (Drain's quiet period)
-	draining      atomic.Bool
+	udpReaders    int // sockets (and reader threads) per UDP address
+	maxConns      int
 
-	ctx    context.Context
-	cancel context.CancelFunc
+	limits  *pendingLimits
+	outBufs bufPools
+
+	inherited map[string]InheritedListener // by listen address, until Start
+	onDequeue func(n int)
 
 	started  atomic.Bool
 	stopping atomic.Bool
-	inflight atomic.Int64
-	wg       sync.WaitGroup
+	progress atomic.Uint64 // datagrams and connections dequeued from the listening sockets
+	readers  sync.WaitGroup
+	pending  sync.WaitGroup // queries waiting for the upstream
+	wg       sync.WaitGroup // TCP connections
+	closeErr error
+	closed   sync.Once
 
 	mu    sync.Mutex // guards the fields below (not used on the query path)
-	udp   []*net.UDPConn
+	udp   []*udpSock
 	tcp   []net.Listener
-	conns map[net.Conn]struct{}
+	conns map[*tcpConn]struct{}
 	addrs []string
-
-	bufs sync.Pool // *[]byte of dns.MaxMsgSize
 }
 
 type listenAddr struct {
@@ -139,8 +153,10 @@ func New(cfg Config) (*Server, error) {
 		fwd:           cfg.Forwarder,
 		authoritative: cfg.Authoritative,
 		log:           cfg.Logger,
-		conns:         map[net.Conn]struct{}{},
-		udpSockets:    runtime.GOMAXPROCS(0),
+		conns:         map[*tcpConn]struct{}{},
+		udpReaders:    runtime.NumCPU(),
+		maxConns:      cfg.MaxTCPConns,
+		limits:        &pendingLimits{max: int32(cfg.MaxPending), perClient: int32(cfg.MaxPendingPerClient), seed: maphash.MakeSeed()},
 		inherited:     map[string]InheritedListener{},
 		onDequeue:     cfg.OnDequeue,
 	}
@@ -149,6 +165,18 @@ func New(cfg Config) (*Server, error) {
 	}
 	if s.log == nil {
 		s.log = slog.Default()
+	}
+	if s.maxConns == 0 {
+		s.maxConns = DefaultMaxTCPConns
+	}
+	if s.limits.max == 0 {
+		s.limits.max = DefaultMaxPending
+	}
+	if s.limits.perClient == 0 {
+		s.limits.perClient = DefaultMaxPendingPerClient
+	}
+	if s.maxConns < 0 || s.limits.max < 0 || s.limits.perClient < 0 {
+		return nil, errors.New("resolver: negative connection or pending-query bound")
 	}
 	for _, l := range cfg.Listen {
 		la, err := parseListen(l)
@@ -193,8 +221,6 @@ func New(cfg Config) (*Server, error) {
 	if bi, ok := debug.ReadBuildInfo(); ok && bi.Main.Version != "" {
 		s.version += " " + bi.Main.Version
 	}
-	s.bufs.New = func() any { b := make([]byte, dns.MaxMsgSize); return &b }
-	s.ctx, s.cancel = context.WithCancel(context.Background())
 	return s, nil
 }
 
@@ -226,103 +252,106 @@ func parseListen(s string) (listenAddr, error) {
 	return listenAddr{raw: s, host: host, port: int(p)}, nil
 }
 
-// Start binds every listen address on UDP (one SO_REUSEPORT socket per
-// CPU) and TCP and starts serving. ctx bounds only the binding; stop the
-// server with Shutdown. An address that cannot be bound is named in the
-// error, and nothing stays bound.
+// Start binds every listen address on UDP (one SO_REUSEPORT socket per CPU, each read
+// by its own thread) and TCP and starts serving. ctx bounds only the binding. An address
+// that cannot be bound is named in the error, and nothing stays bound.
+//
+// The UDP readers block in the kernel with raw system calls, each keeping its Go
+// scheduler slot (P) while it waits; Start raises GOMAXPROCS to the number of readers
+// + 1 so one P stays free for everything else (upstream queries, TCP, metrics, GC).
+// A reader's wake-up then never hands its P over nor wakes the runtime's monitor
+// thread: measured at 20k QPS on one core, 0.005 instead of 0.2 monitor sleeps per
+// query and 12 instead of 17 µs of CPU per query.
 func (s *Server) Start(ctx context.Context) error {
-	if s.started.Load() {
+	if !s.started.CompareAndSwap(false, true) {
 		return errors.New("resolver: already started")
 	}
+	defer s.closeInherited() // what no listen address took
 	for _, la := range s.listen {
 		if err := ctx.Err(); err != nil {
-			s.closeAll()
+			s.closeSockets()
 			return err
 		}
-		if err := s.bind(ctx, la); err != nil {
-			s.closeAll()
-			s.closeInherited()
+		if err := s.bind(la); err != nil {
+			s.closeSockets()
 			return err
 		}
 	}
-	s.closeInherited()
 	s.mu.Lock()
-	for _, c := range s.udp {
-		pktinfo := setPktinfo(c)
-		s.wg.Add(1)
-		go s.serveUDP(c, pktinfo)
+	if want := len(s.udp) + 1; reusePortSupported && runtime.GOMAXPROCS(0) < want {
+		runtime.GOMAXPROCS(want)
+	}
+	for _, u := range s.udp {
+		s.readers.Add(1)
+		go s.readUDP(u)
 	}
 	for _, l := range s.tcp {
-		s.wg.Add(1)
+		s.readers.Add(1)
 		go s.serveTCP(l)
 	}
 	s.mu.Unlock()
-	s.started.Store(true)
-	s.log.Info("resolver listening", "addrs", s.Addrs(), "udp_sockets_per_addr", s.udpSockets)
+	s.log.Info("resolver listening", "addrs", s.Addrs(), "udp_sockets_per_addr", s.udpReaders)
 	return nil
 }
 
-func (s *Server) bind(ctx context.Context, la listenAddr) error {
+func (s *Server) bind(la listenAddr) error {
 	if ok, err := s.adopt(la); ok {
 		return err
 	}
-	lc := listenConfig()
 	attempts := 1
 	if la.port == 0 {
 		attempts = 20 // UDP picks the port; TCP may find it taken
 	}
 	var lastErr error
 	for range attempts {
-		first, err := lc.ListenPacket(ctx, "udp", net.JoinHostPort(la.host, strconv.Itoa(la.port)))
+		first, port, err := bindUDP(la.host, la.port)
 		if err != nil {
 			return fmt.Errorf("resolver: listen udp %s: %w", la.raw, err)
 		}
-		uc := first.(*net.UDPConn)
-		bound := uc.LocalAddr().(*net.UDPAddr)
-		addr := net.JoinHostPort(la.host, strconv.Itoa(bound.Port))
-		tl, err := lc.Listen(ctx, "tcp", addr)
+		addr := net.JoinHostPort(la.host, strconv.Itoa(port))
+		tl, err := listenTCP(addr)
 		if err != nil {
-			uc.Close()
+			first.close()
 			lastErr = fmt.Errorf("resolver: listen tcp %s: %w", la.raw, err)
 			continue
 		}
-		conns := []*net.UDPConn{uc}
-		for i := 1; i < s.udpSockets && reusePortSupported; i++ {
-			c, err := lc.ListenPacket(ctx, "udp", addr)
+		socks := []*udpSock{first}
+		for i := 1; i < s.udpReaders && reusePortSupported; i++ {
+			u, _, err := bindUDP(la.host, port)
 			if err != nil {
-				for _, c := range conns {
-					c.Close()
+				for _, u := range socks {
+					u.close()
 				}
 				tl.Close()
 				return fmt.Errorf("resolver: listen udp %s (socket %d): %w", la.raw, i+1, err)
 			}
-			conns = append(conns, c.(*net.UDPConn))
+			socks = append(socks, u)
 		}
 		s.mu.Lock()
-		s.udp = append(s.udp, conns...)
+		s.udp = append(s.udp, socks...)
 		s.tcp = append(s.tcp, tl)
 		host := la.host
 		if host == "" {
-			host = bound.IP.String()
+			host = first.localIP()
 		}
-		s.addrs = append(s.addrs, net.JoinHostPort(host, strconv.Itoa(bound.Port)))
+		s.addrs = append(s.addrs, net.JoinHostPort(host, strconv.Itoa(port)))
 		s.mu.Unlock()
 		return nil
 	}
 	return lastErr
 }
 
-func (s *Server) closeAll() {
+func (s *Server) closeSockets() {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	for _, c := range s.udp {
-		c.Close()
+	for _, u := range s.udp {
+		u.close()
 	}
 	for _, l := range s.tcp {
 		l.Close()
 	}
 	for c := range s.conns {
-		c.Close()
+		c.c.Close()
 	}
 	s.udp, s.tcp, s.addrs = nil, nil, nil
 }
@@ -334,6 +363,11 @@ func (s *Server) Addrs() []string {
 	defer s.mu.Unlock()
 	return append([]string(nil), s.addrs...)
 }
+
+// Progress counts the datagrams the UDP readers and the connections the TCP
+// listeners have taken off their sockets (one atomic add per batch): a liveness
+// signal that costs no syscall.
+func (s *Server) Progress() uint64 { return s.progress.Load() }
 
 // Ready returns nil once the listeners are up and the first name table
 // load has succeeded, otherwise an error saying why not.
@@ -354,349 +388,121 @@ func (s *Server) Ready() error {
 	return nil
 }
 
-// Shutdown closes the listeners and open TCP connections and waits for
-// the serving goroutines (and in-flight forwards) until ctx is done.
+// Shutdown stops the readers (within their 250 ms receive timeout, even when the
+// sockets stay open in another process) and the TCP listeners, waits until ctx is done
+// for the queries pending upstream to be answered on their still-open sockets, then
+// closes the sockets and TCP connections.
 func (s *Server) Shutdown(ctx context.Context) error {
-	s.stopping.Store(true)
-	s.closeAll()
-	s.cancel()
-	done := make(chan struct{})
-	go func() { s.wg.Wait(); close(done) }()
-	select {
-	case <-done:
-		return nil
-	case <-ctx.Done():
-		return fmt.Errorf("resolver shutdown: %w", ctx.Err())
-	}
+	s.closed.Do(func() {
+		s.stopping.Store(true)
+		s.mu.Lock()
+		for _, l := range s.tcp {
+			l.Close()
+		}
+		s.mu.Unlock()
+		s.readers.Wait()
+		done := make(chan struct{})
+		go func() { s.pending.Wait(); close(done) }()
+		select {
+		case <-done:
+		case <-ctx.Done():
+			s.closeErr = fmt.Errorf("resolver shutdown: %d queries still waiting for the upstream: %w", s.limits.total.Load(), ctx.Err())
+		}
+		s.closeSockets() // a later answer finds its socket closed and is dropped
+		s.wg.Wait()      // connection goroutines end once their sockets are closed
+	})
+	return s.closeErr
 }
 
-// ServeDNS implements dns.Handler so the resolver can run inside another
-// miekg/dns server or in-process.
+// Close is Shutdown with a 3 s drain. It is idempotent.
+func (s *Server) Close() error {
+	ctx, cancel := context.WithTimeout(context.Background(), drainTimeout)
+	defer cancel()
+	return s.Shutdown(ctx)
+}
+
+// ServeDNS implements dns.Handler so the resolver can run inside another miekg/dns
+// server or in-process. It runs the same query path and waits for a forwarded answer.
 func (s *Server) ServeDNS(w dns.ResponseWriter, req *dns.Msg) {
 	start := time.Now()
-	ri := reqInfo{proto: protoUDP}
-	if a := w.LocalAddr(); a != nil && strings.HasPrefix(a.Network(), "tcp") {
-		ri.proto = protoTCP
-	}
-	if ap, err := netip.ParseAddrPort(addrString(w.RemoteAddr())); err == nil {
-		ri.client = ap.Addr().Unmap()
-	}
-	resp, src := s.respond(s.ctx, req, &ri)
-	if resp == nil {
+	pkt, err := req.Pack()
+	if err != nil {
 		return
 	}
-	if err := w.WriteMsg(resp); err != nil {
+	c := &client{proto: protoUDP}
+	if a := w.LocalAddr(); a != nil && strings.HasPrefix(a.Network(), "tcp") {
+		c.proto = protoTCP
+	}
+	if a := w.RemoteAddr(); a != nil {
+		if ap, err := netip.ParseAddrPort(a.String()); err == nil {
+			c.addr = ap.Addr().Unmap()
+		}
+	}
+	ch := make(chan []byte, 1)
+	c.reply.sync = ch
+	size := maxUDPResponse
+	if c.proto == protoTCP {
+		size = dns.MaxMsgSize
+	}
+	out := make([]byte, size)
+	wk := newWorker(s)
+	b := wk.serve(pkt, out, c, start)
+	if b == nil {
+		if !wk.req.pending {
+			return // dropped
+		}
+		b = <-ch
+	}
+	if _, err := w.Write(b); err != nil {
 		s.log.Debug("write response", "err", err)
 	}
-	s.observe(resp, src, start)
 }
 
-func addrString(a net.Addr) string {
-	if a == nil {
-		return ""
-	}
-	return a.String()
+// client is where a query came from and how to answer it later.
+type client struct {
+	proto proto
+	addr  netip.Addr // unmapped
+	reply replyTo
 }
 
-// respond runs the whole handler on an unpacked request: local answer or
-// forward, then OPT and truncation. nil means do not answer.
-func (s *Server) respond(ctx context.Context, req *dns.Msg, ri *reqInfo) (*dns.Msg, source) {
-	qt := uint16(0)
-	if len(req.Question) > 0 {
-		qt = req.Question[0].Qtype
-	}
-	s.m.requests[ri.proto][qtypeIndex(qt)].Inc()
-	resp, fwd := s.local(req, ri)
-	src := srcTable
+// replyTo sends a later response: over UDP (udpReply, per platform), on a TCP
+// connection, or to an in-process caller.
+type replyTo struct {
+	udpReply
+	tcp  *tcpConn
+	sync chan<- []byte
+}
+
+func (r *replyTo) send(b []byte) {
 	switch {
-	case fwd:
-		resp, src = s.forward(ctx, req, ri)
-	case resp == nil:
-		s.m.dropped.Inc()
-		return nil, srcError
+	case r.tcp != nil:
+		r.tcp.write(b)
+	case r.sync != nil:
+		r.sync <- append([]byte(nil), b...)
 	default:
-		switch resp.Rcode {
-		case dns.RcodeFormatError, dns.RcodeNotImplemented, dns.RcodeRefused, dns.RcodeBadVers:
-			src = srcError
-		}
-	}
-	s.finish(resp, ri)
-	return resp, src
-}
-
-func (s *Server) observe(resp *dns.Msg, src source, start time.Time) {
-	s.m.responses[rcodeIndex(resp.Rcode)][src].Inc()
-	s.m.duration[src].Observe(time.Since(start).Seconds())
-}
-
-// serveUDP reads one socket. Table answers are produced inline (no
-// goroutine, no lock); forwarded queries run in their own goroutine with
-// their own buffers.
-func (s *Server) serveUDP(c *net.UDPConn, pktinfo bool) {
-	defer s.wg.Done()
-	bp := s.bufs.Get().(*[]byte)
-	out := make([]byte, dns.MaxMsgSize)
-	var oob, oobOut []byte
-	if pktinfo {
-		oob = make([]byte, 128)
-		oobOut = make([]byte, 0, 128)
-	}
-	fp := newFastPath(s)
-	for {
-		buf := *bp
-		var n, oobn int
-		var from netip.AddrPort
-		var err error
-		if pktinfo {
-			n, oobn, _, from, err = c.ReadMsgUDPAddrPort(buf, oob)
-		} else {
-			n, from, err = c.ReadFromUDPAddrPort(buf)
-		}
-		if err != nil {
-			if errors.Is(err, net.ErrClosed) || (s.draining.Load() && isTimeout(err)) {
-				s.bufs.Put(bp)
-				return
-			}
-			s.log.Debug("udp read", "err", err)
-			continue
-		}
-		s.dequeued(1)
-		if n == 0 {
-			continue // a liveness probe
-		}
-		start := time.Now()
-		var reply []byte
-		if pktinfo {
-			reply = replyPktinfo(oob[:oobn], oobOut[:0])
-		}
-		if n < 12 {
-			s.m.dropped.Inc() // no header: there is no ID to answer to
-			continue
-		}
-		pkt := buf[:n]
-		if resp, src, ok := fp.answer(pkt, out, from.Addr().Unmap()); ok {
-			s.writeUDP(c, resp, reply, from)
-			s.m.duration[src].Observe(time.Since(start).Seconds())
-			continue
-		}
-		req := new(dns.Msg)
-		if err := req.Unpack(pkt); err != nil {
-			if resp := formErr(pkt, out); resp != nil {
-				s.m.requests[protoUDP][nQtypes-1].Inc()
-				s.writeUDP(c, resp, reply, from)
-				s.m.responses[rcodeIndex(dns.RcodeFormatError)][srcError].Inc()
-				s.m.duration[srcError].Observe(time.Since(start).Seconds())
-			} else {
-				s.m.dropped.Inc()
-			}
-			continue
-		}
-		ri := reqInfo{proto: protoUDP, client: from.Addr().Unmap()}
-		qt := uint16(0)
-		if len(req.Question) > 0 {
-			qt = req.Question[0].Qtype
-		}
-		resp, fwd := s.local(req, &ri)
-		if !fwd {
-			s.m.requests[protoUDP][qtypeIndex(qt)].Inc()
-			if resp == nil {
-				s.m.dropped.Inc()
-				continue
-			}
-			src := srcTable
-			switch resp.Rcode {
-			case dns.RcodeFormatError, dns.RcodeNotImplemented, dns.RcodeRefused, dns.RcodeBadVers:
-				src = srcError
-			}
-			s.finish(resp, &ri)
-			s.sendUDP(c, resp, out, reply, from)
-			s.observe(resp, src, start)
-			continue
-		}
-		s.m.requests[protoUDP][qtypeIndex(qt)].Inc()
-		if s.inflight.Add(1) > maxForwardInflight {
-			s.inflight.Add(-1)
-			resp := s.servfail(req)
-			s.finish(resp, &ri)
-			s.sendUDP(c, resp, out, reply, from)
-			s.observe(resp, srcError, start)
-			continue
-		}
-		// Hand the read buffer to the forward goroutine (the request may
-		// alias it) and take a fresh one.
-		s.wg.Add(1)
-		go s.forwardUDP(c, req, ri, from, append([]byte(nil), reply...), start, bp)
-		bp = s.bufs.Get().(*[]byte)
+		r.udpReply.send(b)
 	}
 }
 
-func (s *Server) forwardUDP(c *net.UDPConn, req *dns.Msg, ri reqInfo, from netip.AddrPort, reply []byte, start time.Time, bp *[]byte) {
-	defer s.wg.Done()
-	defer s.inflight.Add(-1)
-	resp, src := s.forward(s.ctx, req, &ri)
-	s.finish(resp, &ri)
-	s.sendUDP(c, resp, *bp, reply, from)
-	s.observe(resp, src, start)
-	s.bufs.Put(bp)
-}
+// bufPools holds response buffers for answers sent later (UDP and TCP sizes).
+type bufPools struct{ udp, tcp sync.Pool }
 
-func (s *Server) servfail(req *dns.Msg) *dns.Msg {
-	m := new(dns.Msg)
-	m.SetRcode(req, dns.RcodeServerFailure)
-	m.RecursionAvailable = true
-	return m
-}
-
-func (s *Server) sendUDP(c *net.UDPConn, resp *dns.Msg, out, reply []byte, to netip.AddrPort) {
-	b, err := resp.PackBuffer(out)
-	if err != nil {
-		s.log.Warn("pack response", "err", err, "name", firstName(resp))
-		b = headerOnly(resp.Id, resp.Opcode, dns.RcodeServerFailure, out)
+func (p *bufPools) get(size int) *[]byte {
+	pool, n := &p.udp, maxUDPResponse
+	if size > maxUDPResponse {
+		pool, n = &p.tcp, dns.MaxMsgSize
 	}
-	s.writeUDP(c, b, reply, to)
+	if b, ok := pool.Get().(*[]byte); ok {
+		return b
+	}
+	b := make([]byte, n)
+	return &b
 }
 
-func (s *Server) writeUDP(c *net.UDPConn, b, oob []byte, to netip.AddrPort) {
-	var err error
-	if oob != nil {
-		_, _, err = c.WriteMsgUDPAddrPort(b, oob, to)
+func (p *bufPools) put(b *[]byte) {
+	if len(*b) > maxUDPResponse {
+		p.tcp.Put(b)
 	} else {
-		_, err = c.WriteToUDPAddrPort(b, to)
-	}
-	if err != nil && !errors.Is(err, net.ErrClosed) {
-		s.log.Debug("udp write", "to", to, "err", err)
-	}
-}
-
-func firstName(m *dns.Msg) string {
-	if len(m.Question) > 0 {
-		return m.Question[0].Name
-	}
-	return ""
-}
-
-// headerOnly builds a 12-byte response with the given rcode.
-func headerOnly(id uint16, opcode, rcode int, out []byte) []byte {
-	b := out[:12]
-	clear(b)
-	binary.BigEndian.PutUint16(b[0:], id)
-	b[2] = 0x80 | byte(opcode&0xf)<<3
-	b[3] = 0x80 | byte(rcode&0xf) // RA
-	return b
-}
-
-// formErr answers a packet that does not unpack: FORMERR echoing ID and
-// opcode. A FORMERR response sent to us is not answered (nil): two servers
-// would otherwise bounce FORMERRs forever.
-func formErr(pkt, out []byte) []byte {
-	if pkt[2]&0x80 != 0 && pkt[3]&0xf == dns.RcodeFormatError {
-		return nil
-	}
-	b := headerOnly(binary.BigEndian.Uint16(pkt), int(pkt[2]>>3&0xf), dns.RcodeFormatError, out)
-	b[2] |= pkt[2] & 0x01 // RD
-	return b
-}
-
-func (s *Server) serveTCP(l net.Listener) {
-	defer s.wg.Done()
-	for {
-		c, err := l.Accept()
-		if err != nil {
-			if errors.Is(err, net.ErrClosed) || (s.draining.Load() && isTimeout(err)) {
-				return
-			}
-			s.log.Debug("tcp accept", "err", err)
-			time.Sleep(5 * time.Millisecond)
-			continue
-		}
-		s.mu.Lock()
-		if s.stopping.Load() {
-			s.mu.Unlock()
-			c.Close()
-			continue
-		}
-		s.conns[c] = struct{}{}
-		s.mu.Unlock()
-		s.dequeued(1)
-		s.wg.Add(1)
-		go s.serveConn(c)
-	}
-}
-
-// serveConn answers the queries of one TCP connection in order (RFC 7766
-// pipelining is allowed; answers come back in request order).
-func (s *Server) serveConn(c net.Conn) {
-	defer s.wg.Done()
-	defer func() {
-		s.mu.Lock()
-		delete(s.conns, c)
-		s.mu.Unlock()
-		c.Close()
-	}()
-	var client netip.Addr
-	if ap, err := netip.ParseAddrPort(c.RemoteAddr().String()); err == nil {
-		client = ap.Addr().Unmap()
-	}
-	bp := s.bufs.Get().(*[]byte)
-	defer s.bufs.Put(bp)
-	in := *bp
-	out := make([]byte, 2+dns.MaxMsgSize)
-	var hdr [2]byte
-	for {
-		idle := tcpIdleTimeout
-		if s.draining.Load() {
-			idle = drainIdle
-		}
-		_ = c.SetReadDeadline(time.Now().Add(idle))
-		if _, err := io.ReadFull(c, hdr[:]); err != nil {
-			return
-		}
-		n := int(binary.BigEndian.Uint16(hdr[:]))
-		if _, err := io.ReadFull(c, in[:n]); err != nil {
-			return
-		}
-		start := time.Now()
-		if n < 12 {
-			s.m.dropped.Inc()
-			return // no ID to answer to; the stream is unusable
-		}
-		var b []byte
-		var resp *dns.Msg
-		src := srcError
-		req := new(dns.Msg)
-		if err := req.Unpack(in[:n]); err != nil {
-			b = formErr(in[:n], out[2:])
-			s.m.requests[protoTCP][nQtypes-1].Inc()
-			if b == nil {
-				s.m.dropped.Inc()
-				continue
-			}
-			s.m.responses[rcodeIndex(dns.RcodeFormatError)][srcError].Inc()
-			s.m.duration[srcError].Observe(time.Since(start).Seconds())
-		} else {
-			ri := reqInfo{proto: protoTCP, client: client}
-			resp, src = s.respond(s.ctx, req, &ri)
-			if resp == nil {
-				continue
-			}
-			var err error
-			b, err = resp.PackBuffer(out[2:])
-			if err != nil {
-				s.log.Warn("pack response", "err", err, "name", firstName(resp))
-				b = headerOnly(resp.Id, resp.Opcode, dns.RcodeServerFailure, out[2:])
-			}
-			s.observe(resp, src, start)
-		}
-		var msg []byte
-		if &b[0] == &out[2] {
-			msg = out[:2+len(b)]
-		} else {
-			msg = append(make([]byte, 2, 2+len(b)), b...)
-		}
-		binary.BigEndian.PutUint16(msg, uint16(len(b)))
-		_ = c.SetWriteDeadline(time.Now().Add(tcpWriteTimeout))
-		if _, err := c.Write(msg); err != nil {
-			return
-		}
+		p.udp.Put(b)
 	}
 }

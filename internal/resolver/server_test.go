@@ -20,7 +20,7 @@ import (
 )
 
 func TestConfigErrors(t *testing.T) {
-	ok := Config{Listen: []string{"127.0.0.1:0"}, Table: &staticTable{}, Forwarder: &exchangeForwarder{}}
+	ok := Config{Listen: []string{"127.0.0.1:0"}, Table: &staticTable{}, Forwarder: failingForwarder{}}
 	tests := []struct {
 		name string
 		mod  func(*Config)
@@ -67,7 +67,7 @@ func TestStartAddressInUse(t *testing.T) {
 				defer l.Close()
 				addr = l.Addr().String()
 			}
-			s, err := New(Config{Listen: []string{"127.0.0.1:0", addr}, Table: &staticTable{}, Forwarder: &exchangeForwarder{},
+			s, err := New(Config{Listen: []string{"127.0.0.1:0", addr}, Table: &staticTable{}, Forwarder: failingForwarder{},
 				Logger: slog.New(slog.DiscardHandler)})
 			if err != nil {
 				t.Fatal(err)
@@ -233,7 +233,7 @@ func TestReloadThroughResolver(t *testing.T) {
 	fileErrors := func() float64 { return metrictest.Value(t, reg, "meshdns_names_source_errors_total", "source", "file") }
 
 	up := startUpstream(t)
-	s, err := New(Config{Listen: []string{"127.0.0.1:0"}, Table: w, Forwarder: &exchangeForwarder{addr: up.addr},
+	s, err := New(Config{Listen: []string{"127.0.0.1:0"}, Table: w, Forwarder: newForwarder(t, up.addr, nil),
 		Logger: slog.New(slog.DiscardHandler)})
 	if err != nil {
 		t.Fatal(err)

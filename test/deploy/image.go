@@ -30,6 +30,7 @@ type imageBuild struct {
 type buildInputs struct {
 	version, revision, epoch string
 	cache                    string // IMAGE_CACHE: the .debs, fetched once
+	lock                     string // IMAGE_LOCK: the committed lock, or a fresh one when it is stale
 }
 
 func headInputs(root string) (buildInputs, error) {
@@ -52,7 +53,40 @@ func headInputs(root string) (buildInputs, error) {
 	if cache == "" {
 		cache = filepath.Join(root, ".cache", "image")
 	}
-	return buildInputs{version: rev[:12], revision: rev, epoch: epoch, cache: cache}, nil
+	return buildInputs{version: rev[:12], revision: rev, epoch: epoch, cache: cache,
+		lock: filepath.Join(root, "deploy", "image", "debs.lock")}, nil
+}
+
+// ensureDebs fetches the .debs of the committed lock. Debian replaces
+// package versions on its mirrors (security and point releases); when a
+// locked version is not served any more, a fresh lock is resolved into
+// dir and used instead, so the reproducibility checks still run (both
+// builds use the same fresh inputs). The stale lock is reported: commit
+// the output of `make image-lock`.
+func ensureDebs(root, dir string, in *buildInputs) (stale string, err error) {
+	fetch := func(lock string) ([]byte, error) {
+		cmd := exec.Command(filepath.Join(root, "scripts", "image-debs.sh"), "fetch", "amd64")
+		cmd.Env = append(os.Environ(), "IMAGE_CACHE="+in.cache, "IMAGE_LOCK="+lock)
+		return cmd.CombinedOutput()
+	}
+	out, err := fetch(in.lock)
+	if err == nil {
+		return "", nil
+	}
+	if !strings.Contains(string(out), "is not served any more") {
+		return "", fmt.Errorf("fetch the image's Debian packages: %w\n%s", err, out)
+	}
+	fresh := filepath.Join(dir, "debs.lock")
+	cmd := exec.Command(filepath.Join(root, "scripts", "image-debs.sh"), "lock", "amd64")
+	cmd.Env = append(os.Environ(), "IMAGE_CACHE="+in.cache, "IMAGE_LOCK="+fresh)
+	if lout, lerr := cmd.CombinedOutput(); lerr != nil {
+		return "", fmt.Errorf("the committed lock is stale (%s) and a fresh one failed: %w\n%s", strings.TrimSpace(string(out)), lerr, lout)
+	}
+	if fout, ferr := fetch(fresh); ferr != nil {
+		return "", fmt.Errorf("fetch with a fresh lock: %w\n%s", ferr, fout)
+	}
+	in.lock = fresh
+	return strings.TrimSpace(string(out)), nil
 }
 
 // buildFromCleanCheckout extracts HEAD of root (git archive: committed files only)
@@ -63,7 +97,7 @@ func buildFromCleanCheckout(root, dir string, in buildInputs) (*imageBuild, erro
 		return nil, err
 	}
 	cmd := exec.Command("make", "-C", b.checkout, "image",
-		"IMAGE_CACHE="+in.cache, "IMAGE_OUT="+b.out, "VERSION="+in.version,
+		"IMAGE_CACHE="+in.cache, "IMAGE_LOCK="+in.lock, "IMAGE_OUT="+b.out, "VERSION="+in.version,
 		"REVISION="+in.revision, "SOURCE_DATE_EPOCH="+in.epoch)
 	var env []string
 	for _, e := range os.Environ() {

@@ -226,7 +226,7 @@ func newNode(t *testing.T) *node {
 		"*." + slowZone: {netip.MustParseAddr(slowIP)},
 	}
 	n.orig = testenv.StartFakeDNS(t, n.ns, origNS+":53", records)
-	n.orig.SetDelay("*."+slowZone, slowDelay)
+	n.orig.SetNameDelay("*."+slowZone, slowDelay)
 	n.orig6 = testenv.StartFakeDNS(t, n.ns, "["+origNS6+"]:53", records)
 	n.other = testenv.StartFakeDNS(t, n.ns, otherNS+":53", records)
 

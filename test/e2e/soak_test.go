@@ -80,12 +80,12 @@ func TestSoak(t *testing.T) {
 		switch sec % 30 {
 		case 5:
 			mark("upstream slow")
-			n.orig.SetDelay("*."+flakyZone, 800*time.Millisecond) // slow
+			n.orig.SetNameDelay("*."+flakyZone, 800*time.Millisecond) // slow
 		case 10:
 			mark("upstream down")
-			n.orig.SetDelay("*."+flakyZone, 10*time.Second) // down: answers long after anyone waits
+			n.orig.SetNameDelay("*."+flakyZone, 10*time.Second) // down: answers long after anyone waits
 		case 15:
-			n.orig.SetDelay("*."+flakyZone, 0)
+			n.orig.SetNameDelay("*."+flakyZone, 0)
 			n.orig.Reset() // its query log would grow for the whole soak
 			reloads++
 			short := fmt.Sprintf("soak-%d", reloads)
@@ -116,7 +116,7 @@ func TestSoak(t *testing.T) {
 			}
 		}
 	}
-	n.orig.SetDelay("*."+flakyZone, 0)
+	n.orig.SetNameDelay("*."+flakyZone, 0)
 	res := ld.stop()
 	el := time.Since(start)
 	miss := n.mapMiss() - missBefore

@@ -323,6 +323,9 @@ func (b *bench) runDatapath(ctx context.Context) datapathReport {
 	for i := range rep.rows {
 		rep.rows[i].fixed = medianRun(rep.rows[i].fixedRuns, p50)
 	}
+	if ctx.Err() == nil {
+		b.lookups = b.runLookups(ctx, env, port, fakePort, resolv)
+	}
 	return rep
 }
 

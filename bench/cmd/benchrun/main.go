@@ -35,6 +35,7 @@ type config struct {
 	meshBin, coreDNS     string
 	meshSkip, meshArgs   string
 	fakeBin, floorBin    string
+	lookupBin            string
 	unboundBin, dnsmasq  string
 	peers, scenarios     []string
 	reps                 int
@@ -64,11 +65,12 @@ func parseConfig() (config, error) {
 	flag.StringVar(&c.work, "work", filepath.Join(os.TempDir(), "meshdns-bench"), "scratch directory (data, configs, logs)")
 	flag.StringVar(&c.out, "out", "bench/RESULTS.md", "results file (relative to -repo)")
 	flag.StringVar(&c.meshBin, "meshdns", "bin/meshdns-ebpf", "our binary (relative to -repo); missing = skipped")
-	flag.StringVar(&c.meshArgs, "meshdns-args", "--authoritative", "extra flags for our resolver (space-separated); every peer is authoritative for the mesh zone")
+	flag.StringVar(&c.meshArgs, "meshdns-args", "--authoritative=true", "extra flags for our resolver (space-separated); every peer is authoritative for the mesh zone")
 	flag.StringVar(&c.meshSkip, "meshdns-skip", "", "skip meshdns with this reason (run.sh sets it when the build fails)")
 	flag.StringVar(&c.coreDNS, "coredns", filepath.Join(cache, "meshdns-bench", "bin", "coredns"), "CoreDNS binary")
 	flag.StringVar(&c.fakeBin, "fakeupstream", "", "fake upstream binary (built by run.sh)")
 	flag.StringVar(&c.floorBin, "floor", "", "floor server binary (built by run.sh)")
+	flag.StringVar(&c.lookupBin, "lookup", "", "getaddrinfo-style lookup timer (built by run.sh; empty skips the lookup-latency table)")
 	flag.StringVar(&c.unboundBin, "unbound", "unbound", "unbound binary")
 	flag.StringVar(&c.dnsmasq, "dnsmasq", "dnsmasq", "dnsmasq binary")
 	flag.StringVar(&peers, "peers", strings.Join(allPeers, ","), "servers to run, in order")
@@ -182,6 +184,7 @@ type bench struct {
 	scale    []scaleResult
 	scaleErr string
 	datapath datapathReport
+	lookups  lookupReport
 	started  time.Time
 	notes    []string
 }

@@ -57,6 +57,7 @@ type File struct {
 	last  fingerprint
 	tried bool
 	ready *content // checked before Run, delivered first by Run
+	took  time.Duration
 }
 
 type content struct {
@@ -90,13 +91,14 @@ func (f *File) Path() string { return f.path }
 func (f *File) Check() error {
 	f.mu.Lock()
 	defer f.mu.Unlock()
+	start := time.Now()
 	fp := f.stat()
 	c, err := f.read()
 	f.last, f.tried = fp, true
 	if err != nil {
 		return err
 	}
-	f.ready = c
+	f.ready, f.took = c, time.Since(start)
 	return nil
 }
 
@@ -210,14 +212,15 @@ func (f *File) load(sink names.Sink, force bool) {
 // fallback.
 func (f *File) Run(ctx context.Context, sink names.Sink) error {
 	f.mu.Lock()
-	c := f.ready
+	c, took := f.ready, f.took
 	f.ready = nil
 	f.mu.Unlock()
 	if c != nil {
+		start := time.Now()
 		if err := sink.Load(c.hosts, c.clients); err != nil {
 			return err
 		}
-		f.log.Info("name table loaded", "hosts", len(c.hosts), "clients", len(c.clients))
+		f.log.Info("name table loaded", "hosts", len(c.hosts), "clients", len(c.clients), "duration", took+time.Since(start))
 	} else {
 		f.load(sink, true)
 	}

@@ -34,7 +34,7 @@ type Builder struct {
 	keys    map[string]map[string][]*Host   // source -> key -> hosts
 	clients map[string]map[string]clientRec // source -> key -> client IPs
 	multi   map[string][]*Host              // name -> contributors, when more than one
-	shorts  map[string]*shortRec            // "<short>." -> namespaces having it
+	shorts  map[string]shortRec             // "<short>." -> namespaces having it
 	ents    map[string]int32                // empty non-terminal -> names below it
 	vips    vipAllocator
 	pending []*Host // hosts waiting for a VIP
@@ -48,7 +48,7 @@ type Builder struct {
 	w    struct {
 		names, wildcards, bare smapWriter[string, *Name]
 		ents                   smapWriter[string, struct{}]
-		ptr                    smapWriter[netip.Addr, []string]
+		ptr                    smapWriter[netip.Addr, ptrNames]
 	}
 }
 
@@ -85,7 +85,7 @@ func NewBuilder(opts Options) (*Builder, error) {
 		keys:    map[string]map[string][]*Host{},
 		clients: map[string]map[string]clientRec{},
 		multi:   map[string][]*Host{},
-		shorts:  map[string]*shortRec{},
+		shorts:  map[string]shortRec{},
 		ents:    map[string]int32{},
 		vips:    newVIPAllocator(),
 	}
@@ -94,7 +94,7 @@ func NewBuilder(opts Options) (*Builder, error) {
 		wildcards: newSmap[string, *Name](),
 		bare:      newSmap[string, *Name](),
 		ents:      newSmap[string, struct{}](),
-		ptr:       newSmap[netip.Addr, []string](),
+		ptr:       newSmap[netip.Addr, ptrNames](),
 		domain:    domain,
 		svc:       b.svc,
 		ttl:       ttl,
@@ -119,11 +119,12 @@ func (b *Builder) AddSource(name string, priority int) {
 func (b *Builder) Objects(source string) int { return len(b.keys[source]) }
 
 // Set replaces the hosts the source's object key contributes; no hosts
-// removes the key. Hosts are copied. A host that fails validation is an
-// error and nothing changes.
+// removes the key. The Host values are copied, but the table may keep
+// their slices (addresses, ports, names): a source must not change them
+// after the call. A host that fails validation is an error and nothing
+// changes.
 func (b *Builder) Set(source, key string, hosts []Host) error {
-	prio, ok := b.prio[source]
-	if !ok {
+	if _, ok := b.prio[source]; !ok {
 		return fmt.Errorf("nametable: unknown source %q", source)
 	}
 	nh := make([]*Host, 0, len(hosts))
@@ -133,7 +134,7 @@ func (b *Builder) Set(source, key string, hosts []Host) error {
 		if err := b.normalize(h); err != nil {
 			return fmt.Errorf("host %q: %w", hosts[i].Name, err)
 		}
-		h.Source, h.key, h.prio = source, key, prio
+		h.Source, h.key = source, key
 		nh = append(nh, h)
 	}
 	skeys := b.keys[source]
@@ -440,7 +441,7 @@ func (b *Builder) merge(x string, list []*Host) *Name {
 			}
 			return -1
 		}
-		return cmp.Or(cmp.Compare(q.prio, p.prio), cmp.Compare(p.Source, q.Source),
+		return cmp.Or(cmp.Compare(b.prio[q.Source], b.prio[p.Source]), cmp.Compare(p.Source, q.Source),
 			cmp.Compare(p.Name, q.Name), cmp.Compare(p.key, q.key))
 	})
 	win := sorted[0]
@@ -530,8 +531,8 @@ func (b *Builder) setEntry(x string, e *Name) {
 		b.index(x, e.Host)
 	}
 	for _, n := range []*Name{old, e} {
-		if n != nil && n.Host.Shortname != "" && n.Host.Name == x {
-			b.refreshBare(n.Host.Shortname + ".")
+		if n != nil && n.Host.shortLen > 0 && n.Host.Name == x {
+			b.refreshBare(n.Host.shortLabel())
 			break
 		}
 	}
@@ -555,8 +556,8 @@ func (b *Builder) index(x string, h *Host) {
 	if h.inDomain {
 		b.entAdd(x, +1)
 	}
-	if h.Shortname != "" {
-		b.shortAdd(h.Shortname+".", h.Namespace, +1)
+	if h.shortLen > 0 {
+		b.shortAdd(h.shortLabel(), h.Namespace(), +1)
 	}
 }
 
@@ -576,31 +577,33 @@ func (b *Builder) unindex(x string, h *Host) {
 	if h.inDomain {
 		b.entAdd(x, -1)
 	}
-	if h.Shortname != "" {
-		b.shortAdd(h.Shortname+".", h.Namespace, -1)
+	if h.shortLen > 0 {
+		b.shortAdd(h.shortLabel(), h.Namespace(), -1)
 	}
 }
 
 func (b *Builder) ptrAdd(a netip.Addr, x string) {
 	cur, _ := b.w.ptr.get(a)
-	i, found := slices.BinarySearch(cur, x)
+	names := cur.list()
+	i, found := slices.BinarySearch(names, x)
 	if found {
 		return
 	}
-	b.w.ptr.set(a, slices.Insert(slices.Clip(slices.Clone(cur)), i, x))
+	b.w.ptr.set(a, newPtrNames(slices.Insert(slices.Clone(names), i, x)))
 }
 
 func (b *Builder) ptrDel(a netip.Addr, x string) {
 	cur, _ := b.w.ptr.get(a)
-	i, found := slices.BinarySearch(cur, x)
+	names := cur.list()
+	i, found := slices.BinarySearch(names, x)
 	if !found {
 		return
 	}
-	if len(cur) == 1 {
+	if len(names) == 1 {
 		b.w.ptr.del(a)
 		return
 	}
-	b.w.ptr.set(a, slices.Delete(slices.Clone(cur), i, i+1))
+	b.w.ptr.set(a, newPtrNames(slices.Delete(slices.Clone(names), i, i+1)))
 }
 
 // entAdd counts x below each of its ancestors under (not including) the
@@ -629,21 +632,21 @@ func (b *Builder) entAdd(x string, delta int32) {
 }
 
 func (b *Builder) shortAdd(label, ns string, delta int32) {
-	r := b.shorts[label]
-	if r == nil {
-		if delta < 0 {
-			return
+	r, ok := b.shorts[label]
+	switch {
+	case !ok:
+		if delta > 0 {
+			b.shorts[label] = shortRec{ns: ns, n: delta}
 		}
-		b.shorts[label] = &shortRec{ns: ns, n: delta}
 		return
-	}
-	if r.more == nil && r.ns == ns {
+	case r.more == nil && r.ns == ns:
 		if r.n += delta; r.n <= 0 {
 			delete(b.shorts, label)
+		} else {
+			b.shorts[label] = r
 		}
 		return
-	}
-	if r.more == nil {
+	case r.more == nil:
 		r.more = map[string]int32{r.ns: r.n}
 	}
 	if r.more[ns] += delta; r.more[ns] <= 0 {
@@ -652,19 +655,21 @@ func (b *Builder) shortAdd(label, ns string, delta int32) {
 	switch len(r.more) {
 	case 0:
 		delete(b.shorts, label)
+		return
 	case 1:
 		for k, v := range r.more {
 			r.ns, r.n = k, v
 		}
 		r.more = nil
 	}
+	b.shorts[label] = r
 }
 
 // refreshBare keeps the bare name "<short>." pointing at the Service of
 // the only namespace that has it, or absent when none or several do.
 func (b *Builder) refreshBare(label string) {
-	r := b.shorts[label]
-	if r == nil || r.more != nil {
+	r, ok := b.shorts[label]
+	if !ok || r.more != nil {
 		b.w.bare.del(label)
 		return
 	}

@@ -56,8 +56,8 @@ func dump(tb *Table) string {
 	tb.names.each(func(k string, e *Name) bool { lines = append(lines, "name "+k+" -> "+chain(e)); return true })
 	tb.wildcards.each(func(k string, e *Name) bool { lines = append(lines, "wild "+k+" -> "+chain(e)); return true })
 	tb.bare.each(func(k string, e *Name) bool { lines = append(lines, "bare "+k+" -> "+chain(e)); return true })
-	tb.ptr.each(func(k netip.Addr, v []string) bool {
-		lines = append(lines, fmt.Sprintf("ptr %s -> %v", k, v))
+	tb.ptr.each(func(k netip.Addr, v ptrNames) bool {
+		lines = append(lines, fmt.Sprintf("ptr %s -> %v", k, v.list()))
 		return true
 	})
 	tb.ents.each(func(k string, _ struct{}) bool { lines = append(lines, "ent "+k); return true })

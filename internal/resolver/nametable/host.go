@@ -57,19 +57,17 @@ type Host struct {
 	Wildcard bool
 	// AutoVIP is true when V4 and V6 were allocated by the table.
 	AutoVIP bool
-	// Namespace and Shortname of a Kubernetes host named
-	// <short>.<ns>.svc.<domain>.
-	Namespace, Shortname string
 	// Source is the name of the source that contributed the host (of the
 	// winning one, for a merged host).
 	Source string
 
 	key      string // the source's object key
-	prio     int    // the source's priority
 	soa      *dns.SOA
-	inDomain bool // under the cluster domain
-	linked   bool // has names in the table (false: no data, left out)
-	self     Name // the entry of the canonical name, when it wins alone
+	shortLen uint8 // of a Kubernetes host named <short>.<ns>.svc.<domain>: len(<short>)
+	nsLen    uint8 // and len(<ns>)
+	inDomain bool  // under the cluster domain
+	linked   bool  // has names in the table (false: no data, left out)
+	self     Name  // the entry of the canonical name, when it wins alone
 }
 
 // HostPort is a named port, answered as SRV _<name>._<protocol>.<host>.
@@ -81,6 +79,23 @@ type HostPort struct {
 	// has one entry per endpoint and port, each naming its endpoint.
 	Target string
 }
+
+// Shortname is <short> of a Kubernetes host named <short>.<ns>.svc.<domain>,
+// else "".
+func (h *Host) Shortname() string { return h.Name[:h.shortLen] }
+
+// Namespace is <ns> of a Kubernetes host named <short>.<ns>.svc.<domain>,
+// else "".
+func (h *Host) Namespace() string {
+	if h.shortLen == 0 {
+		return ""
+	}
+	i := int(h.shortLen) + 1
+	return h.Name[i : i+int(h.nsLen)]
+}
+
+// shortLabel is "<short>." (a substring of the name: no allocation).
+func (h *Host) shortLabel() string { return h.Name[:h.shortLen+1] }
 
 // HasData reports whether the host has anything to answer: addresses or a
 // CNAME.
@@ -107,6 +122,9 @@ func (h *Host) SRVTarget(p *HostPort) string {
 // allowed only as the whole first label of a name with at least two more
 // labels.
 func NormName(s string) (string, error) {
+	if isNormal(s) {
+		return s, nil // the common case (sources build FQDNs): no allocation
+	}
 	n := strings.ToLower(strings.TrimSpace(s))
 	if n == "" || n == "." {
 		return "", fmt.Errorf("empty host name")
@@ -130,6 +148,31 @@ func NormName(s string) (string, error) {
 	return n, nil
 }
 
+// isNormal reports whether s is already a lower-case FQDN of plain labels
+// with the trailing dot, no wildcard.
+func isNormal(s string) bool {
+	if len(s) < 2 || len(s) > 254 || s[len(s)-1] != '.' {
+		return false
+	}
+	label := 0
+	for i := 0; i < len(s); i++ {
+		c := s[i]
+		switch {
+		case c == '.':
+			if label == 0 || label > 63 {
+				return false
+			}
+			label = 0
+			continue
+		case c >= 'a' && c <= 'z', c >= '0' && c <= '9', c == '-', c == '_':
+		default:
+			return false
+		}
+		label++
+	}
+	return true
+}
+
 // isLabel reports whether s is one lower-case DNS label of letters, digits,
 // '-' and '_'.
 func isLabel(s string) bool {
@@ -148,6 +191,9 @@ func isLabel(s string) bool {
 // normAddrs unmaps, de-duplicates and splits addresses by family, keeping
 // their order.
 func normAddrs(v4, v6 []netip.Addr) (o4, o6 []netip.Addr, err error) {
+	if addrsNormal(v4, true) && addrsNormal(v6, false) {
+		return v4, v6, nil // no copy
+	}
 	add := func(a netip.Addr) error {
 		if !a.IsValid() || a.Zone() != "" {
 			return fmt.Errorf("%q is not an IP address", a)
@@ -175,6 +221,17 @@ func normAddrs(v4, v6 []netip.Addr) (o4, o6 []netip.Addr, err error) {
 	return o4, o6, nil
 }
 
+// addrsNormal reports whether addrs are valid, unmapped, of the family and
+// without duplicates.
+func addrsNormal(addrs []netip.Addr, v4 bool) bool {
+	for i, a := range addrs {
+		if !a.IsValid() || a.Zone() != "" || a.Is4In6() || a.Is4() != v4 || slices.Contains(addrs[:i], a) {
+			return false
+		}
+	}
+	return true
+}
+
 // normalize checks and completes h (a copy the Builder owns).
 func (b *Builder) normalize(h *Host) error {
 	n, err := NormName(h.Name)
@@ -199,10 +256,11 @@ func (b *Builder) normalize(h *Host) error {
 		}
 	}
 	h.AutoVIP = false
-	h.Namespace, h.Shortname = "", ""
+	h.shortLen, h.nsLen = 0, 0
 	if h.Kubernetes && !h.Wildcard && strings.HasSuffix(n, b.svc) {
-		if parts := strings.Split(strings.TrimSuffix(n, b.svc), "."); len(parts) == 2 {
-			h.Shortname, h.Namespace = n[:len(parts[0])], n[len(parts[0])+1:len(parts[0])+1+len(parts[1])]
+		head := n[:len(n)-len(b.svc)] // "<short>.<ns>"
+		if i := strings.IndexByte(head, '.'); i > 0 && i < len(head)-1 && strings.IndexByte(head[i+1:], '.') < 0 {
+			h.shortLen, h.nsLen = uint8(i), uint8(len(head)-i-1)
 		}
 	}
 	if len(h.AltNames) > 0 {
@@ -218,7 +276,7 @@ func (b *Builder) normalize(h *Host) error {
 		}
 		h.AltNames = alts
 	}
-	if len(h.Ports) > 0 {
+	if len(h.Ports) > 0 && !portsNormal(h.Ports) {
 		ports := make([]HostPort, len(h.Ports))
 		for i, p := range h.Ports {
 			p.Name = strings.ToLower(p.Name)
@@ -253,6 +311,18 @@ func (b *Builder) normalize(h *Host) error {
 		h.Visible = slices.Compact(vis)
 	}
 	return nil
+}
+
+// portsNormal reports whether ports need no change (lower-case labels,
+// protocol given, targets normal).
+func portsNormal(ports []HostPort) bool {
+	for _, p := range ports {
+		if !isLabel(p.Name) || p.Port == 0 || (p.Protocol != "tcp" && p.Protocol != "udp" && p.Protocol != "sctp") ||
+			(p.Target != "" && !isNormal(p.Target)) {
+			return false
+		}
+	}
+	return true
 }
 
 // sameHost reports whether two normalised hosts answer the same, so that an

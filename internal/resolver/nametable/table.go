@@ -50,7 +50,7 @@ type nsKey struct{ label, ns string }
 type Table struct {
 	names     smap[string, *Name]
 	wildcards smap[string, *Name]        // key: the parent of "*.", e.g. "example.com."
-	ptr       smap[netip.Addr, []string] // address -> host names
+	ptr       smap[netip.Addr, ptrNames] // address -> host names
 	bare      smap[string, *Name]        // unambiguous bare Kubernetes short names, key "reviews."
 	ents      smap[string, struct{}]     // empty non-terminals under the domain
 	clients   map[netip.Addr]string      // client IP -> namespace
@@ -108,7 +108,31 @@ func (t *Table) PTR(name string) []string {
 		return nil
 	}
 	v, _ := t.ptr.get(a)
-	return v
+	return v.list()
+}
+
+// ptrNames are the sorted host names of one address: one inline (the
+// common case costs no allocation), more in a slice.
+type ptrNames struct {
+	one  string
+	more []string // all of them, when more than one
+}
+
+func newPtrNames(names []string) ptrNames {
+	if len(names) == 1 {
+		return ptrNames{one: names[0]}
+	}
+	return ptrNames{more: names}
+}
+
+func (p ptrNames) list() []string {
+	if p.more != nil {
+		return p.more
+	}
+	if p.one == "" {
+		return nil
+	}
+	return []string{p.one}
 }
 
 // IsEmptyNonTerminal reports whether a lower-case name under the cluster
@@ -214,7 +238,7 @@ func (t *Table) kubeShort(head, ns string) *Name {
 	}
 	full := unsafe.String(&buf[0], n)
 	e, ok := t.names.get(full)
-	if !ok || !e.Host.Kubernetes || e.Host.Shortname == "" {
+	if !ok || !e.Host.Kubernetes || e.Host.shortLen == 0 {
 		return nil
 	}
 	// Only hosts whose canonical name this is (not an alt name).

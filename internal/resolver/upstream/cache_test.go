@@ -2,7 +2,6 @@ package upstream
 
 import (
 	"context"
-	"encoding/binary"
 	"fmt"
 	"math/rand/v2"
 	"strings"
@@ -98,7 +97,7 @@ func TestCacheTTLDecreasesAndExpires(t *testing.T) {
 	f, _, clk := testForwarder(t, cfg)
 	steps := []struct {
 		advance time.Duration
-		wantSrc string
+		wantSrc Source
 		wantTTL uint32
 	}{
 		{0, SourceUpstream, 100},
@@ -151,7 +150,7 @@ func TestCacheKey(t *testing.T) {
 
 func TestSingleflight(t *testing.T) {
 	up := startFake(t, answerA(300))
-	up.delay.Store(int64(200 * time.Millisecond))
+	up.SetDelay(200 * time.Millisecond)
 	f, _, _ := testForwarder(t, NewConfig(up.addr))
 	const n = 50
 	var wg sync.WaitGroup
@@ -168,7 +167,7 @@ func TestSingleflight(t *testing.T) {
 				}
 			}
 			req := query(string(b), dns.TypeA, uint16(1000+i))
-			resp, src, err := f.Forward(context.Background(), req)
+			resp, src, err := forwardMsg(t, context.Background(), f, req)
 			switch {
 			case err != nil:
 				errs <- err
@@ -199,7 +198,7 @@ func TestServeStale(t *testing.T) {
 	forward(t, f, query("stale.example.", dns.TypeA, 1))
 
 	// Expired, upstream answers SERVFAIL: stale answer with TTL 30.
-	up.setRespond(func(_ string, req *dns.Msg) []*dns.Msg {
+	up.SetRespond(func(_ string, req *dns.Msg) []*dns.Msg {
 		m := new(dns.Msg)
 		return []*dns.Msg{m.SetRcode(req, dns.RcodeServerFailure)}
 	})
@@ -210,7 +209,7 @@ func TestServeStale(t *testing.T) {
 	}
 
 	// Upstream gone (connection refused): still stale, and the upstream is marked down.
-	up.close()
+	up.Close()
 	start := time.Now()
 	resp, src = forward(t, f, query("STALE.example.", dns.TypeA, 3))
 	if src != SourceStale || len(resp.Answer) != 1 || resp.Answer[0].(*dns.A).A.String() != "192.0.2.1" {
@@ -234,7 +233,7 @@ func TestServeStale(t *testing.T) {
 
 	// Past the stale window: SERVFAIL (error).
 	clk.advance(cfg.StaleTTL)
-	if resp, src, err := f.Forward(context.Background(), query("stale.example.", dns.TypeA, 5)); err == nil {
+	if resp, src, err := forwardMsg(t, context.Background(), f, query("stale.example.", dns.TypeA, 5)); err == nil {
 		t.Errorf("past the stale window: got source %q answer %v, want an error", src, resp)
 	}
 }
@@ -250,9 +249,10 @@ func TestPrefetch(t *testing.T) {
 	for range 2 * PrefetchMinHits {
 		forward(t, f, popular)
 	}
-	time.Sleep(100 * time.Millisecond)
-	if up.count() != 2 {
-		t.Fatalf("hits above %d%% of the TTL: upstream saw %d queries, want 2", PrefetchPercent, up.count())
+	// A prefetch registers its upstream resolution before the hit returns, so "none
+	// started" is known at once: no resolution in flight, none counted.
+	if n := inFlight(f); n != 0 || metrictest.Value(t, reg, "meshdns_cache_prefetch_total") != 0 || up.count() != 2 {
+		t.Fatalf("hits above %d%% of the TTL: %d resolutions in flight, upstream saw %d queries; want none and 2", PrefetchPercent, n, up.count())
 	}
 	clk.advance(6 * time.Second) // 9 s of 100 left
 	for i := range PrefetchMinHits {
@@ -263,9 +263,8 @@ func TestPrefetch(t *testing.T) {
 	}
 	waitFor(t, 2*time.Second, "the prefetch query", func() bool { return up.count() == 3 })
 	forward(t, f, rare) // one hit near expiry: not popular, no prefetch
-	time.Sleep(100 * time.Millisecond)
-	if up.count() != 3 {
-		t.Errorf("unpopular entry was prefetched: upstream saw %d queries, want 3", up.count())
+	if got := metrictest.Value(t, reg, "meshdns_cache_prefetch_total"); got != 1 {
+		t.Errorf("unpopular entry was prefetched: %v prefetches, want only the popular one", got)
 	}
 	waitFor(t, time.Second, "the refreshed entry", func() bool {
 		resp, src := forward(t, f, popular)
@@ -332,8 +331,8 @@ func TestHashKeyCaseInsensitive(t *testing.T) {
 	}
 }
 
-// Cached serves exactly the hits Forward serves (same key, TTL, sections, metrics) as
-// bytes, and declines (counting nothing) what Forward must handle.
+// Cached serves exactly the hits Forward serves (same key, TTL, sections, metrics), and
+// declines (counting nothing) what Forward must handle.
 func TestCachedWire(t *testing.T) {
 	up := startFake(t, answerA(100))
 	cfg := NewConfig(up.addr)
@@ -343,7 +342,10 @@ func TestCachedWire(t *testing.T) {
 		return metrictest.Value(t, reg, "meshdns_cache_hits_total", "type", "success") +
 			metrictest.Value(t, reg, "meshdns_cache_hits_total", "type", "denial")
 	}
-	if _, ok := f.Cached("w.example.", dns.TypeA, dns.ClassINET, false, false, 512); ok {
+	cached := func(qtype uint16, do, cd bool) (Answer, bool) {
+		return f.Cached(&Query{Name: "w.example.", Qtype: qtype, Qclass: dns.ClassINET, DO: do, CD: cd})
+	}
+	if _, ok := cached(dns.TypeA, false, false); ok {
 		t.Fatal("Cached hit before anything was fetched")
 	}
 	forward(t, f, query("W.Example.", dns.TypeA, 1))
@@ -355,51 +357,38 @@ func TestCachedWire(t *testing.T) {
 		advance time.Duration
 		qtype   uint16
 		do, cd  bool
-		room    int
 		ok      bool
 		ttl     uint32
 	}{
-		{"positive", 0, dns.TypeA, false, false, 512, true, 100},
-		{"ttl counts down", 40 * time.Second, dns.TypeA, false, false, 512, true, 60},
-		{"denial (SOA minimum 60)", 0, dns.TypeAAAA, false, false, 512, true, 20},
-		{"do is another key", 0, dns.TypeA, true, false, 512, false, 0},
-		{"cd is another key", 0, dns.TypeA, false, true, 512, false, 0},
-		{"no room", 0, dns.TypeA, false, false, 10, false, 0},
-		{"expired: stale belongs to Forward", 60 * time.Second, dns.TypeA, false, false, 512, false, 0},
+		{"positive", 0, dns.TypeA, false, false, true, 100},
+		{"ttl counts down", 40 * time.Second, dns.TypeA, false, false, true, 60},
+		{"denial (SOA minimum 60)", 0, dns.TypeAAAA, false, false, true, 20},
+		{"do is another key", 0, dns.TypeA, true, false, false, 0},
+		{"cd is another key", 0, dns.TypeA, false, true, false, 0},
+		{"expired: stale belongs to Forward", 60 * time.Second, dns.TypeA, false, false, false, 0},
 	}
 	wantHits := base
 	for _, s := range steps {
 		clk.advance(s.advance)
-		a, ok := f.Cached("w.example.", s.qtype, dns.ClassINET, s.do, s.cd, s.room)
+		a, ok := cached(s.qtype, s.do, s.cd)
 		if ok != s.ok {
 			t.Fatalf("%s: ok = %v, want %v", s.name, ok, s.ok)
 		}
 		if ok {
 			wantHits++
-			// The same hit through Forward (counted too), packed the way the resolver
-			// does, must carry the same sections and TTLs.
+			if a.Source != SourceCache {
+				t.Fatalf("%s: source %v, want cache", s.name, a.Source)
+			}
+			// The same hit through Forward (counted too) carries the same sections.
 			req := query("w.example.", s.qtype, 7)
 			resp, src := forward(t, f, req)
 			wantHits++
 			if src != SourceCache {
 				t.Fatalf("%s: Forward source %q, want cache", s.name, src)
 			}
-			m := new(dns.Msg)
-			m.Id, m.Response, m.Rcode = 7, true, int(a.Rcode)
-			m.Question = req.Question
-			pkt, err := m.Pack()
-			if err != nil {
-				t.Fatal(err)
-			}
-			binary.BigEndian.PutUint16(pkt[6:], a.Answer)
-			binary.BigEndian.PutUint16(pkt[8:], a.Authority)
-			binary.BigEndian.PutUint16(pkt[10:], a.Extra)
-			got := new(dns.Msg)
-			if err := got.Unpack(append(pkt, a.Records...)); err != nil {
-				t.Fatalf("%s: wire records do not unpack: %v", s.name, err)
-			}
+			got := toMsg(t, req, a)
 			if fmt.Sprint(got.Answer, got.Ns, got.Extra) != fmt.Sprint(resp.Answer, resp.Ns, resp.Extra) || got.Rcode != resp.Rcode {
-				t.Fatalf("%s: wire %v %v %v rcode %d; Forward %v %v %v rcode %d", s.name,
+				t.Fatalf("%s: Cached %v %v %v rcode %d; Forward %v %v %v rcode %d", s.name,
 					got.Answer, got.Ns, got.Extra, got.Rcode, resp.Answer, resp.Ns, resp.Extra, resp.Rcode)
 			}
 			for _, rr := range append(got.Answer, got.Ns...) {
@@ -412,4 +401,43 @@ func TestCachedWire(t *testing.T) {
 			t.Fatalf("%s: cache hits metric %v, want %v", s.name, h, wantHits)
 		}
 	}
+}
+
+// Issue 13: the cache is capped in bytes. Large answers (64 KiB over TCP) cannot make
+// it grow past CacheBytes, however many names are asked.
+func TestCacheBytesCap(t *testing.T) {
+	const records = 400 // ~ 400 x 60-byte TXT = 24 KiB per answer
+	up := startFake(t, func(proto string, req *dns.Msg) []*dns.Msg {
+		m := new(dns.Msg)
+		m.SetReply(req)
+		for i := range records {
+			m.Answer = append(m.Answer, mustRR("%s 300 IN TXT \"%s-%03d\"", req.Question[0].Name, strings.Repeat("x", 40), i))
+		}
+		if proto == "udp" {
+			m.Truncate(EDNSBufferSize)
+		}
+		return []*dns.Msg{m}
+	})
+	cfg := NewConfig(up.addr)
+	cfg.CacheBytes = 2 << 20
+	f, reg, _ := testForwarder(t, cfg)
+	for i := range 200 {
+		resp, _ := forward(t, f, query(fmt.Sprintf("big%d.example.", i), dns.TypeTXT, uint16(i)))
+		if len(resp.Answer) != records {
+			t.Fatalf("answer %d has %d records, want %d", i, len(resp.Answer), records)
+		}
+	}
+	used := metrictest.Value(t, reg, "meshdns_cache_bytes")
+	n := metrictest.Value(t, reg, "meshdns_cache_entries")
+	t.Logf("200 answers of ~%d KiB: cache holds %v entries, %.1f MiB (cap %d MiB)", 24, n, used/(1<<20), cfg.CacheBytes>>20)
+	if used > float64(cfg.CacheBytes) || n >= 200 || n == 0 {
+		t.Errorf("cache holds %v entries and %v bytes, want fewer than 200 and at most %d bytes", n, used, cfg.CacheBytes)
+	}
+}
+
+// inFlight is the number of upstream resolutions running.
+func inFlight(f *Forwarder) int {
+	f.flightMu.Lock()
+	defer f.flightMu.Unlock()
+	return len(f.flights)
 }

@@ -12,10 +12,15 @@ import (
 
 // Defaults applied by NewConfig and by New to zero-valued fields.
 const (
-	DefaultTimeout        = 2 * time.Second
+	DefaultTimeout        = 3 * time.Second
 	DefaultAttemptTimeout = 500 * time.Millisecond
+	DefaultMinAttempt     = 100 * time.Millisecond
+	DefaultMaxFails       = 3
 	DefaultMaxInFlight    = 1000
-	DefaultCacheSize      = 10000
+	DefaultCacheSize      = 100000
+	// DefaultCacheBytes keeps the cache well inside the DaemonSet's 256 MiB memory
+	// limit, with room for the Go heap's growth headroom, the name table and traffic.
+	DefaultCacheBytes     = 32 << 20
 	DefaultMinTTL         = 5 * time.Second
 	DefaultMaxTTL         = time.Hour
 	DefaultMaxNegTTL      = 30 * time.Minute
@@ -45,15 +50,26 @@ type Config struct {
 	// the iptables fallback use it to never capture the resolver's own queries.
 	Mark uint32
 	// Timeout bounds a whole upstream resolution (all attempts) before the caller
-	// answers SERVFAIL.
+	// answers SERVFAIL. A reply to any earlier attempt is accepted until then, so an
+	// upstream slower than one attempt's timeout is still answered.
 	Timeout time.Duration
-	// AttemptTimeout bounds one attempt against one upstream.
-	AttemptTimeout time.Duration
+	// AttemptTimeout is the per-attempt timeout of an upstream before its round-trip
+	// time has been measured. After that each upstream's timeout is its smoothed RTT
+	// plus four deviations (RFC 6298), at least MinAttemptTimeout, doubled after each
+	// timeout until a clean sample.
+	AttemptTimeout    time.Duration
+	MinAttemptTimeout time.Duration
+	// MaxFails consecutive failed attempts (timeouts or socket errors) mark an
+	// upstream unhealthy; any answer resets the count.
+	MaxFails int
 	// MaxInFlight caps concurrent upstream queries; beyond it Forward fails fast with
 	// ErrOverloaded (or serves a stale answer when it has one).
 	MaxInFlight int
 	// CacheSize is the cache capacity in entries: 0 = default, negative = no cache.
 	CacheSize int
+	// CacheBytes caps the cache's memory (its estimate of each entry's footprint):
+	// 0 = default.
+	CacheBytes int
 	// MinTTL is the floor, MaxTTL the cap of a positive answer's cache lifetime, and
 	// MaxNegTTL the cap of a negative (NXDOMAIN/NODATA) one.
 	MinTTL, MaxTTL, MaxNegTTL time.Duration
@@ -84,6 +100,15 @@ func (c *Config) setDefaults() {
 	}
 	if c.AttemptTimeout == 0 {
 		c.AttemptTimeout = DefaultAttemptTimeout
+	}
+	if c.MinAttemptTimeout == 0 {
+		c.MinAttemptTimeout = DefaultMinAttempt
+	}
+	if c.MaxFails == 0 {
+		c.MaxFails = DefaultMaxFails
+	}
+	if c.CacheBytes == 0 {
+		c.CacheBytes = DefaultCacheBytes
 	}
 	if c.MaxInFlight == 0 {
 		c.MaxInFlight = DefaultMaxInFlight
@@ -126,8 +151,8 @@ func (c *Config) validate() error {
 		seen[s] = true
 	}
 	switch {
-	case c.Timeout < 0, c.AttemptTimeout < 0, c.MinTTL < 0, c.MaxTTL < 0, c.MaxNegTTL < 0, c.HealthInterval < 0:
-		return errors.New("negative timeout, TTL or interval")
+	case c.Timeout < 0, c.AttemptTimeout < 0, c.MinAttemptTimeout < 0, c.MaxFails < 0, c.CacheBytes < 0, c.MinTTL < 0, c.MaxTTL < 0, c.MaxNegTTL < 0, c.HealthInterval < 0:
+		return errors.New("negative timeout, TTL, interval, size or count")
 	case c.MaxInFlight < 0:
 		return fmt.Errorf("max in-flight %d is negative", c.MaxInFlight)
 	case c.MinTTL > c.MaxTTL:
@@ -137,6 +162,9 @@ func (c *Config) validate() error {
 	}
 	if c.AttemptTimeout > c.Timeout {
 		c.AttemptTimeout = c.Timeout
+	}
+	if c.MinAttemptTimeout > c.AttemptTimeout {
+		c.MinAttemptTimeout = c.AttemptTimeout
 	}
 	return nil
 }

@@ -14,39 +14,12 @@ import (
 	"time"
 
 	"github.com/miekg/dns"
-	"golang.org/x/sys/unix"
 )
 
 // ErrMark is returned (wrapped) when SO_MARK cannot be set on an upstream socket,
 // typically EPERM without CAP_NET_ADMIN. Queries are never sent unmarked: an unmarked
 // upstream query would be captured by our own datapath and loop back to us.
 var ErrMark = errors.New("cannot set SO_MARK on upstream socket")
-
-// testHookControl, when set by tests, is called with each upstream socket after the
-// mark was set.
-var testHookControl func(fd uintptr)
-
-// control returns the net.Dialer Control function that marks every upstream socket.
-func control(mark uint32) func(network, address string, c syscall.RawConn) error {
-	return func(network, address string, c syscall.RawConn) error {
-		var serr error
-		err := c.Control(func(fd uintptr) {
-			if mark != 0 {
-				if e := unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_MARK, int(mark)); e != nil {
-					serr = fmt.Errorf("%w %#x for %s %s: %w", ErrMark, mark, network, address, e)
-					return
-				}
-			}
-			if testHookControl != nil {
-				testHookControl(fd)
-			}
-		})
-		if err != nil {
-			return fmt.Errorf("control upstream socket: %w", err)
-		}
-		return serr
-	}
-}
 
 // checkMark creates (and closes) one unconnected UDP socket with the mark, so a missing
 // privilege is reported by New instead of on the first query. Nothing is sent.
@@ -100,107 +73,125 @@ func netReason(err error) string {
 	}
 }
 
-// exchange sends q (whose Id it sets) to s over UDP and, when the answer is truncated,
-// again over TCP; each transport gets AttemptTimeout within ctx. It returns only a
-// validated, untruncated reply. avoid is the client's ID, never reused upstream.
-func (f *Forwarder) exchange(ctx context.Context, s *server, q *dns.Msg, avoid uint16) (*dns.Msg, error) {
-	start := time.Now()
-	q.Id = randomID(avoid)
-	wire, err := q.Pack()
-	if err != nil {
-		return nil, fmt.Errorf("pack upstream query: %w", err)
-	}
-	s.m.reqUDP.Inc()
-	actx, cancel := context.WithTimeout(ctx, f.cfg.AttemptTimeout)
-	resp, err := f.exchangeUDP(actx, s, q, wire)
-	cancel()
-	if err != nil {
-		return nil, err
-	}
-	if resp.Truncated {
-		// Same ID over TCP is fine: it is a new connection from a new port.
-		s.m.reqTCP.Inc()
-		actx, cancel := context.WithTimeout(ctx, f.cfg.AttemptTimeout)
-		resp, err = f.exchangeTCP(actx, s, q, wire)
-		cancel()
-		if err != nil {
-			var ae *attemptError
-			if errors.As(err, &ae) {
-				ae.reason = reasonTruncated
-			}
-			return nil, fmt.Errorf("tcp retry after truncated udp answer: %w", err)
-		}
-		if resp.Truncated {
-			return nil, failed(reasonTruncated, errors.New("truncated answer over tcp"))
-		}
-	}
-	s.m.duration.Observe(time.Since(start).Seconds())
-	return resp, nil
+// udpAttempt is one upstream's connected UDP socket during one resolution: every
+// attempt to that upstream is sent on it with the same ID, and a reader goroutine
+// delivers each reply that matches the query until the socket is closed.
+type udpAttempt struct {
+	s         *server
+	conn      net.Conn
+	id        uint16
+	wire      []byte
+	sends     int
+	firstSend time.Time
+	dead      bool // answered with a failure or failed: no more sends
 }
 
-// exchangeUDP uses a new connected socket (a new random source port) per attempt.
-// Replies that do not match the query are dropped and reading continues until the
-// deadline: a spoofed or stale datagram cannot end the attempt.
-func (f *Forwarder) exchangeUDP(ctx context.Context, s *server, q *dns.Msg, wire []byte) (*dns.Msg, error) {
-	conn, err := f.dialer.DialContext(ctx, "udp", s.addrStr)
+// dialUDP opens the upstream socket for q and starts its reader.
+// The socket's deadline is the resolution's: its reader ends by then at the latest.
+func (f *Forwarder) dialUDP(s *server, q *dns.Msg, avoid uint16, deadline time.Time, replies chan<- reply) (*udpAttempt, error) {
+	conn, err := f.dialer.Dial("udp", s.addrStr)
 	if err != nil {
 		return nil, failed(netReason(err), fmt.Errorf("dial udp %s: %w", s.addrStr, err))
 	}
-	defer conn.Close()
-	if dl, ok := ctx.Deadline(); ok {
-		_ = conn.SetDeadline(dl)
+	_ = conn.SetReadDeadline(deadline)
+	m := *q // the question and OPT are shared, read only
+	m.Id = randomID(avoid)
+	wire, err := m.Pack()
+	if err != nil {
+		conn.Close()
+		return nil, fmt.Errorf("pack upstream query: %w", err)
 	}
-	if _, err := conn.Write(wire); err != nil {
-		return nil, failed(netReason(err), fmt.Errorf("send to %s: %w", s.addrStr, err))
+	a := &udpAttempt{s: s, conn: conn, id: m.Id, wire: wire}
+	go a.read(f, &m, replies)
+	return a, nil
+}
+
+func (a *udpAttempt) send() error {
+	if a.sends == 0 {
+		a.firstSend = time.Now()
 	}
+	a.sends++
+	a.s.m.reqUDP.Inc()
+	if _, err := a.conn.Write(a.wire); err != nil {
+		return failed(netReason(err), fmt.Errorf("send to %s: %w", a.s.addrStr, err))
+	}
+	return nil
+}
+
+func (a *udpAttempt) close() { a.conn.Close() }
+
+// read delivers replies until the socket is closed. Replies that do not match the query
+// are dropped and counted: a spoofed or stale datagram cannot end the resolution.
+func (a *udpAttempt) read(f *Forwarder, q *dns.Msg, replies chan<- reply) {
 	bp := bufPool.Get().(*[]byte)
 	defer bufPool.Put(bp)
 	buf := *bp
 	for {
-		n, err := conn.Read(buf)
+		n, err := a.conn.Read(buf)
 		if err != nil {
-			return nil, failed(netReason(err), fmt.Errorf("read from %s: %w", s.addrStr, err))
+			if !errors.Is(err, net.ErrClosed) {
+				select {
+				case replies <- reply{a: a, err: failed(netReason(err), fmt.Errorf("read from %s: %w", a.s.addrStr, err))}:
+				default:
+				}
+			}
+			return
 		}
+		at := time.Now()
 		resp, err := parseReply(buf[:n], q)
 		if err != nil {
-			s.m.failures[reasonMismatch].Inc()
-			f.log.Debug("dropped upstream reply", "upstream", s.name, "err", err)
+			a.s.m.failures[reasonMismatch].Inc()
+			f.log.Debug("dropped upstream reply", "upstream", a.s.name, "err", err)
 			continue
 		}
-		return resp, nil
+		select {
+		case replies <- reply{a: a, resp: resp, at: at}:
+		default: // the resolution already has more replies than it will read
+		}
 	}
 }
 
-// exchangeTCP sends the query over a new connected TCP socket.
-func (f *Forwarder) exchangeTCP(ctx context.Context, s *server, q *dns.Msg, wire []byte) (*dns.Msg, error) {
-	conn, err := f.dialer.DialContext(ctx, "tcp", s.addrStr)
+// exchangeTCP sends q with ID id over a new connected TCP socket (after a truncated UDP
+// answer) and returns the validated answer.
+func (f *Forwarder) exchangeTCP(s *server, q *dns.Msg, id uint16, deadline time.Time) (*dns.Msg, error) {
+	s.m.reqTCP.Inc()
+	m := *q
+	m.Id = id
+	wire, err := m.Pack()
 	if err != nil {
-		return nil, failed(netReason(err), fmt.Errorf("dial tcp %s: %w", s.addrStr, err))
+		return nil, fmt.Errorf("pack upstream query: %w", err)
+	}
+	d := f.dialer
+	d.Deadline = deadline
+	conn, err := d.Dial("tcp", s.addrStr)
+	if err != nil {
+		return nil, failed(reasonTruncated, fmt.Errorf("tcp retry after truncated udp answer: dial %s: %w", s.addrStr, err))
 	}
 	defer conn.Close()
-	if dl, ok := ctx.Deadline(); ok {
-		_ = conn.SetDeadline(dl)
-	}
+	_ = conn.SetDeadline(deadline)
 	out := make([]byte, 2+len(wire))
 	binary.BigEndian.PutUint16(out, uint16(len(wire)))
 	copy(out[2:], wire)
 	if _, err := conn.Write(out); err != nil {
-		return nil, failed(netReason(err), fmt.Errorf("send tcp to %s: %w", s.addrStr, err))
+		return nil, failed(reasonTruncated, fmt.Errorf("tcp retry after truncated udp answer: send to %s: %w", s.addrStr, err))
 	}
 	bp := bufPool.Get().(*[]byte)
 	defer bufPool.Put(bp)
 	buf := *bp
 	if _, err := io.ReadFull(conn, buf[:2]); err != nil {
-		return nil, failed(netReason(err), fmt.Errorf("read tcp length from %s: %w", s.addrStr, err))
+		return nil, failed(reasonTruncated, fmt.Errorf("tcp retry after truncated udp answer: read length from %s: %w", s.addrStr, err))
 	}
 	n := int(binary.BigEndian.Uint16(buf[:2]))
 	if _, err := io.ReadFull(conn, buf[:n]); err != nil {
-		return nil, failed(netReason(err), fmt.Errorf("read tcp answer from %s: %w", s.addrStr, err))
+		return nil, failed(reasonTruncated, fmt.Errorf("tcp retry after truncated udp answer: read from %s: %w", s.addrStr, err))
 	}
-	resp, err := parseReply(buf[:n], q)
+	resp, err := parseReply(buf[:n], &m)
 	if err != nil {
 		s.m.failures[reasonMismatch].Inc()
 		return nil, failed(reasonMismatch, fmt.Errorf("tcp answer from %s: %w", s.addrStr, err))
+	}
+	if resp.Truncated {
+		return nil, failed(reasonTruncated, fmt.Errorf("truncated answer over tcp from %s", s.addrStr))
 	}
 	return resp, nil
 }

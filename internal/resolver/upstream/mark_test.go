@@ -53,14 +53,14 @@ func TestMarkSetOnUpstreamSockets(t *testing.T) {
 		}
 		return []*dns.Msg{m}
 	})
-	up.delay.Store(int64(300 * time.Millisecond))
+	up.SetDelay(300 * time.Millisecond)
 	cfg := NewConfig(up.addr)
 	cfg.Mark = testMark
 	f, _, _ := testForwarder(t, cfg)
 
 	done := make(chan error, 1)
 	go func() {
-		_, _, err := f.Forward(context.Background(), query("marked.example.", dns.TypeA, 1))
+		_, _, err := forwardMsg(t, context.Background(), f, query("marked.example.", dns.TypeA, 1))
 		done <- err
 	}()
 	if ssErr == nil {
@@ -128,7 +128,7 @@ func TestNoMarkWhenZero(t *testing.T) {
 }
 
 // TestMarkWithoutPrivilege drops the effective UID of one locked OS thread to nobody
-// (the process keeps root elsewhere) and checks that New refuses to run unmarked.
+// (the process keeps root elsewhere) and checks that Start refuses to run unmarked.
 func TestMarkWithoutPrivilege(t *testing.T) {
 	requireRoot(t)
 	type result struct{ errMark, errNoMark error }
@@ -141,21 +141,23 @@ func TestMarkWithoutPrivilege(t *testing.T) {
 			res <- result{errMark: e}
 			return
 		}
-		cfg := NewConfig(startFake(t, answerA(300)).addr)
-		cfg.Mark = testMark
-		_, errMark := New(cfg)
-		cfg.Mark = 0
-		f, errNoMark := New(cfg)
-		if f != nil {
-			f.Close()
+		start := func(mark uint32) error {
+			cfg := NewConfig(startFake(t, answerA(300)).addr)
+			cfg.Mark = mark
+			f, err := New(cfg)
+			if err != nil {
+				return err
+			}
+			defer f.Close()
+			return f.Start(context.Background())
 		}
-		res <- result{errMark, errNoMark}
+		res <- result{start(testMark), start(0)}
 	}()
 	r := <-res
 	if r.errMark == nil || !errors.Is(r.errMark, ErrMark) || !errors.Is(r.errMark, unix.EPERM) || !strings.Contains(r.errMark.Error(), "CAP_NET_ADMIN") {
-		t.Errorf("New with mark as nobody: %v, want a clear SO_MARK EPERM error", r.errMark)
+		t.Errorf("Start with mark as nobody: %v, want a clear SO_MARK EPERM error", r.errMark)
 	}
 	if r.errNoMark != nil {
-		t.Errorf("New without mark as nobody: %v", r.errNoMark)
+		t.Errorf("Start without mark as nobody: %v", r.errNoMark)
 	}
 }

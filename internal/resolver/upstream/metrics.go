@@ -58,12 +58,21 @@ func newMetrics(reg prometheus.Registerer, c *cache, servers []*server) (*metric
 	})
 	evictions := prometheus.NewCounterFunc(prometheus.CounterOpts{
 		Name: "meshdns_cache_evictions_total",
-		Help: "Cache entries evicted because the cache was full.",
+		Help: "Cache entries evicted because the cache was full (in entries or bytes).",
 	}, func() float64 {
 		if c == nil {
 			return 0
 		}
 		return float64(c.evicted.Load())
+	})
+	cacheBytes := prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+		Name: "meshdns_cache_bytes",
+		Help: "Estimated memory held by the upstream cache (capped by --cache-bytes).",
+	}, func() float64 {
+		if c == nil {
+			return 0
+		}
+		return float64(c.bytes.Load())
 	})
 	prefetch := prometheus.NewCounter(prometheus.CounterOpts{
 		Name: "meshdns_cache_prefetch_total",
@@ -88,7 +97,7 @@ func newMetrics(reg prometheus.Registerer, c *cache, servers []*server) (*metric
 	}, []string{"upstream"})
 
 	m := &metrics{
-		collectors: []prometheus.Collector{hits, misses, entries, evictions, prefetch, requests, failures, healthy, duration},
+		collectors: []prometheus.Collector{hits, misses, entries, cacheBytes, evictions, prefetch, requests, failures, healthy, duration},
 		hitSuccess: hits.WithLabelValues("success"),
 		hitDenial:  hits.WithLabelValues("denial"),
 		hitStale:   hits.WithLabelValues("stale"),

@@ -1,0 +1,136 @@
+package dnsfake
+
+import (
+	"encoding/binary"
+	"fmt"
+	"net"
+	"net/netip"
+	"slices"
+	"sync"
+	"time"
+
+	"github.com/miekg/dns"
+)
+
+// The client side of the tests' load: a prober that measures one name's answers
+// while something else loads the server, and a flood of distinct queries from many
+// client addresses.
+
+// Probe is the outcome of Prober: latencies of the answered queries, and the lost ones.
+type Probe struct {
+	Latencies []time.Duration
+	Lost      int
+}
+
+// Percentile returns the q-quantile (0..1) of the answered queries' latency.
+func (p *Probe) Percentile(q float64) time.Duration {
+	if len(p.Latencies) == 0 {
+		return 0
+	}
+	s := slices.Clone(p.Latencies)
+	slices.Sort(s)
+	return s[min(len(s)-1, int(q*float64(len(s))))]
+}
+
+// Prober asks server for name (type A) over UDP, one query at a time with the given
+// timeout and a pause between them, until stop is closed, and returns what it saw.
+func Prober(server, name string, timeout, pause time.Duration, stop <-chan struct{}) (*Probe, error) {
+	c, err := net.Dial("udp", server)
+	if err != nil {
+		return nil, err
+	}
+	defer c.Close()
+	p := &Probe{}
+	buf := make([]byte, 4096)
+	for i := 0; ; i++ {
+		select {
+		case <-stop:
+			return p, nil
+		default:
+		}
+		m := new(dns.Msg)
+		m.SetQuestion(name, dns.TypeA)
+		m.Id = uint16(i)
+		pkt, _ := m.Pack()
+		start := time.Now()
+		if _, err := c.Write(pkt); err != nil {
+			return p, err
+		}
+		_ = c.SetReadDeadline(start.Add(timeout))
+		for {
+			n, err := c.Read(buf)
+			if err != nil {
+				p.Lost++
+				break
+			}
+			if n >= 2 && binary.BigEndian.Uint16(buf) == uint16(i) {
+				p.Latencies = append(p.Latencies, time.Since(start))
+				break
+			}
+		}
+		time.Sleep(pause)
+	}
+}
+
+// Flood is the outcome of FloodUDP.
+type Flood struct {
+	Rcodes     map[string]int // answers within the deadline, by rcode
+	Unanswered int
+}
+
+// FloodUDP sends perClient distinct A queries (name(client, i)) at once from each of
+// clients source addresses net.IPv4(127, subnet, 0, client+1)... (loopback), and
+// collects the answers that arrive within wait of the start.
+func FloodUDP(server netip.AddrPort, subnet byte, clients, perClient int, name func(client, i int) string, wait time.Duration) (*Flood, error) {
+	f := &Flood{Rcodes: map[string]int{}}
+	var mu sync.Mutex
+	var wg sync.WaitGroup
+	errs := make(chan error, clients)
+	start := time.Now()
+	for ci := range clients {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			src := &net.UDPAddr{IP: net.IPv4(127, subnet, byte(ci>>8), byte(ci+1))}
+			c, err := net.DialUDP("udp", src, net.UDPAddrFromAddrPort(server))
+			if err != nil {
+				errs <- fmt.Errorf("client %d: %w", ci, err)
+				return
+			}
+			defer c.Close()
+			_ = c.SetReadBuffer(1 << 20)
+			for i := range perClient {
+				m := new(dns.Msg)
+				m.SetQuestion(name(ci, i), dns.TypeA)
+				m.Id = uint16(i)
+				pkt, _ := m.Pack()
+				_, _ = c.Write(pkt)
+			}
+			got := map[uint16]bool{}
+			local := map[string]int{}
+			_ = c.SetReadDeadline(start.Add(wait))
+			buf := make([]byte, 4096)
+			for len(got) < perClient {
+				n, err := c.Read(buf)
+				if err != nil {
+					break
+				}
+				resp := new(dns.Msg)
+				if resp.Unpack(buf[:n]) != nil || got[resp.Id] {
+					continue
+				}
+				got[resp.Id] = true
+				local[dns.RcodeToString[resp.Rcode]]++
+			}
+			mu.Lock()
+			for k, v := range local {
+				f.Rcodes[k] += v
+			}
+			f.Unanswered += perClient - len(got)
+			mu.Unlock()
+		}()
+	}
+	wg.Wait()
+	close(errs)
+	return f, <-errs
+}

@@ -1,0 +1,181 @@
+package names
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net/netip"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/meshdns/meshdns-ebpf/internal/metrictest"
+	"github.com/meshdns/meshdns-ebpf/internal/resolver/nametable"
+)
+
+// fakeSource hands its sink to the test and waits.
+type fakeSource struct {
+	name string
+	sink chan Sink
+}
+
+func newFake(name string) *fakeSource { return &fakeSource{name: name, sink: make(chan Sink, 1)} }
+
+func (f *fakeSource) Name() string { return f.name }
+
+func (f *fakeSource) Run(ctx context.Context, sink Sink) error {
+	f.sink <- sink
+	<-ctx.Done()
+	return nil
+}
+
+func newStore(t *testing.T, window time.Duration) (*Store, *prometheus.Registry) {
+	t.Helper()
+	reg := prometheus.NewRegistry()
+	m, err := NewMetrics(reg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s, err := New(Config{Window: window, Metrics: m, Logger: slog.New(slog.DiscardHandler)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = s.Close() })
+	return s, reg
+}
+
+func host(name, ip string) []nametable.Host {
+	return []nametable.Host{{Name: name, V4: []netip.Addr{netip.MustParseAddr(ip)}}}
+}
+
+func waitTable(t *testing.T, s *Store, what string, cond func(*nametable.Table) bool) time.Duration {
+	t.Helper()
+	start := time.Now()
+	for time.Since(start) < 5*time.Second {
+		if tb := s.Table(); tb != nil && cond(tb) {
+			return time.Since(start)
+		}
+		time.Sleep(100 * time.Microsecond)
+	}
+	t.Fatalf("not within 5s: %s", what)
+	return 0
+}
+
+func addr(tb *nametable.Table, name string) string {
+	n := tb.Lookup(name)
+	if n == nil || len(n.Host.V4) == 0 {
+		return ""
+	}
+	return n.Host.V4[0].String()
+}
+
+// Not ready until every blocking source synced; a non-blocking one never
+// holds readiness back; Ready names what is missing.
+func TestReadiness(t *testing.T) {
+	s, _ := newStore(t, DefaultWindow)
+	a, b, remote := newFake("a"), newFake("b"), newFake("cluster/remote")
+	for _, src := range []*fakeSource{a, b} {
+		if err := s.Add(src, SourceOptions{Priority: 10}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := s.Add(remote, SourceOptions{Priority: 5, NonBlocking: true}); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Add(newFake("a"), SourceOptions{}); err == nil {
+		t.Fatalf("a second source named a is accepted")
+	}
+	if err := s.Start(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	sa, sb := <-a.sink, <-b.sink
+	<-remote.sink
+	_ = sa.Set("x", host("x.example.com", "192.0.2.1"))
+	sa.Synced()
+	sb.Failed(errors.New("connection refused"))
+	time.Sleep(50 * time.Millisecond)
+	if s.Table() != nil {
+		t.Fatalf("a table is published before b synced")
+	}
+	if err := s.Ready(); err == nil || !strings.Contains(err.Error(), "b (connection refused)") || strings.Contains(err.Error(), "remote") {
+		t.Fatalf("Ready = %v, want it to name b and its error only", err)
+	}
+	sb.Failed(nil)
+	sb.Synced()
+	waitTable(t, s, "first table", func(tb *nametable.Table) bool { return addr(tb, "x.example.com.") == "192.0.2.1" })
+	if err := s.Ready(); err != nil {
+		t.Fatalf("Ready = %v", err)
+	}
+}
+
+// An isolated update is published at once; a burst within the window is
+// one snapshot, and the last state wins.
+func TestPublishLatencyAndCoalescing(t *testing.T) {
+	s, reg := newStore(t, 50*time.Millisecond)
+	src := newFake("k")
+	if err := s.Add(src, SourceOptions{Priority: 10}); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Start(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	k := <-src.sink
+	k.Synced()
+	waitTable(t, s, "first table", func(*nametable.Table) bool { return true })
+	time.Sleep(60 * time.Millisecond) // a window after the first publish
+	_ = k.Set("a", host("a.example.com", "192.0.2.1"))
+	d := waitTable(t, s, "isolated update", func(tb *nametable.Table) bool { return addr(tb, "a.example.com.") == "192.0.2.1" })
+	t.Logf("isolated update published after %v", d)
+	if d > 20*time.Millisecond {
+		t.Errorf("an isolated update took %v, want it published at once", d)
+	}
+	before := metrictest.Value(t, reg, "meshdns_names_publishes_total")
+	for i := range 200 {
+		_ = k.Set("b", host("b.example.com", fmt.Sprintf("192.0.2.%d", i%250+1)))
+	}
+	waitTable(t, s, "last of the burst", func(tb *nametable.Table) bool { return addr(tb, "b.example.com.") == "192.0.2.200" })
+	if n := metrictest.Value(t, reg, "meshdns_names_publishes_total") - before; n > 3 {
+		t.Errorf("200 updates in a burst made %v snapshots, want them coalesced", n)
+	}
+}
+
+// Removing a source removes its names; its status and metrics go too.
+func TestRemoveSourceAndStatus(t *testing.T) {
+	s, reg := newStore(t, time.Millisecond)
+	a, b := newFake("a"), newFake("b")
+	_ = s.Add(a, SourceOptions{Priority: 10})
+	_ = s.Add(b, SourceOptions{Priority: 5, NonBlocking: true})
+	if err := s.Start(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	sa, sb := <-a.sink, <-b.sink
+	sa.Synced()
+	_ = sb.Set("y", host("y.example.com", "192.0.2.2"))
+	_ = sb.SetClients("pod", []netip.Addr{netip.MustParseAddr("10.244.0.9")}, "ns1")
+	sb.Failed(errors.New("unreachable"))
+	waitTable(t, s, "b's host", func(tb *nametable.Table) bool { return addr(tb, "y.example.com.") == "192.0.2.2" })
+	st := s.Status()
+	if len(st) != 2 || st[1].Name != "b" || st[1].Objects != 1 || st[1].Clients != 1 || st[1].FailingSince.IsZero() || st[1].LastError != "unreachable" {
+		t.Fatalf("status = %+v", st)
+	}
+	if v := metrictest.Value(t, reg, "meshdns_names_source_stale_seconds", "source", "b"); v <= 0 {
+		t.Fatalf("stale seconds of a failing source = %v", v)
+	}
+	if err := sb.Set("bad", []nametable.Host{{Name: "a..b"}}); err == nil {
+		t.Fatalf("a bad host is accepted")
+	}
+	if v := metrictest.Value(t, reg, "meshdns_names_source_errors_total", "source", "b"); v != 2 {
+		t.Fatalf("errors of b = %v, want 2 (the failure and the bad host)", v)
+	}
+	s.Remove("b")
+	waitTable(t, s, "b's host gone", func(tb *nametable.Table) bool {
+		_, known := tb.ClientNamespace(netip.MustParseAddr("10.244.0.9"))
+		return addr(tb, "y.example.com.") == "" && !known
+	})
+	if st := s.Status(); len(st) != 1 || st[0].Name != "a" {
+		t.Fatalf("status after remove = %+v", st)
+	}
+}

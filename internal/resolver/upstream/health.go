@@ -1,0 +1,185 @@
+package upstream
+
+import (
+	"errors"
+	"net/netip"
+	"sync"
+	"time"
+
+	"github.com/miekg/dns"
+)
+
+// ServerHealth is the state of one upstream, for `status`.
+type ServerHealth struct {
+	Server              netip.AddrPort
+	Healthy             bool
+	ConsecutiveFailures uint32
+	LastError           string        // last failure, empty if none yet
+	Since               time.Time     // last change of Healthy (zero: healthy since start)
+	SmoothedRTT         time.Duration // 0 until the first clean sample
+	AttemptTimeout      time.Duration // what the next attempt waits
+}
+
+// Healthy returns the state of every upstream, in configuration order.
+func (f *Forwarder) Healthy() []ServerHealth {
+	out := make([]ServerHealth, 0, len(f.servers))
+	for _, s := range f.servers {
+		s.mu.Lock()
+		out = append(out, ServerHealth{
+			Server:              s.addr,
+			Healthy:             s.healthy.Load(),
+			ConsecutiveFailures: s.fails.Load(),
+			LastError:           s.lastErr,
+			Since:               s.since,
+			SmoothedRTT:         s.srtt,
+			AttemptTimeout:      s.rto,
+		})
+		s.mu.Unlock()
+	}
+	return out
+}
+
+func (f *Forwarder) anyHealthy() bool {
+	for _, s := range f.servers {
+		if s.healthy.Load() {
+			return true
+		}
+	}
+	return false
+}
+
+func (f *Forwarder) anyUnhealthy() bool {
+	for _, s := range f.servers {
+		if !s.healthy.Load() {
+			return true
+		}
+	}
+	return false
+}
+
+// markFailed records a failed attempt (a timeout or a socket error). MaxFails of them
+// in a row take the upstream out of rotation; it is then probed in the background until
+// it answers. One lost reply therefore never marks an upstream down.
+func (f *Forwarder) markFailed(s *server, err error) {
+	reason := reasonNetwork
+	var ae *attemptError
+	if errors.As(err, &ae) {
+		reason = ae.reason
+	}
+	s.m.failures[reason].Inc()
+	n := s.fails.Add(1)
+	s.mu.Lock()
+	s.lastErr = err.Error()
+	down := n >= uint32(f.cfg.MaxFails) && s.healthy.CompareAndSwap(true, false)
+	if down {
+		s.since = time.Now()
+	}
+	s.mu.Unlock()
+	if down {
+		s.m.healthy.Set(0)
+		f.log.Warn("upstream unhealthy, probing it in the background", "upstream", s.name,
+			"consecutive_failures", n, "reason", reason, "err", err)
+		select {
+		case f.wake <- struct{}{}:
+		default:
+		}
+	}
+}
+
+// markHealthy records an answer from s.
+func (f *Forwarder) markHealthy(s *server) {
+	if s.fails.Load() != 0 {
+		s.fails.Store(0)
+	}
+	if s.healthy.Load() {
+		return
+	}
+	s.mu.Lock()
+	up := s.healthy.CompareAndSwap(false, true)
+	if up {
+		s.since = time.Now()
+	}
+	s.mu.Unlock()
+	if up {
+		s.m.healthy.Set(1)
+		f.log.Info("upstream healthy again", "upstream", s.name)
+	}
+}
+
+// healthLoop probes unhealthy upstreams every HealthInterval with ". IN NS"; any DNS
+// answer (even SERVFAIL or REFUSED) brings the upstream back. It runs until Close.
+func (f *Forwarder) healthLoop() {
+	t := time.NewTicker(f.cfg.HealthInterval)
+	defer t.Stop()
+	for {
+		if f.anyUnhealthy() {
+			select {
+			case <-t.C:
+			case <-f.ctx.Done():
+				return
+			}
+		} else {
+			select {
+			case <-f.wake:
+				t.Reset(f.cfg.HealthInterval)
+				continue
+			case <-f.ctx.Done():
+				return
+			}
+		}
+		var wg sync.WaitGroup
+		for _, s := range f.servers {
+			if s.healthy.Load() {
+				continue
+			}
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				f.probe(s)
+			}()
+		}
+		wg.Wait()
+	}
+}
+
+// probe sends one health query to s and waits up to its attempt timeout.
+func (f *Forwarder) probe(s *server) {
+	q := new(dns.Msg)
+	q.SetQuestion(".", dns.TypeNS)
+	q.SetEdns0(EDNSBufferSize, false)
+	wait := max(s.attemptTimeout(), f.cfg.AttemptTimeout)
+	replies := make(chan reply, 4)
+	a, err := f.dialUDP(s, q, 0, time.Now().Add(wait), replies)
+	if err != nil {
+		f.probeFailed(s, err)
+		return
+	}
+	defer a.close()
+	if err := a.send(); err != nil {
+		f.probeFailed(s, err)
+		return
+	}
+	t := time.NewTimer(wait)
+	defer t.Stop()
+	select {
+	case r := <-replies:
+		if r.err != nil {
+			f.probeFailed(s, r.err)
+			return
+		}
+		f.markHealthy(s)
+	case <-t.C:
+		f.probeFailed(s, failed(reasonTimeout, errors.New("health probe timed out")))
+	case <-f.ctx.Done():
+	}
+}
+
+func (f *Forwarder) probeFailed(s *server, err error) {
+	if f.ctx.Err() != nil {
+		return
+	}
+	s.fails.Add(1)
+	s.mu.Lock()
+	s.lastErr = err.Error()
+	s.mu.Unlock()
+}

@@ -1,0 +1,351 @@
+package deploy
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/miekg/dns"
+	rbacv1 "k8s.io/api/rbac/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/discovery/cached/memory"
+	"k8s.io/client-go/restmapper"
+
+	"github.com/meshdns/meshdns-ebpf/internal/kubetest"
+	"github.com/meshdns/meshdns-ebpf/internal/testenv"
+)
+
+// components lists every component of deploy/kubernetes.
+func components(t *testing.T) []string {
+	t.Helper()
+	ents, err := os.ReadDir(filepath.Join(manifestsDir(), "components"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var out []string
+	for _, e := range ents {
+		if e.IsDir() {
+			out = append(out, e.Name())
+		}
+	}
+	return out
+}
+
+// serviceMonitorCRD is a stand-in for the Prometheus Operator's CRD (the
+// ServiceMonitor component needs it to exist): it only lets the API server
+// store the object; the operator's own schema is not checked here.
+func serviceMonitorCRD() *unstructured.Unstructured {
+	return &unstructured.Unstructured{Object: map[string]any{
+		"apiVersion": "apiextensions.k8s.io/v1",
+		"kind":       "CustomResourceDefinition",
+		"metadata":   map[string]any{"name": "servicemonitors.monitoring.coreos.com"},
+		"spec": map[string]any{
+			"group": "monitoring.coreos.com",
+			"names": map[string]any{"plural": "servicemonitors", "singular": "servicemonitor", "kind": "ServiceMonitor", "listKind": "ServiceMonitorList"},
+			"scope": "Namespaced",
+			"versions": []any{map[string]any{"name": "v1", "served": true, "storage": true,
+				"schema": map[string]any{"openAPIV3Schema": map[string]any{"type": "object", "x-kubernetes-preserve-unknown-fields": true}}}},
+		},
+	}}
+}
+
+var crdGVR = schema.GroupVersionResource{Group: "apiextensions.k8s.io", Version: "v1", Resource: "customresourcedefinitions"}
+
+// installCRD creates a CRD and waits until it is established.
+func installCRD(t *testing.T, cp *kubetest.ControlPlane, crd *unstructured.Unstructured) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	if _, err := cp.DynamicClient().Resource(crdGVR).Create(ctx, crd, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if !testenv.WaitFor(30*time.Second, func() bool {
+		u, err := cp.DynamicClient().Resource(crdGVR).Get(ctx, crd.GetName(), metav1.GetOptions{})
+		if err != nil {
+			return false
+		}
+		conds, _, _ := unstructured.NestedSlice(u.Object, "status", "conditions")
+		for _, c := range conds {
+			if m, ok := c.(map[string]any); ok && m["type"] == "Established" && m["status"] == "True" {
+				return true
+			}
+		}
+		return false
+	}) {
+		t.Fatalf("CRD %s not established", crd.GetName())
+	}
+}
+
+// apply server-side applies objects (as kubectl apply --server-side does)
+// and returns the first error.
+func apply(t *testing.T, cp *kubetest.ControlPlane, objs []object) error {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	mapper := restmapper.NewDeferredDiscoveryRESTMapper(memory.NewMemCacheClient(cp.AdminClient().Discovery()))
+	for _, o := range objs {
+		m, err := runtime.DefaultUnstructuredConverter.ToUnstructured(o.obj)
+		if err != nil {
+			return err
+		}
+		u := &unstructured.Unstructured{Object: m}
+		gvk := u.GroupVersionKind()
+		if gvk.Empty() {
+			gvks, _, err := scheme().ObjectKinds(o.obj)
+			if err != nil {
+				return err
+			}
+			gvk = gvks[0]
+			u.SetGroupVersionKind(gvk)
+		}
+		mapping, err := mapper.RESTMapping(gvk.GroupKind(), gvk.Version)
+		if err != nil {
+			return fmt.Errorf("%s %s: %w", gvk, u.GetName(), err)
+		}
+		body, err := json.Marshal(u)
+		if err != nil {
+			return err
+		}
+		res := cp.DynamicClient().Resource(mapping.Resource)
+		var rerr error
+		if ns := u.GetNamespace(); ns != "" {
+			_, rerr = res.Namespace(ns).Patch(ctx, u.GetName(), types.ApplyPatchType, body, metav1.PatchOptions{FieldManager: "meshdns-deploy-test", Force: ptr(true)})
+		} else {
+			_, rerr = res.Patch(ctx, u.GetName(), types.ApplyPatchType, body, metav1.PatchOptions{FieldManager: "meshdns-deploy-test", Force: ptr(true)})
+		}
+		if rerr != nil {
+			return fmt.Errorf("server-side apply %s %s: %w", gvk.Kind, u.GetName(), rerr)
+		}
+	}
+	return nil
+}
+
+// Every manifest - the default install and each component - passes
+// server-side apply against a real kube-apiserver (its admission and
+// validation, not a client-side dry run).
+func TestManifestsServerSideApply(t *testing.T) {
+	testenv.RequirePrivileged(t)
+	cp := kubetest.Start(t, kubetest.Options{})
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	installCRD(t, cp, serviceMonitorCRD())
+	sets := [][]string{nil}
+	for _, c := range components(t) {
+		sets = append(sets, []string{c})
+	}
+	for _, comps := range sets {
+		objs := render(t, comps...)
+		if err := apply(t, cp, objs); err != nil {
+			t.Errorf("components %v: %v", comps, err)
+			continue
+		}
+		t.Logf("components %v: %d objects applied", comps, len(objs))
+	}
+	// Applied, the DaemonSet is what the API server stored (no kubelet
+	// runs here to start it).
+	ds, err := cp.AdminClient().AppsV1().DaemonSets("meshdns-system").Get(ctx, "meshdns-ebpf", metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if ds.Spec.UpdateStrategy.RollingUpdate == nil || ds.Spec.UpdateStrategy.RollingUpdate.MaxSurge.IntValue() != 1 {
+		t.Errorf("stored DaemonSet rolling update: %+v", ds.Spec.UpdateStrategy)
+	}
+}
+
+var agentBin struct {
+	once sync.Once
+	path string
+	err  error
+}
+
+func buildAgent(t *testing.T) string {
+	t.Helper()
+	agentBin.once.Do(func() {
+		dir, err := os.MkdirTemp("", "meshdns-deploy-agent-")
+		if err != nil {
+			agentBin.err = err
+			return
+		}
+		agentBin.path = filepath.Join(dir, "meshdns-ebpf")
+		cmd := exec.Command("go", "build", "-o", agentBin.path, "./cmd/meshdns-ebpf")
+		cmd.Dir = repoRoot()
+		cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
+		if out, err := cmd.CombinedOutput(); err != nil {
+			agentBin.err = fmt.Errorf("go build: %v\n%s", err, out)
+		}
+	})
+	if agentBin.err != nil {
+		t.Fatal(agentBin.err)
+	}
+	return agentBin.path
+}
+
+// agentRun is the agent as the DaemonSet runs it, but resolver only
+// (--mode off: capture is the eBPF suites' job) and with the token of the
+// shipped ServiceAccount.
+type agentRun struct {
+	cmd   *exec.Cmd
+	addr  string
+	admin string
+	log   *syncBuffer
+	done  chan error
+}
+
+func freePort(t *testing.T) int {
+	t.Helper()
+	for range 20 {
+		u, err := net.ListenPacket("udp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		p := u.LocalAddr().(*net.UDPAddr).Port
+		l, err := net.Listen("tcp", fmt.Sprintf("127.0.0.1:%d", p))
+		u.Close()
+		if err == nil {
+			l.Close()
+			return p
+		}
+	}
+	t.Fatal("no free port")
+	return 0
+}
+
+func startAgent(t *testing.T, kubeconfig, upstream string) *agentRun {
+	t.Helper()
+	a := &agentRun{addr: fmt.Sprintf("127.0.0.1:%d", freePort(t)), admin: fmt.Sprintf("127.0.0.1:%d", freePort(t)),
+		log: &syncBuffer{}, done: make(chan error, 1)}
+	a.cmd = exec.Command(buildAgent(t), "run", "--mode", "off", "--kubeconfig", kubeconfig, "--node-name", "node-a",
+		"--listen", a.addr, "--admin", a.admin, "--upstream", upstream, "--state-dir", t.TempDir())
+	a.cmd.Stdout, a.cmd.Stderr = a.log, a.log
+	a.cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	if err := a.cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	go func() { a.done <- a.cmd.Wait() }()
+	t.Cleanup(a.stop)
+	return a
+}
+
+func (a *agentRun) stop() {
+	if a.cmd == nil {
+		return
+	}
+	_ = a.cmd.Process.Signal(syscall.SIGTERM)
+	select {
+	case <-a.done:
+	case <-time.After(10 * time.Second):
+		_ = a.cmd.Process.Kill()
+		<-a.done
+	}
+	a.cmd = nil
+}
+
+func (a *agentRun) readyz() (int, string) {
+	c := http.Client{Timeout: 2 * time.Second}
+	resp, err := c.Get("http://" + a.admin + "/readyz")
+	if err != nil {
+		return 0, err.Error()
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return resp.StatusCode, strings.TrimSpace(string(b))
+}
+
+func (a *agentRun) lookup(name string) string {
+	m := new(dns.Msg)
+	m.SetQuestion(name, dns.TypeA)
+	resp, _, err := (&dns.Client{Timeout: time.Second}).Exchange(m, a.addr)
+	if err != nil || len(resp.Answer) == 0 {
+		return ""
+	}
+	if r, ok := resp.Answer[0].(*dns.A); ok {
+		return r.A.String()
+	}
+	return ""
+}
+
+// The agent, run against the API server with the token of the shipped
+// ServiceAccount, bound by the shipped ClusterRole and nothing else, syncs
+// and answers. Removing any one rule of that ClusterRole makes it fail to
+// become ready, and it says which resource it may not read: the role is
+// exactly what the agent needs.
+func TestShippedRBACIsExact(t *testing.T) {
+	testenv.RequirePrivileged(t)
+	cp := kubetest.Start(t, kubetest.Options{})
+	objs := render(t)
+	if err := apply(t, cp, objs); err != nil {
+		t.Fatal(err)
+	}
+	role := find[*rbacv1.ClusterRole](t, objs, "ClusterRole", "meshdns-ebpf")
+	web := cp.CreateService(t, kubetest.Service{Namespace: "default", Name: "web"})
+	kubeconfig := cp.ServiceAccountKubeconfig(t, "meshdns-system", "meshdns-ebpf")
+	up := testenv.StartFakeDNS(t, nil, "127.0.0.1:0", nil)
+
+	a := startAgent(t, kubeconfig, up.Addr)
+	if !testenv.WaitFor(60*time.Second, func() bool {
+		code, _ := a.readyz()
+		return code == 200 && a.lookup("web.default.svc.cluster.local.") == web.Spec.ClusterIP
+	}) {
+		code, body := a.readyz()
+		t.Fatalf("with the shipped ClusterRole the agent is not ready: %d %s\n%s", code, body, a.log.String())
+	}
+	a.stop()
+
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
+	for i, rule := range role.Rules {
+		what := strings.Join(rule.Resources, ",")
+		t.Run("without "+what, func(t *testing.T) {
+			less := role.DeepCopy()
+			less.Rules = append(less.Rules[:i:i], role.Rules[i+1:]...)
+			if err := apply(t, cp, []object{{obj: less, kind: "ClusterRole", name: less.Name}}); err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() {
+				if err := apply(t, cp, []object{{obj: role, kind: "ClusterRole", name: role.Name}}); err != nil {
+					t.Errorf("restore the ClusterRole: %v", err)
+				}
+			})
+			a := startAgent(t, kubeconfig, up.Addr)
+			var body string
+			ok := testenv.WaitFor(20*time.Second, func() bool {
+				var code int
+				code, body = a.readyz()
+				return code == http.StatusServiceUnavailable && strings.Contains(body, "forbidden") &&
+					mentionsAny(body, rule.Resources)
+			})
+			if !ok {
+				code, body := a.readyz()
+				t.Fatalf("without the rule for %s: /readyz %d %q, want 503 naming it as forbidden\n%s", what, code, body, a.log.String())
+			}
+			t.Logf("without %s: %s", what, body)
+			if ctx.Err() != nil {
+				t.Fatal(ctx.Err())
+			}
+		})
+	}
+}
+
+func mentionsAny(s string, words []string) bool {
+	for _, w := range words {
+		if strings.Contains(s, w) {
+			return true
+		}
+	}
+	return false
+}
