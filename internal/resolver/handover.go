@@ -15,7 +15,9 @@ package resolver
 //     answered, not counted as dropped.
 //   - Files(): duplicates of every listening socket, by listen address, for a
 //     successor (and for registering them with the datapath).
-//   - Drain(ctx, quiet): serve until no query was read for quiet (0: stop at once),
+//   - Drain(ctx, quiet): serve until no query was read or queued for quiet (0: stop
+//     at once; queued: waiting in a socket's queue, which readers kept from running
+//     by a busy machine have not read yet),
 //     then stop reading new queries while every one already read is answered,
 //     in-flight forwards and queries queued on open TCP connections included,
 //     then close this process's file descriptors. It works when the sockets stay
@@ -195,8 +197,8 @@ func (s *Server) listenRaw(i int) string {
 	return s.addrs[i]
 }
 
-// Drain serves until nothing was read for quiet since it began or since the
-// last read (0: not at all), then stops reading new queries, answers every
+// Drain serves until nothing was read and nothing waited in a socket's queue
+// for quiet since it began (0: not at all), then stops reading new queries, answers every
 // query already read (in-flight forwards and queries queued on open TCP
 // connections included), and closes this process's file descriptors of the
 // sockets. It returns when everything is answered or ctx is done (then the rest
@@ -214,7 +216,7 @@ func (s *Server) Drain(ctx context.Context, quiet time.Duration) error {
 				break wait
 			case <-t.C:
 			}
-			if n := s.progress.Load(); n != seen {
+			if n := s.progress.Load(); n != seen || s.queued() {
 				last, seen = time.Now(), n
 			}
 		}

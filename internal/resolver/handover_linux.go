@@ -4,6 +4,7 @@ package resolver
 
 import (
 	"fmt"
+	"net"
 	"os"
 
 	"golang.org/x/sys/unix"
@@ -71,4 +72,45 @@ func udpSockFromFile(f *os.File) (*udpSock, int, error) {
 		return fail("socket family", fmt.Errorf("%T", sa))
 	}
 	return u, port, nil
+}
+
+// queued reports whether a query waits in a listening socket's queue: a
+// datagram in a UDP socket's receive queue (FIONREAD: the size of the next
+// one; an empty probe does not count) or a connection in a TCP listener's
+// accept queue (TCP_INFO's unacked, for a listener). A drain does not end while
+// one does, however long the readers have not run.
+func (s *Server) queued() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for _, u := range s.udp {
+		u.mu.RLock()
+		n := 0
+		if !u.closed {
+			n, _ = unix.IoctlGetInt(u.fd, unix.SIOCINQ)
+		}
+		u.mu.RUnlock()
+		if n > 0 {
+			return true
+		}
+	}
+	for _, l := range s.tcp {
+		tl, ok := l.(*net.TCPListener)
+		if !ok {
+			continue
+		}
+		rc, err := tl.SyscallConn()
+		if err != nil {
+			continue
+		}
+		var backlog uint32
+		_ = rc.Control(func(fd uintptr) {
+			if info, err := unix.GetsockoptTCPInfo(int(fd), unix.IPPROTO_TCP, unix.TCP_INFO); err == nil {
+				backlog = info.Unacked
+			}
+		})
+		if backlog > 0 {
+			return true
+		}
+	}
+	return false
 }

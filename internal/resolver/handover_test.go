@@ -210,3 +210,57 @@ func TestDrainAnswersInFlight(t *testing.T) {
 		}
 	}
 }
+
+// A drain with a quiet period does not end while queries wait in a socket's
+// queue, however long the readers have not run (a busy machine): here every
+// reader is held up for 400 ms while queries queue behind it, and the drain's
+// 100 ms quiet period passes meanwhile.
+func TestDrainWaitsForQueued(t *testing.T) {
+	var hold atomic.Bool
+	ts := startServer(t, testFile(), func(c *Config) {
+		c.OnDequeue = func(int) {
+			if hold.Load() {
+				time.Sleep(400 * time.Millisecond)
+			}
+		}
+	})
+	send := func(n int) []net.Conn {
+		var cs []net.Conn
+		for range n {
+			c, err := net.Dial("udp", ts.addr)
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { c.Close() })
+			pkt, _ := query("productpage.ns1.svc.cluster.local.", dns.TypeA)().Pack()
+			if _, err := c.Write(pkt); err != nil {
+				t.Fatal(err)
+			}
+			cs = append(cs, c)
+		}
+		return cs
+	}
+	hold.Store(true)
+	first := send(20) // from 20 source ports: every reader of the SO_REUSEPORT group takes some and is held up
+	deadline := time.Now().Add(2 * time.Second)
+	for ts.s.Progress() == 0 && time.Now().Before(deadline) {
+		time.Sleep(time.Millisecond)
+	}
+	hold.Store(false)
+	queued := send(10) // these wait in the sockets' queues
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	if err := ts.s.Drain(ctx, 100*time.Millisecond); err != nil {
+		t.Fatal(err)
+	}
+	unanswered := 0
+	for _, c := range append(first, queued...) {
+		_ = c.SetReadDeadline(time.Now().Add(100 * time.Millisecond))
+		if _, err := c.Read(make([]byte, 512)); err != nil {
+			unanswered++
+		}
+	}
+	if unanswered > 0 {
+		t.Errorf("%d of %d queries unanswered after the drain", unanswered, len(first)+len(queued))
+	}
+}
