@@ -56,6 +56,7 @@ type settings struct {
 	duration time.Duration // each dnsperf run
 	reps     int
 	out      string // markdown report file ("" = stdout only)
+	mesh     int    // ServiceEntries (and Services over two clusters) of the mesh run; 0 skips it
 }
 
 func loadSettings(t *testing.T) settings {
@@ -73,6 +74,14 @@ func loadSettings(t *testing.T) settings {
 			}
 			s.scales = append(s.scales, n)
 		}
+	}
+	s.mesh = 10000
+	if v := os.Getenv("MESHDNS_BENCH_KUBE_MESH"); v != "" {
+		n, err := strconv.Atoi(v)
+		if err != nil {
+			t.Fatalf("MESHDNS_BENCH_KUBE_MESH: %v", err)
+		}
+		s.mesh = n
 	}
 	if v := os.Getenv("MESHDNS_BENCH_KUBE_DURATION"); v != "" {
 		d, err := time.ParseDuration(v)
@@ -115,6 +124,9 @@ func TestKubernetesBench(t *testing.T) {
 		results = append(results, runScale(t, s, n)...)
 	}
 	report := render(results, s)
+	if s.mesh > 0 {
+		report += renderMesh(runMesh(t, s), results)
+	}
 	fmt.Println(report)
 	if s.out != "" {
 		if err := os.WriteFile(s.out, []byte(report), 0o644); err != nil {
@@ -127,15 +139,7 @@ func runScale(t *testing.T, s settings, n int) []result {
 	cp := kubetest.Start(t, kubetest.Options{Users: []string{"bench"},
 		// Room for 100k ClusterIPs (the default /16 has 65k).
 		APIServerArgs: []string{"--service-cluster-ip-range=10.96.0.0/12", "--max-requests-inflight=2000", "--max-mutating-requests-inflight=1000"}})
-	role := &rbacv1.ClusterRole{ObjectMeta: metav1.ObjectMeta{Name: "dns-bench"}, Rules: []rbacv1.PolicyRule{
-		{APIGroups: []string{""}, Resources: []string{"services", "pods", "namespaces"}, Verbs: []string{"get", "list", "watch"}},
-		{APIGroups: []string{"discovery.k8s.io"}, Resources: []string{"endpointslices"}, Verbs: []string{"get", "list", "watch"}},
-	}}
-	if _, err := cp.AdminClient().RbacV1().ClusterRoles().Create(context.Background(), role, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	cp.BindClusterRole(t, role.Name, "bench")
-	kubeconfig := cp.Kubeconfig(t, "bench")
+	kubeconfig := benchUser(t, cp)
 	start := time.Now()
 	headless := populate(t, cp, n)
 	t.Logf("%d Services and EndpointSlices created in %v", n, time.Since(start).Round(time.Second))
@@ -215,6 +219,23 @@ func runScale(t *testing.T, s settings, n int) []result {
 	return out
 }
 
+// benchUser binds the bench user to what both servers read (the agent's
+// ServiceEntry source looks for Istio's CRD too) and returns its
+// kubeconfig.
+func benchUser(t *testing.T, cp *kubetest.ControlPlane) string {
+	role := &rbacv1.ClusterRole{ObjectMeta: metav1.ObjectMeta{Name: "dns-bench"}, Rules: []rbacv1.PolicyRule{
+		{APIGroups: []string{""}, Resources: []string{"services", "pods", "namespaces"}, Verbs: []string{"get", "list", "watch"}},
+		{APIGroups: []string{"discovery.k8s.io"}, Resources: []string{"endpointslices"}, Verbs: []string{"get", "list", "watch"}},
+		{APIGroups: []string{"apiextensions.k8s.io"}, Resources: []string{"customresourcedefinitions"}, Verbs: []string{"get", "list", "watch"}},
+		{APIGroups: []string{"networking.istio.io"}, Resources: []string{"serviceentries"}, Verbs: []string{"get", "list", "watch"}},
+	}}
+	if _, err := cp.AdminClient().RbacV1().ClusterRoles().Create(context.Background(), role, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	cp.BindClusterRole(t, role.Name, "bench")
+	return cp.Kubeconfig(t, "bench")
+}
+
 // readyTimeout bounds the wait for a server's first complete answer.
 func readyTimeout(n int) time.Duration { return time.Minute + time.Duration(n)*time.Millisecond }
 
@@ -229,6 +250,11 @@ func isHeadless(i int) bool { return i%headlessEach == headlessEach-1 }
 // Service without selector), one in ten headless. It returns the headless
 // ones' indexes.
 func populate(t *testing.T, cp *kubetest.ControlPlane, n int) []int {
+	return populateRange(t, cp, 0, n)
+}
+
+// populateRange creates the Services of indexes [from, to) (see populate).
+func populateRange(t *testing.T, cp *kubetest.ControlPlane, from, to int) []int {
 	rc := cp.RESTConfig(t, kubetest.Admin)
 	rc.QPS, rc.Burst = 5000, 5000
 	rc.Timeout = time.Minute
@@ -241,6 +267,24 @@ func populate(t *testing.T, cp *kubetest.ControlPlane, n int) []int {
 		cp.EnsureNamespace(t, fmt.Sprintf("bench-%d", i))
 	}
 	var headless []int
+	for i := from; i < to; i++ {
+		if isHeadless(i) {
+			headless = append(headless, i)
+		}
+	}
+	if err := createAll(from, to, func(i int) error { return createOne(cs, i) }); err != nil {
+		t.Fatalf("populate: %v", err)
+	}
+	return headless
+}
+
+func endpointIP(i, gen int) string {
+	return fmt.Sprintf("10.%d.%d.%d", 128+gen%64, i>>8&0xff, i&0xff)
+}
+
+// createAll runs create for every index of [from, to), 16 at a time, and
+// returns the first error (it stops handing out indexes after one).
+func createAll(from, to int, create func(i int) error) error {
 	work := make(chan int)
 	var wg sync.WaitGroup
 	var firstErr atomic.Pointer[error]
@@ -249,31 +293,37 @@ func populate(t *testing.T, cp *kubetest.ControlPlane, n int) []int {
 		go func() {
 			defer wg.Done()
 			for i := range work {
-				if err := createOne(cs, i); err != nil {
+				if err := create(i); err != nil {
 					firstErr.CompareAndSwap(nil, &err)
 				}
 			}
 		}()
 	}
-	for i := range n {
-		if isHeadless(i) {
-			headless = append(headless, i)
-		}
-		if firstErr.Load() != nil {
-			break
-		}
+	for i := from; i < to && firstErr.Load() == nil; i++ {
 		work <- i
 	}
 	close(work)
 	wg.Wait()
 	if p := firstErr.Load(); p != nil {
-		t.Fatalf("populate: %v", *p)
+		return *p
 	}
-	return headless
+	return nil
 }
 
-func endpointIP(i, gen int) string {
-	return fmt.Sprintf("10.%d.%d.%d", 128+gen%64, i>>8&0xff, i&0xff)
+// retryCreate runs a create until it succeeds or finds the object exists:
+// a busy API server times some out.
+func retryCreate(what string, create func(ctx context.Context) error) error {
+	var err error
+	for attempt := range 10 {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+		err = create(ctx)
+		cancel()
+		if err == nil || apierrors.IsAlreadyExists(err) {
+			return nil
+		}
+		time.Sleep(time.Duration(attempt+1) * 200 * time.Millisecond)
+	}
+	return fmt.Errorf("create %s: %w", what, err)
 }
 
 // createOne creates Service i and its EndpointSlice, retrying what a busy
@@ -286,17 +336,7 @@ func createOne(cs kubernetes.Interface, i int) error {
 		svc.Spec.ClusterIP = corev1.ClusterIPNone
 	}
 	retry := func(what string, create func(ctx context.Context) error) error {
-		var err error
-		for attempt := range 10 {
-			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-			err = create(ctx)
-			cancel()
-			if err == nil || apierrors.IsAlreadyExists(err) {
-				return nil
-			}
-			time.Sleep(time.Duration(attempt+1) * 200 * time.Millisecond)
-		}
-		return fmt.Errorf("create %s %s/%s: %w", what, ns, svcName, err)
+		return retryCreate(what+" "+ns+"/"+svcName, create)
 	}
 	if err := retry("Service", func(ctx context.Context) error {
 		_, err := cs.CoreV1().Services(ns).Create(ctx, svc, metav1.CreateOptions{})
@@ -364,12 +404,13 @@ func freePort(t *testing.T) int {
 	return 0
 }
 
-func startServer(t *testing.T, s settings, srv, dir, kubeconfig string, port int, upstream string) *exec.Cmd {
+func startServer(t *testing.T, s settings, srv, dir, kubeconfig string, port int, upstream string, extra ...string) *exec.Cmd {
 	var argv []string
 	switch srv {
 	case "meshdns":
 		argv = []string{s.meshdns, "run", "--mode", "off", "--listen", fmt.Sprintf("127.0.0.1:%d", port),
 			"--admin", "", "--kubeconfig", kubeconfig, "--upstream", upstream, "--state-dir", t.TempDir()}
+		argv = append(argv, extra...)
 	default:
 		// The kubernetes zone without a cache (kubeadm's Corefile caches it
 		// for 30 s, which would hide updates), everything else forwarded
@@ -468,11 +509,33 @@ func fixedRate(t *testing.T, s settings, port int, queries string, pid int) dnsp
 // each change is polled until answered (at most 5 s: missed). lat returns
 // the latencies so far.
 func churn(ctx context.Context, t *testing.T, cp *kubetest.ControlPlane, addr string, headless []int) (lat func() []time.Duration, missed, total *atomic.Int64) {
+	cs := cp.AdminClient()
+	return churnLoop(ctx, addr, headless, func(octx context.Context, i, gen int) (string, string, bool) {
+		ns, svc := fmt.Sprintf("bench-%d", i%namespaces), fmt.Sprintf("svc-%d", i)
+		ip := endpointIP(i, gen)
+		es := slice(ns, svc, ip)
+		cur, err := cs.DiscoveryV1().EndpointSlices(ns).Get(octx, svc, metav1.GetOptions{})
+		if err != nil {
+			return "", "", false
+		}
+		es.ResourceVersion = cur.ResourceVersion
+		if _, err := cs.DiscoveryV1().EndpointSlices(ns).Update(octx, es, metav1.UpdateOptions{}); err != nil {
+			return "", "", false // a concurrent update of the same slice: skip
+		}
+		return name(i), ip, true
+	})
+}
+
+// churnLoop makes one change of a random index of idx at churnRate per
+// second until ctx ends. change writes it and returns the name to ask and
+// the answer that shows it (false: nothing written). Each change is timed
+// from the write's return until the name answers so, polled every 1 ms (at
+// most 5 s: missed). lat returns the latencies so far.
+func churnLoop(ctx context.Context, addr string, idx []int, change func(ctx context.Context, i, gen int) (name, want string, ok bool)) (lat func() []time.Duration, missed, total *atomic.Int64) {
 	var mu sync.Mutex
 	var ds []time.Duration
 	var inflight sync.Map
 	missed, total = new(atomic.Int64), new(atomic.Int64)
-	cs := cp.AdminClient()
 	go func() {
 		tick := time.NewTicker(time.Second / churnRate)
 		defer tick.Stop()
@@ -484,31 +547,25 @@ func churn(ctx context.Context, t *testing.T, cp *kubetest.ControlPlane, addr st
 			case <-tick.C:
 			}
 			gen++
-			i := headless[rand.IntN(len(headless))]
-			// One update in flight per Service: a second one would hide
+			i := idx[rand.IntN(len(idx))]
+			// One update in flight per index: a second one would hide
 			// the first (a server that coalesces never answers it).
 			if _, busy := inflight.LoadOrStore(i, true); busy {
 				continue
 			}
-			ns, svc := fmt.Sprintf("bench-%d", i%namespaces), fmt.Sprintf("svc-%d", i)
-			ip := endpointIP(i, gen)
+			g := gen
 			go func() {
 				defer inflight.Delete(i)
 				octx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 				defer cancel()
-				es := slice(ns, svc, ip)
-				cur, err := cs.DiscoveryV1().EndpointSlices(ns).Get(octx, svc, metav1.GetOptions{})
-				if err != nil {
+				qname, want, ok := change(octx, i, g)
+				if !ok {
 					return
-				}
-				es.ResourceVersion = cur.ResourceVersion
-				if _, err := cs.DiscoveryV1().EndpointSlices(ns).Update(octx, es, metav1.UpdateOptions{}); err != nil {
-					return // a concurrent update of the same slice: skip
 				}
 				written := time.Now()
 				total.Add(1)
 				for time.Since(written) < 5*time.Second {
-					if ask(addr, name(i)) == ip {
+					if ask(addr, qname) == want {
 						mu.Lock()
 						ds = append(ds, time.Since(written))
 						mu.Unlock()

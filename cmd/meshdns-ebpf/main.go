@@ -5,7 +5,6 @@ package main
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"flag"
 	"fmt"
@@ -25,7 +24,8 @@ const usage = `meshdns-ebpf: DNS capture for service meshes, at the socket.
 Usage:
   meshdns-ebpf run [flags]       run the agent (resolver + capture); -h lists the flags
   meshdns-ebpf stats [flags]     datapath counters per hook, in total and per cgroup
-  meshdns-ebpf status [flags]    what is attached where, mode, resolver, readiness, conntrack
+  meshdns-ebpf status [flags]    what is attached where, mode, resolver, readiness, name sources, conntrack
+  meshdns-ebpf table [flags]     the running agent's merged name table (-o json, or -o ndsz: Istio's format)
   meshdns-ebpf cleanup [flags]   remove what a crashed agent left (pins, links, rules, addresses)
   meshdns-ebpf version
 `
@@ -56,6 +56,8 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		return runStats(args, stdout, stderr)
 	case "status":
 		return runStatus(args, stdout, stderr)
+	case "table":
+		return runTable(args, stdout, stderr)
 	case "cleanup":
 		return runCleanup(args, stdout, stderr)
 	case "version":
@@ -138,9 +140,7 @@ type tabler interface{ WriteTable(io.Writer) error }
 // render prints v as indented JSON for -o json, else as its table.
 func render(w io.Writer, format string, v tabler) error {
 	if format == "json" {
-		enc := json.NewEncoder(w)
-		enc.SetIndent("", "  ")
-		return enc.Encode(v)
+		return writeJSON(w, v)
 	}
 	return v.WriteTable(w)
 }
@@ -148,6 +148,7 @@ func render(w io.Writer, format string, v tabler) error {
 func runStats(args []string, stdout, stderr io.Writer) error {
 	fs := newFlagSet("stats", stderr)
 	bpffs := fs.String("bpffs", agent.DefaultBPFFS, "directory where the agent pinned its maps")
+	stateDir, admin := agentFlags(fs)
 	out := outputFlag(fs)
 	if err := parse(fs, args); err != nil {
 		return err
@@ -159,13 +160,14 @@ func runStats(args []string, stdout, stderr io.Writer) error {
 	if err != nil {
 		return err
 	}
+	namePods(s, *stateDir, *admin, stderr)
 	return render(stdout, *out, s)
 }
 
 func runStatus(args []string, stdout, stderr io.Writer) error {
 	fs := newFlagSet("status", stderr)
 	bpffs := fs.String("bpffs", agent.DefaultBPFFS, "directory where the agent pinned its links and maps")
-	stateDir := fs.String("state-dir", agent.DefaultStateDir, "the agent's state directory")
+	stateDir, admin := agentFlags(fs)
 	out := outputFlag(fs)
 	if err := parse(fs, args); err != nil {
 		return err
@@ -173,7 +175,7 @@ func runStatus(args []string, stdout, stderr io.Writer) error {
 	if err := checkOutput(*out); err != nil {
 		return err
 	}
-	return render(stdout, *out, agent.ReadStatus(*stateDir, *bpffs))
+	return render(stdout, *out, agent.ReadStatusAt(*stateDir, *bpffs, *admin))
 }
 
 func runCleanup(args []string, stdout, stderr io.Writer) error {

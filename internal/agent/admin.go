@@ -31,7 +31,7 @@ const (
 // readiness is what /readyz asks.
 type readiness interface{ Ready() error }
 
-// adminServer serves /healthz, /readyz and /metrics.
+// adminServer serves /healthz, /readyz, /metrics and debug (under /debug/).
 type adminServer struct {
 	addr      string
 	ready     readiness
@@ -42,7 +42,7 @@ type adminServer struct {
 	done      chan struct{}
 }
 
-func newAdminServer(addr string, reg *prometheus.Registry, ready readiness, inherited *os.File, log *slog.Logger) *adminServer {
+func newAdminServer(addr string, reg *prometheus.Registry, ready readiness, debug http.Handler, inherited *os.File, log *slog.Logger) *adminServer {
 	mux := http.NewServeMux()
 	mux.HandleFunc("/healthz", func(w http.ResponseWriter, _ *http.Request) {
 		fmt.Fprintln(w, "ok")
@@ -55,6 +55,9 @@ func newAdminServer(addr string, reg *prometheus.Registry, ready readiness, inhe
 		fmt.Fprintln(w, "ok")
 	})
 	mux.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{Registry: reg, Timeout: adminWriteTimeout / 2}))
+	if debug != nil {
+		mux.Handle("/debug/", debug)
+	}
 	return &adminServer{
 		addr: addr, ready: ready, log: log, inherited: inherited,
 		hs: &http.Server{

@@ -25,7 +25,7 @@ func TestAdminServer(t *testing.T) {
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(newBuildInfo())
 	ready := errors.New("name table not loaded yet")
-	a := newAdminServer("127.0.0.1:0", reg, readyFunc(func() error { return ready }), nil, slog.New(slog.DiscardHandler))
+	a := newAdminServer("127.0.0.1:0", reg, readyFunc(func() error { return ready }), nil, nil, slog.New(slog.DiscardHandler))
 	a.hs.ReadHeaderTimeout = 300 * time.Millisecond // the production value is adminReadHeaderTimeout
 	if err := a.Start(context.Background()); err != nil {
 		t.Fatal(err)

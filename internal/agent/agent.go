@@ -332,7 +332,7 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 		if a.inherit != nil {
 			inherited, a.inherit.admin = a.inherit.admin, nil
 		}
-		a.admin = newAdminServer(cfg.Admin, reg, a, inherited, log.With("component", "admin"))
+		a.admin = newAdminServer(cfg.Admin, reg, a, cfg.debugHandler(a.store), inherited, log.With("component", "admin"))
 		if err := a.admin.Start(ctx); err != nil {
 			return err
 		}

@@ -57,6 +57,9 @@ type Config struct {
 	NodeName          string
 	ClusterDNSService string
 
+	// ServiceEntries and remote clusters (mesh.go).
+	Mesh MeshConfig
+
 	authoritativeSet bool
 	LinkName         string
 	LogLevel         string
@@ -165,6 +168,7 @@ func (c *Config) RegisterFlags(fs *flag.FlagSet) {
 	fs.BoolVar(&c.InCluster, "kubernetes", false, "watch the API server of the cluster the agent runs in (in-cluster service account); the DaemonSet uses this")
 	fs.StringVar(&c.NodeName, "node-name", os.Getenv("NODE_NAME"), "this node's name: its Pods' IPs tell the agent each client's namespace (default $NODE_NAME)")
 	fs.StringVar(&c.ClusterDNSService, "cluster-dns-service", DefaultClusterDNSService, "with a Kubernetes source and no --nameservers: the Service (namespace/name) whose cluster IPs pods use as nameserver; those are captured")
+	c.registerMeshFlags(fs)
 	fs.StringVar(&c.LinkName, "link", DefaultLinkName, "dummy link that carries the node-local listen address")
 	fs.IntVar(&c.CacheBytes, "cache-bytes", upstream.DefaultCacheBytes, "memory cap of the upstream answer cache, in bytes")
 	fs.IntVar(&c.MaxPending, "max-pending", resolver.DefaultMaxPending, "queries waiting for the upstream at once; over it: SERVFAIL at once")
@@ -212,6 +216,9 @@ func (c *Config) Validate() error {
 	}
 	if c.Kubeconfig != "" && c.InCluster {
 		return fmt.Errorf("--kubeconfig and --kubernetes: give one (--kubernetes uses the in-cluster service account)")
+	}
+	if err := c.validateMesh(); err != nil {
+		return err
 	}
 	if c.Kubernetes() && !c.authoritativeSet {
 		c.Authoritative = true

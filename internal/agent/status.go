@@ -5,13 +5,13 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
-	"net/http"
 	"os"
 	"strings"
 	"text/tabwriter"
 	"time"
 
 	"github.com/meshdns/meshdns-ebpf/internal/ctzone"
+	"github.com/meshdns/meshdns-ebpf/internal/names"
 	"github.com/meshdns/meshdns-ebpf/internal/redirect"
 )
 
@@ -24,6 +24,8 @@ type Status struct {
 	Datapath  *redirect.Status        `json:"datapath,omitempty"`
 	Conntrack *ctzone.ConntrackStatus `json:"conntrack,omitempty"`
 	Errors    []string                `json:"errors,omitempty"`
+	// Sources are the agent's name sources and their sync state.
+	Sources []names.SourceStatus `json:"sources,omitempty"`
 }
 
 // ReadStatus gathers the status; what cannot be read is reported in Errors.
@@ -57,6 +59,7 @@ func ReadStatus(stateDir, pinDir string) *Status {
 	} else {
 		s.Errors = append(s.Errors, "conntrack: "+err.Error())
 	}
+	s.readSourcesInto("")
 	return s
 }
 
@@ -67,17 +70,7 @@ func probeReady(st *State, running bool) string {
 	if st.Admin == "" {
 		return "unknown: admin endpoint disabled"
 	}
-	c := http.Client{Timeout: time.Second}
-	resp, err := c.Get("http://" + st.Admin + "/readyz")
-	if err != nil {
-		return "unknown: " + err.Error()
-	}
-	defer resp.Body.Close()
-	b, _ := io.ReadAll(io.LimitReader(resp.Body, 512))
-	if resp.StatusCode == http.StatusOK {
-		return "yes"
-	}
-	return "no: " + strings.TrimSpace(string(b))
+	return readyAt(st.Admin)
 }
 
 // WriteTable prints the status for people.
@@ -117,6 +110,9 @@ func (s *Status) WriteTable(w io.Writer) error {
 		if err := s.Conntrack.WriteTable(w); err != nil {
 			return err
 		}
+	}
+	if err := s.writeMesh(w); err != nil {
+		return err
 	}
 	for _, e := range s.Errors {
 		fmt.Fprintln(w, "note:", e)

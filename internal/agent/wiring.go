@@ -208,8 +208,12 @@ func (c *Config) newNameStore(reg prometheus.Registerer, kubeRest *rest.Config, 
 		if err := store.Add(ks, names.SourceOptions{Priority: names.PriorityKubernetes}); err != nil {
 			return nil, err
 		}
+		c.Mesh.local = ks
 	}
-	if c.NamesFile == "" && kubeRest == nil {
+	if err := c.addMeshSources(store, kubeRest, log); err != nil {
+		return nil, err
+	}
+	if c.NamesFile == "" && kubeRest == nil && !c.meshSources() {
 		demo, err := filesource.NewStatic("demo", defaultNames, store.Domain())
 		if err != nil {
 			return nil, err

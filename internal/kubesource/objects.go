@@ -75,6 +75,7 @@ func (s *endpointSlice) DeepCopyObject() runtime.Object { return s }
 // pod is a Pod of this node: its IPs are clients of its namespace.
 type pod struct {
 	meta
+	uid string
 	ips []netip.Addr
 }
 
@@ -227,7 +228,10 @@ func transformPod(obj any) (any, error) {
 	if !ok {
 		return obj, nil
 	}
-	out := &pod{meta: meta{name: p.Name, namespace: internStr(p.Namespace)}}
+	out := &pod{meta: meta{name: p.Name, namespace: internStr(p.Namespace)}, uid: string(p.UID)}
+	if m := p.Annotations[corev1.MirrorPodAnnotationKey]; m != "" {
+		out.uid = m // a static Pod's mirror: kubelet's cgroup carries the static Pod's UID
+	}
 	if p.Spec.HostNetwork || p.Status.Phase == corev1.PodSucceeded || p.Status.Phase == corev1.PodFailed {
 		return out, nil
 	}

@@ -18,7 +18,6 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 	discoveryv1 "k8s.io/api/discovery/v1"
-	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/fields"
 	"k8s.io/apimachinery/pkg/runtime"
@@ -51,6 +50,7 @@ type Source struct {
 	domain string // with the trailing dot
 	log    *slog.Logger
 	cs     kubernetes.Interface
+	pods   podIndex
 }
 
 // New validates cfg and creates the client. It contacts nothing.
@@ -141,7 +141,7 @@ func (x *sliceIndex) remove(svc string, obj any) {
 // change to sink, marks the source synced once every informer has listed,
 // and reports the API server's reachability through sink.Failed.
 func (s *Source) Run(ctx context.Context, sink names.Sink) error {
-	h := &health{sink: sink, log: s.log, failing: map[string]error{}}
+	h := NewHealth(sink, s.log)
 	svcInf := s.informer(h, "services", &corev1.Service{}, transformService,
 		func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) {
 			return s.cs.CoreV1().Services("").List(ctx, o)
@@ -245,6 +245,7 @@ func (s *Source) Run(ctx context.Context, sink names.Sink) error {
 		}
 		regs = append(regs, reg)
 		informers = append(informers, podInf)
+		s.pods.set(podInf.GetStore())
 	}
 
 	var wg sync.WaitGroup
@@ -271,35 +272,9 @@ func (s *Source) Run(ctx context.Context, sink names.Sink) error {
 
 // informer makes a shared index informer whose transform keeps only what
 // DNS needs and whose list and watch report the API server's health.
-func (s *Source) informer(h *health, what string, example runtime.Object, transform cache.TransformFunc,
-	list func(context.Context, metav1.ListOptions) (runtime.Object, error),
-	watchFn func(context.Context, metav1.ListOptions) (watch.Interface, error), indexers cache.Indexers) cache.SharedIndexInformer {
-	lw := &cache.ListWatch{
-		ListWithContextFunc: func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) {
-			var out runtime.Object
-			err := h.call(ctx, what, func() (err error) { out, err = list(ctx, o); return err })
-			return out, err
-		},
-		WatchFuncWithContext: func(ctx context.Context, o metav1.ListOptions) (watch.Interface, error) {
-			var out watch.Interface
-			err := h.call(ctx, what, func() (err error) { out, err = watchFn(ctx, o); return err })
-			return out, err
-		},
-	}
-	if indexers == nil {
-		indexers = cache.Indexers{}
-	}
-	inf := cache.NewSharedIndexInformerWithOptions(lw, example, cache.SharedIndexInformerOptions{
-		Indexers:          indexers,
-		ObjectDescription: s.cfg.Name + " " + what,
-	})
-	_ = inf.SetTransform(transform)
-	_ = inf.SetWatchErrorHandlerWithContext(func(_ context.Context, _ *cache.Reflector, err error) {
-		if !errors.Is(err, context.Canceled) {
-			h.report(what, err)
-		}
-	})
-	return inf
+func (s *Source) informer(h *Health, what string, example runtime.Object, transform cache.TransformFunc,
+	list ListFunc, watchFn WatchFunc, indexers cache.Indexers) cache.SharedIndexInformer {
+	return h.Informer(s.cfg.Name+" "+what, what, example, transform, list, watchFn, indexers)
 }
 
 func unwrap(obj any) any {
@@ -315,79 +290,6 @@ func keyOf(obj any) string {
 	}
 	k, _ := cache.MetaNamespaceKeyFunc(obj)
 	return k
-}
-
-// health tracks whether the API server answers the informers' lists and
-// watches. While it does not, the calls are retried here, every 100 ms
-// growing to 500 ms, instead of failing into the reflector's own backoff
-// (800 ms doubling to 30 s): a restarted API server is seen again within
-// about half a second, and the last state keeps serving meanwhile. That
-// includes refusals (403 right after an API server restart, before its
-// RBAC caches fill; or a ClusterRole that lacks a rule, fixed later): they
-// are reported at once and retried, so a fixed role takes effect at once.
-type health struct {
-	sink    names.Sink
-	log     *slog.Logger
-	mu      sync.Mutex
-	failing map[string]error
-}
-
-func (h *health) call(ctx context.Context, what string, fn func() error) error {
-	delay := 100 * time.Millisecond
-	for {
-		err := fn()
-		if err == nil {
-			h.report(what, nil)
-			return nil
-		}
-		if ctx.Err() != nil {
-			return err
-		}
-		h.report(what, err)
-		if !retriable(err) {
-			return err
-		}
-		t := time.NewTimer(delay)
-		select {
-		case <-ctx.Done():
-			t.Stop()
-			return ctx.Err()
-		case <-t.C:
-		}
-		delay = min(2*delay, 500*time.Millisecond)
-	}
-}
-
-// retriable reports whether the call should be retried here; a resource
-// version that is too old is the reflector's to handle (it lists anew).
-func retriable(err error) bool {
-	return !apierrors.IsGone(err) && !apierrors.IsResourceExpired(err)
-}
-
-func (h *health) report(what string, err error) {
-	h.mu.Lock()
-	defer h.mu.Unlock()
-	if err == nil {
-		if _, was := h.failing[what]; !was {
-			return
-		}
-		delete(h.failing, what)
-	} else {
-		if apierrors.IsForbidden(err) {
-			err = fmt.Errorf("%s: %w (the agent's ClusterRole must allow get, list and watch on %s)", what, err, what)
-		} else {
-			err = fmt.Errorf("%s: %w", what, err)
-		}
-		if prev, was := h.failing[what]; !was || prev.Error() != err.Error() {
-			h.log.Warn("kubernetes API call failing", "resource", what, "err", err)
-		}
-		h.failing[what] = err
-	}
-	for _, e := range h.failing {
-		h.sink.Failed(e)
-		return
-	}
-	h.sink.Failed(nil)
 }
 
 // ClusterDNS returns the cluster IPs of the cluster DNS Service ns/name

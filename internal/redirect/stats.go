@@ -74,6 +74,9 @@ type CgroupStats struct {
 	RedirectedTCP  uint64 `json:"redirected_tcp"`
 	ReplyRewritten uint64 `json:"reply_rewritten"`
 	Skipped        uint64 `json:"skipped"`
+	// Pod is the cgroup's Kubernetes Pod (namespace/name) when the CLI
+	// knows it; the table shows it instead of the path.
+	Pod string `json:"pod,omitempty"`
 }
 
 // Redirected is the number of redirected queries (UDP datagrams sent with an
@@ -263,6 +266,9 @@ func (s *Stats) WriteTable(w io.Writer) error {
 		path := c.Path
 		if path == "" {
 			path = "(removed)"
+		}
+		if c.Pod != "" {
+			path = "pod " + c.Pod
 		}
 		cols := []string{fmt.Sprint(c.ID), path}
 		for j := range CgroupCounterNames() {

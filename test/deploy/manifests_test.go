@@ -167,7 +167,9 @@ func TestDefaultInstall(t *testing.T) {
 	wantRules := []string{
 		"/pods[]: get,list,watch",
 		"/services[]: get,list,watch",
+		"apiextensions.k8s.io/customresourcedefinitions[serviceentries.networking.istio.io]: get,list,watch",
 		"discovery.k8s.io/endpointslices[]: get,list,watch",
+		"networking.istio.io/serviceentries[]: get,list,watch",
 	}
 	if got := ruleSet(cr.Rules); !slices.Equal(got, wantRules) {
 		t.Errorf("ClusterRole rules:\n got %q\nwant %q", got, wantRules)

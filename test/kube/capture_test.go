@@ -52,36 +52,11 @@ func TestCaptureClusterDNS(t *testing.T) {
 
 	// The agent reaches the API server through a proxy into the node's
 	// namespace (the API server listens on the test's loopback).
-	apiPort := proxyIntoNetns(t, nodeNS, strings.TrimPrefix(c.Host(), "https://"))
-	kubeconfig := rewriteServer(t, c.kubeconfig, fmt.Sprintf("https://127.0.0.1:%d", apiPort))
 	resolvConf := filepath.Join(t.TempDir(), "resolv.conf")
 	if err := os.WriteFile(resolvConf, []byte("nameserver 169.254.53.1\n"), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	bin := buildAgent(t)
-	var log logBuffer
-	cmd := testenv.Command(context.Background(), testenv.Proc{Netns: nodeNS, Cgroup: cg, NetOnly: true}, bin,
-		"run", "--mode", "ebpf", "--cgroup", cg.Path, "--kubeconfig", kubeconfig, "--node-name", node,
-		"--resolv-conf", resolvConf, "--listen", "169.254.20.53:53", "--admin", "127.0.0.1:19154",
-		"--bpffs", filepath.Join(testenv.NewBPFFS(t), "meshdns"), "--state-dir", t.TempDir(), "--log-level", "debug")
-	cmd.Stdout, cmd.Stderr = &log, &log
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	done := make(chan error, 1)
-	go func() { done <- cmd.Wait() }()
-	t.Cleanup(func() {
-		_ = cmd.Process.Signal(syscall.SIGTERM)
-		select {
-		case <-done:
-		case <-time.After(10 * time.Second):
-			_ = cmd.Process.Kill()
-			<-done
-		}
-		if t.Failed() {
-			t.Logf("agent log:\n%s", log.tail(60))
-		}
-	})
+	a := startNodeAgent(t, c, nodeNS, cg, "--resolv-conf", resolvConf, "--admin", "127.0.0.1:19154")
 
 	getent := func(name string) string {
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
@@ -97,17 +72,12 @@ func TestCaptureClusterDNS(t *testing.T) {
 		return f[0]
 	}
 	if !testenv.WaitFor(30*time.Second, func() bool {
-		select {
-		case err := <-done:
-			done <- err
-			t.Fatalf("agent exited: %v\n%s", err, log.tail(40))
-		default:
-		}
+		a.checkRunning(t)
 		return getent("web") == web.Spec.ClusterIP
 	}) {
 		t.Fatalf("the pod never resolved web through the agent")
 	}
-	if !strings.Contains(log.tail(400), `capturing the cluster DNS Service`) {
+	if !strings.Contains(a.log.tail(400), `capturing the cluster DNS Service`) {
 		t.Errorf("the agent did not log the discovered cluster DNS Service")
 	}
 	realKubeDNS.Reset()
@@ -126,6 +96,54 @@ func TestCaptureClusterDNS(t *testing.T) {
 	}
 	if nodeResolver.Count("ext.example.org.") == 0 {
 		t.Errorf("the node's resolver never saw the forwarded external name")
+	}
+}
+
+// nodeAgent is the agent in eBPF mode in a node's network namespace,
+// capturing a test cgroup, reaching the API server through a proxy into
+// that namespace (it listens on the test's loopback).
+type nodeAgent struct {
+	done            chan error
+	log             *logBuffer
+	stateDir, bpffs string
+}
+
+func startNodeAgent(t *testing.T, c *cluster, nodeNS *testenv.Netns, cg *testenv.Cgroup, extra ...string) *nodeAgent {
+	t.Helper()
+	apiPort := proxyIntoNetns(t, nodeNS, strings.TrimPrefix(c.Host(), "https://"))
+	kubeconfig := rewriteServer(t, c.kubeconfig, fmt.Sprintf("https://127.0.0.1:%d", apiPort))
+	a := &nodeAgent{done: make(chan error, 1), log: &logBuffer{}, stateDir: t.TempDir(), bpffs: filepath.Join(testenv.NewBPFFS(t), "meshdns")}
+	args := []string{"run", "--mode", "ebpf", "--cgroup", cg.Path, "--kubeconfig", kubeconfig, "--node-name", node,
+		"--listen", "169.254.20.53:53", "--bpffs", a.bpffs, "--state-dir", a.stateDir, "--log-level", "debug"}
+	cmd := testenv.Command(context.Background(), testenv.Proc{Netns: nodeNS, Cgroup: cg, NetOnly: true}, buildAgent(t), append(args, extra...)...)
+	cmd.Stdout, cmd.Stderr = a.log, a.log
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	go func() { a.done <- cmd.Wait() }()
+	t.Cleanup(func() {
+		_ = cmd.Process.Signal(syscall.SIGTERM)
+		select {
+		case <-a.done:
+		case <-time.After(10 * time.Second):
+			_ = cmd.Process.Kill()
+			<-a.done
+		}
+		if t.Failed() {
+			t.Logf("agent log:\n%s", a.log.tail(60))
+		}
+	})
+	return a
+}
+
+// checkRunning fails the test when the agent has exited.
+func (a *nodeAgent) checkRunning(t *testing.T) {
+	t.Helper()
+	select {
+	case err := <-a.done:
+		a.done <- err
+		t.Fatalf("agent exited: %v\n%s", err, a.log.tail(40))
+	default:
 	}
 }
 

@@ -4,9 +4,9 @@ import (
 	"context"
 	"fmt"
 	"net/netip"
+	"slices"
 	"strings"
 	"sync"
-	"sync/atomic"
 	"testing"
 	"time"
 
@@ -265,38 +265,10 @@ func TestAPIServerRestart(t *testing.T) {
 	a := startAgent(t, c, node)
 	a.waitReady(60 * time.Second)
 
-	var sent, failed atomic.Int64
-	var failures sync.Map
-	stop := make(chan struct{})
-	var wg sync.WaitGroup
-	for _, q := range []struct{ name, want string }{
-		{"web.default.svc.cluster.local.", web.Spec.ClusterIP},
-		{"ext.example.org.", "192.0.2.80"},
-	} {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			tick := time.NewTicker(5 * time.Millisecond)
-			defer tick.Stop()
-			for {
-				select {
-				case <-stop:
-					return
-				case <-tick.C:
-				}
-				sent.Add(1)
-				resp, err := a.query("", q.name, dns.TypeA)
-				if err != nil || answer(resp) != q.want {
-					failed.Add(1)
-					got := fmt.Sprint(err)
-					if resp != nil {
-						got = answer(resp)
-					}
-					failures.Store(q.name+" -> "+got, true)
-				}
-			}
-		}()
-	}
+	flow := a.queryWhile(
+		query{"web.default.svc.cluster.local.", web.Spec.ClusterIP},
+		query{"ext.example.org.", "192.0.2.80"},
+	)
 
 	c.StopAPIServer()
 	stopped := time.Now()
@@ -319,11 +291,10 @@ func TestAPIServerRestart(t *testing.T) {
 	if !testenv.WaitFor(5*time.Second, func() bool { return a.metric(`meshdns_names_source_stale_seconds{source="kubernetes"}`) == 0 }) {
 		t.Errorf("staleness metric did not return to 0")
 	}
-	close(stop)
-	wg.Wait()
-	t.Logf("%d queries during the outage and restart, %d failed", sent.Load(), failed.Load())
-	if failed.Load() > 0 {
-		failures.Range(func(k, _ any) bool { t.Errorf("failed: %v", k); return true })
+	sent, failed, failures := flow()
+	t.Logf("%d queries during the outage and restart, %d failed", sent, failed)
+	for _, f := range failures {
+		t.Errorf("failed: %s", f)
 	}
 }
 
@@ -338,7 +309,7 @@ func TestNotReadyUntilSynced(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	role.Rules = role.Rules[:2] // services and endpointslices, no pods
+	role.Rules = slices.DeleteFunc(role.Rules, func(r rbacv1.PolicyRule) bool { return slices.Contains(r.Resources, "pods") })
 	if _, err := c.AdminClient().RbacV1().ClusterRoles().Update(ctx, role, metav1.UpdateOptions{}); err != nil {
 		t.Fatal(err)
 	}

@@ -18,9 +18,10 @@ import (
 //
 // Merge rules, for one name contributed by several hosts: a host's own
 // (canonical) name beats an alternative name of another host; then the
-// source with the higher priority wins; ties go to the source name, the
-// host name and the source's object key, in that order, so the result
-// never depends on the order of updates. When the winner has Merge, every
+// source with the higher priority wins; within a priority a host visible
+// to some namespaces only comes before one visible to all; remaining ties
+// go to the source name, the host name and the source's object key, in
+// that order, so the result never depends on the order of updates. When the winner has Merge, every
 // Merge host of that name (any source) answers together: the union of
 // their addresses and ports. When the winner is visible only to some
 // namespaces, clients of other namespaces get the next host they see.
@@ -441,7 +442,19 @@ func (b *Builder) merge(x string, list []*Host) *Name {
 			}
 			return -1
 		}
-		return cmp.Or(cmp.Compare(b.prio[q.Source], b.prio[p.Source]), cmp.Compare(p.Source, q.Source),
+		// Within a priority, a host visible to some namespaces only comes
+		// before one visible to all: a client of such a namespace gets the
+		// host exported to it (a ServiceEntry of its own namespace), every
+		// other client the next one it sees.
+		pn, qn := p.Visible == nil, q.Visible == nil
+		vis := 0
+		if pn != qn {
+			vis = 1
+			if qn {
+				vis = -1
+			}
+		}
+		return cmp.Or(cmp.Compare(b.prio[q.Source], b.prio[p.Source]), vis, cmp.Compare(p.Source, q.Source),
 			cmp.Compare(p.Name, q.Name), cmp.Compare(p.key, q.key))
 	})
 	win := sorted[0]

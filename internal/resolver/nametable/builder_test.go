@@ -273,6 +273,10 @@ func TestVisibility(t *testing.T) {
 	set(t, b, "serviceentries", "ns2/a", Host{Name: "api.example.com", V4: []netip.Addr{ip("192.0.2.2")}, Visible: []string{"ns2"}})
 	set(t, b, "serviceentries", "ns3/a", Host{Name: "only.example.com", V4: []netip.Addr{ip("192.0.2.3")}, Visible: []string{"ns3"}})
 	set(t, b, "serviceentries", "ns3/b", Host{Name: "all.example.com", V4: []netip.Addr{ip("192.0.2.4")}})
+	// Exported to all from ns0 (sorts first) and to its own namespace from
+	// ns1: ns1's clients get their own, everyone else the exported one.
+	set(t, b, "serviceentries", "ns0/c", Host{Name: "both.example.com", V4: []netip.Addr{ip("192.0.2.5")}})
+	set(t, b, "serviceentries", "ns1/c", Host{Name: "both.example.com", V4: []netip.Addr{ip("192.0.2.6")}, Visible: []string{"ns1"}})
 	tb := publish(t, b)
 	for _, tt := range []struct {
 		client, name, want string
@@ -283,6 +287,9 @@ func TestVisibility(t *testing.T) {
 		{"10.244.0.5", "only.example.com.", ""},
 		{"10.244.9.9", "all.example.com.", "192.0.2.4"},
 		{"10.244.0.5", "all.example.com.", "192.0.2.4"},
+		{"10.244.0.5", "both.example.com.", "192.0.2.6"},
+		{"10.244.0.6", "both.example.com.", "192.0.2.5"},
+		{"10.244.9.9", "both.example.com.", "192.0.2.5"},
 	} {
 		n, _ := tb.Find(tt.name, ip(tt.client))
 		got := ""

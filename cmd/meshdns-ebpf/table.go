@@ -1,0 +1,86 @@
+package main
+
+import (
+	"encoding/json"
+	"flag"
+	"fmt"
+	"io"
+
+	"github.com/meshdns/meshdns-ebpf/internal/agent"
+	"github.com/meshdns/meshdns-ebpf/internal/nameview"
+	"github.com/meshdns/meshdns-ebpf/internal/redirect"
+)
+
+// agentFlags registers how the CLI finds the running agent: its state
+// directory (which records the admin address), or the address itself.
+func agentFlags(fs *flag.FlagSet) (stateDir, admin *string) {
+	stateDir = fs.String("state-dir", agent.DefaultStateDir, "the agent's state directory (it records the admin address)")
+	admin = fs.String("admin", "", "the agent's admin address ADDR:PORT (default: from the state directory; an agent in --mode off writes none)")
+	return stateDir, admin
+}
+
+// runTable lists the running agent's merged name table.
+func runTable(args []string, stdout, stderr io.Writer) error {
+	fs := newFlagSet("table", stderr)
+	stateDir, admin := agentFlags(fs)
+	var f nameview.Filter
+	fs.StringVar(&f.Name, "name", "", "names containing this, or matching it as a glob (*.example.com)")
+	fs.StringVar(&f.Namespace, "namespace", "", "hosts of objects (Services, ServiceEntries) of this namespace")
+	fs.StringVar(&f.Source, "source", "", "hosts of this source, or sources matching a glob (kubernetes, serviceentries, cluster/*, file)")
+	fs.StringVar(&f.Client, "client-namespace", "", "what a client pod of this namespace gets: per name the first entry it sees (with -o ndsz: the view of that namespace; default a client of unknown namespace)")
+	out := fs.String("o", "table", "output format: table, json, or ndsz (Istio's NameTable JSON, as istiod's /debug/ndsz)")
+	if err := parse(fs, args); err != nil {
+		return err
+	}
+	switch *out {
+	case "table", "json", "ndsz":
+	default:
+		return fmt.Errorf("-o %q: want table, json or ndsz", *out)
+	}
+	addr, err := agent.AdminAddress(*stateDir, *admin)
+	if err != nil {
+		return err
+	}
+	if *out == "ndsz" {
+		nt, err := agent.ReadNDS(addr, f.Client)
+		if err != nil {
+			return err
+		}
+		return writeJSON(stdout, nt)
+	}
+	entries, err := agent.ReadTable(addr, f)
+	if err != nil {
+		return err
+	}
+	if *out == "json" {
+		if entries == nil {
+			entries = []nameview.Entry{}
+		}
+		return writeJSON(stdout, entries)
+	}
+	return nameview.WriteTable(stdout, entries)
+}
+
+func writeJSON(w io.Writer, v any) error {
+	enc := json.NewEncoder(w)
+	enc.SetIndent("", "  ")
+	return enc.Encode(v)
+}
+
+// namePods names the pod of each cgroup from the Pods of this node the
+// agent knows. Without an agent (or one without a Kubernetes source) the
+// paths stay; that is only worth a note when the address was given.
+func namePods(s *redirect.Stats, stateDir, admin string, stderr io.Writer) {
+	addr, err := agent.AdminAddress(stateDir, admin)
+	if err != nil {
+		return
+	}
+	pods, err := agent.ReadPods(addr)
+	if err != nil {
+		if admin != "" {
+			fmt.Fprintln(stderr, "note: pods not named:", err)
+		}
+		return
+	}
+	agent.NamePods(s, pods)
+}

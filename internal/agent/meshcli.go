@@ -1,0 +1,231 @@
+package agent
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"net/url"
+	"os"
+	"regexp"
+	"strings"
+	"text/tabwriter"
+	"time"
+
+	"github.com/meshdns/meshdns-ebpf/internal/kubesource"
+	"github.com/meshdns/meshdns-ebpf/internal/names"
+	"github.com/meshdns/meshdns-ebpf/internal/nameview"
+	"github.com/meshdns/meshdns-ebpf/internal/redirect"
+)
+
+// What the CLI (`table`, `status`, `stats`) reads from the running agent's
+// admin endpoint (debugHandler).
+
+// AdminAddress is the running agent's admin address: override when given,
+// else the one its state file in stateDir records.
+func AdminAddress(stateDir, override string) (string, error) {
+	if override != "" {
+		return override, nil
+	}
+	st, err := ReadState(stateDir)
+	if errors.Is(err, os.ErrNotExist) {
+		return "", fmt.Errorf("no agent state in %s: is the agent running? (an agent in --mode off writes none: give --admin ADDR)", stateDir)
+	}
+	if err != nil {
+		return "", err
+	}
+	if st.Admin == "" {
+		return "", errors.New("the agent runs without an admin endpoint (--admin \"\")")
+	}
+	return st.Admin, nil
+}
+
+// adminURL is the URL of path on the admin address; an unspecified host
+// (":9153", "0.0.0.0:9153") is reached on loopback.
+func adminURL(admin, path string) string {
+	if host, port, err := net.SplitHostPort(admin); err == nil {
+		if ip := net.ParseIP(host); host == "" || ip != nil && ip.IsUnspecified() {
+			admin = net.JoinHostPort("127.0.0.1", port)
+		}
+	}
+	return "http://" + admin + path
+}
+
+func getJSON(admin, path string, v any) error {
+	return getJSONWithin(admin, path, v, 30*time.Second) // a table of 100k names is a few MB
+}
+
+func getJSONWithin(admin, path string, v any, timeout time.Duration) error {
+	c := http.Client{Timeout: timeout}
+	resp, err := c.Get(adminURL(admin, path))
+	if err != nil {
+		return fmt.Errorf("ask the agent: %w", err)
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		b, _ := io.ReadAll(io.LimitReader(resp.Body, 1024))
+		return fmt.Errorf("agent %s: %s: %s", path, resp.Status, strings.TrimSpace(string(b)))
+	}
+	if err := json.NewDecoder(resp.Body).Decode(v); err != nil {
+		return fmt.Errorf("agent %s: %w", path, err)
+	}
+	return nil
+}
+
+// ReadTable lists the agent's name table.
+func ReadTable(admin string, f nameview.Filter) ([]nameview.Entry, error) {
+	q := url.Values{}
+	for k, v := range map[string]string{"name": f.Name, "namespace": f.Namespace, "source": f.Source, "client": f.Client} {
+		if v != "" {
+			q.Set(k, v)
+		}
+	}
+	var out []nameview.Entry
+	return out, getJSON(admin, "/debug/table?"+q.Encode(), &out)
+}
+
+// ReadNDS returns the agent's table in Istio's NameTable JSON as a client
+// of namespace ns sees it.
+func ReadNDS(admin, ns string) (*nameview.NameTable, error) {
+	var out nameview.NameTable
+	return &out, getJSON(admin, "/debug/ndsz?"+url.Values{"namespace": {ns}}.Encode(), &out)
+}
+
+// ReadSources returns the agent's name sources.
+func ReadSources(admin string) ([]names.SourceStatus, error) {
+	var out []names.SourceStatus
+	return out, getJSONWithin(admin, "/debug/sources", &out, 2*time.Second)
+}
+
+// podUID finds a Pod UID in a cgroup path as kubelet names them: with the
+// cgroupfs driver .../pod<uid>/<container>, with the systemd driver
+// ...-pod<uid with '_' for '-'>.slice/...; a static Pod's UID is a hash
+// of 32 hex digits.
+var podUID = regexp.MustCompile(`pod([0-9a-f]{8}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{12}|[0-9a-f]{32})`)
+
+// PodUID returns the UID of the Pod a cgroup path belongs to, or "".
+func PodUID(cgroupPath string) string {
+	m := podUID.FindAllStringSubmatch(cgroupPath, -1)
+	if len(m) == 0 {
+		return ""
+	}
+	return strings.ReplaceAll(m[len(m)-1][1], "_", "-")
+}
+
+// NamePods sets the Pod of each cgroup of s whose path names a Pod the
+// agent knows (the Pods of this node).
+func NamePods(s *redirect.Stats, pods []kubesource.PodRef) {
+	byUID := make(map[string]string, len(pods))
+	for _, p := range pods {
+		byUID[p.UID] = p.Namespace + "/" + p.Name
+	}
+	for i := range s.Cgroups {
+		if uid := PodUID(s.Cgroups[i].Path); uid != "" {
+			s.Cgroups[i].Pod = byUID[uid]
+		}
+	}
+}
+
+// ReadPods returns the Pods of this node the agent knows.
+func ReadPods(admin string) ([]kubesource.PodRef, error) {
+	var out []kubesource.PodRef
+	return out, getJSON(admin, "/debug/pods", &out)
+}
+
+// writeSources prints the name sources and their state.
+func writeSources(w io.Writer, srcs []names.SourceStatus) error {
+	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
+	fmt.Fprintln(tw, "SOURCE\tPRIORITY\tSYNCED\tOBJECTS\tCLIENTS\tLAST EVENT\tSTATE\tERRORS\tLAST ERROR")
+	now := time.Now()
+	for _, s := range srcs {
+		synced := "no"
+		if s.Synced {
+			synced = "yes"
+		}
+		if !s.Blocking {
+			synced += " (not blocking)"
+		}
+		last := "-"
+		if !s.LastUpdate.IsZero() {
+			last = roughly(now.Sub(s.LastUpdate)) + " ago"
+		}
+		state := "ok"
+		if !s.FailingSince.IsZero() {
+			state = "down for " + roughly(now.Sub(s.FailingSince))
+		}
+		lastErr := s.LastError
+		if len(lastErr) > 160 {
+			lastErr = lastErr[:157] + "..."
+		}
+		fmt.Fprintf(tw, "%s\t%d\t%s\t%d\t%d\t%s\t%s\t%d\t%s\n", s.Name, s.Priority, synced, s.Objects, s.Clients, last, state, s.Errors, lastErr)
+	}
+	return tw.Flush()
+}
+
+// roughly rounds d for people: tenths of a second below 10 s, else seconds.
+func roughly(d time.Duration) string {
+	if d < 10*time.Second {
+		return d.Round(100 * time.Millisecond).String()
+	}
+	return d.Round(time.Second).String()
+}
+
+// writeMesh prints the name sources, and the agent's readiness when there
+// is no state file to show it (an agent reached with --admin).
+func (s *Status) writeMesh(w io.Writer) error {
+	if len(s.Sources) == 0 {
+		return nil
+	}
+	fmt.Fprintln(w)
+	if s.Agent == nil {
+		fmt.Fprintf(w, "agent ready: %s\n\n", s.Ready)
+	}
+	return writeSources(w, s.Sources)
+}
+
+// readSourcesInto adds the agent's name sources to a status; admin
+// overrides the state file's address.
+func (s *Status) readSourcesInto(admin string) {
+	if admin == "" {
+		if s.Agent == nil || !s.Running || s.Agent.Admin == "" {
+			return
+		}
+		admin = s.Agent.Admin
+	}
+	srcs, err := ReadSources(admin)
+	if err != nil {
+		s.Errors = append(s.Errors, "name sources: "+err.Error())
+		return
+	}
+	s.Sources = srcs
+}
+
+// ReadStatusAt is ReadStatus with the agent reached at admin when given
+// (an agent in --mode off writes no state file).
+func ReadStatusAt(stateDir, pinDir, admin string) *Status {
+	s := ReadStatus(stateDir, pinDir)
+	if admin == "" {
+		return s
+	}
+	s.Ready = readyAt(admin)
+	s.Sources = nil
+	s.readSourcesInto(admin)
+	return s
+}
+
+// readyAt asks the agent's /readyz: "yes", or why not.
+func readyAt(admin string) string {
+	c := http.Client{Timeout: time.Second}
+	resp, err := c.Get(adminURL(admin, "/readyz"))
+	if err != nil {
+		return "unknown: " + err.Error()
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(io.LimitReader(resp.Body, 512))
+	if resp.StatusCode == http.StatusOK {
+		return "yes"
+	}
+	return "no: " + strings.TrimSpace(string(b))
+}

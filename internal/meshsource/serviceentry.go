@@ -1,0 +1,224 @@
+// Package meshsource holds the name sources of the mesh beyond the local
+// cluster: Istio ServiceEntries (networking.istio.io, watched only while
+// their CRD is installed) and remote clusters (kubeconfig files of a
+// directory and Istio remote secrets), each remote cluster a Kubernetes
+// source of its own. Like kubesource it imports client-go, keeps only what
+// DNS needs of each object (informer transforms) and feeds the name store
+// through names.Sink; the resolver and the table never import it.
+package meshsource
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"sync"
+
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/fields"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/apimachinery/pkg/watch"
+	"k8s.io/client-go/dynamic"
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/cache"
+
+	"github.com/meshdns/meshdns-ebpf/internal/kubesource"
+	"github.com/meshdns/meshdns-ebpf/internal/names"
+)
+
+// ServiceEntriesName is the ServiceEntry source's name in the store.
+const ServiceEntriesName = "serviceentries"
+
+// ServiceEntryCRD is the name of Istio's ServiceEntry CRD.
+const ServiceEntryCRD = "serviceentries.networking.istio.io"
+
+var crdGVR = schema.GroupVersionResource{Group: "apiextensions.k8s.io", Version: "v1", Resource: "customresourcedefinitions"}
+
+func serviceEntryGVR(version string) schema.GroupVersionResource {
+	return schema.GroupVersionResource{Group: "networking.istio.io", Version: version, Resource: "serviceentries"}
+}
+
+// ServiceEntries is the name source of Istio ServiceEntries. It watches the
+// ServiceEntry CRD (that one object, by name) and, while it is established,
+// the ServiceEntries of every namespace at the newest version the CRD
+// serves. Without the CRD it is synced with nothing; when the CRD appears
+// it starts watching, when it goes its names go, with no restart.
+type ServiceEntries struct {
+	dc  dynamic.Interface
+	log *slog.Logger
+}
+
+// NewServiceEntries creates the source for the API server of rc. It
+// contacts nothing.
+func NewServiceEntries(rc *rest.Config, log *slog.Logger) (*ServiceEntries, error) {
+	if rc == nil {
+		return nil, errors.New("serviceentries source: no API server configuration")
+	}
+	if log == nil {
+		log = slog.Default()
+	}
+	rc = rest.CopyConfig(rc)
+	if rc.UserAgent == "" {
+		rc.UserAgent = "meshdns-ebpf"
+	}
+	dc, err := dynamic.NewForConfig(rc)
+	if err != nil {
+		return nil, fmt.Errorf("serviceentries source: %w", err)
+	}
+	return &ServiceEntries{dc: dc, log: log.With("source", ServiceEntriesName)}, nil
+}
+
+// Name implements names.Source.
+func (s *ServiceEntries) Name() string { return ServiceEntriesName }
+
+// Run implements names.Source.
+func (s *ServiceEntries) Run(ctx context.Context, sink names.Sink) error {
+	h := kubesource.NewHealth(sink, s.log)
+	sw := newSweeper(sink)
+	kick := make(chan struct{}, 1)
+	poke := func() {
+		select {
+		case kick <- struct{}{}:
+		default:
+		}
+	}
+	sel := fields.OneTermEqualSelector("metadata.name", ServiceEntryCRD).String()
+	crds := s.dc.Resource(crdGVR)
+	crdInf := h.Informer("serviceentries CRD", "customresourcedefinitions", &unstructured.Unstructured{}, transformCRD,
+		func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) {
+			o.FieldSelector = sel
+			return crds.List(ctx, o)
+		},
+		func(ctx context.Context, o metav1.ListOptions) (watch.Interface, error) {
+			o.FieldSelector = sel
+			return crds.Watch(ctx, o)
+		}, nil)
+	reg, err := crdInf.AddEventHandler(cache.ResourceEventHandlerFuncs{
+		AddFunc:    func(any) { poke() },
+		UpdateFunc: func(any, any) { poke() },
+		DeleteFunc: func(any) { poke() },
+	})
+	if err != nil {
+		return err
+	}
+	var wg sync.WaitGroup
+	defer wg.Wait()
+	wg.Add(1)
+	go func() { defer wg.Done(); crdInf.RunWithContext(ctx) }()
+	if !cache.WaitForCacheSync(ctx.Done(), reg.HasSynced) {
+		return nil
+	}
+
+	var cur *entryWatch
+	defer func() { cur.stop() }()
+	for first := true; ; first = false {
+		obj, _, _ := crdInf.GetStore().GetByKey(ServiceEntryCRD)
+		c, _ := obj.(*crd)
+		switch want := c.version(); {
+		case cur == nil && want == "":
+			if first {
+				sink.Synced() // nothing to watch
+				s.log.Info("no ServiceEntry CRD served: watching for it", "crd", ServiceEntryCRD)
+			}
+		case cur == nil || cur.version != want:
+			if cur != nil {
+				cur.stop()
+				h.Clear("serviceentries")
+				cur = nil
+			}
+			gen := sw.next()
+			if want == "" {
+				gen.Synced() // the CRD is gone: so are its names
+				s.log.Info("ServiceEntry CRD gone: ServiceEntry names removed", "crd", ServiceEntryCRD)
+			} else {
+				cur = s.watch(ctx, h, gen, want)
+				s.log.Info("watching ServiceEntries", "version", want)
+			}
+		}
+		var synced <-chan struct{}
+		if cur != nil && !cur.wasSynced {
+			synced = cur.synced
+		}
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-kick:
+		case <-synced:
+			cur.wasSynced = true
+			cur.gen.Synced()
+			s.log.Info("ServiceEntries synced", "version", cur.version, "entries", len(cur.inf.GetStore().ListKeys()))
+		}
+	}
+}
+
+// entryWatch is the informer of ServiceEntries at one version.
+type entryWatch struct {
+	version   string
+	gen       names.Sink
+	inf       cache.SharedIndexInformer
+	cancel    context.CancelFunc
+	done      chan struct{}
+	synced    chan struct{}
+	wasSynced bool
+}
+
+func (s *ServiceEntries) watch(ctx context.Context, h *kubesource.Health, gen names.Sink, version string) *entryWatch {
+	ctx, cancel := context.WithCancel(ctx)
+	res := s.dc.Resource(serviceEntryGVR(version))
+	inf := h.Informer("serviceentries "+version, "serviceentries", &unstructured.Unstructured{}, transformServiceEntry,
+		func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) {
+			return res.Namespace(metav1.NamespaceAll).List(ctx, o)
+		},
+		func(ctx context.Context, o metav1.ListOptions) (watch.Interface, error) {
+			return res.Namespace(metav1.NamespaceAll).Watch(ctx, o)
+		}, nil)
+	set := func(obj any, gone bool) {
+		key, err := cache.DeletionHandlingMetaNamespaceKeyFunc(obj)
+		if err != nil {
+			return
+		}
+		if t, ok := obj.(cache.DeletedFinalStateUnknown); ok {
+			obj = t.Obj
+		}
+		se, ok := obj.(*serviceEntry)
+		if gone || !ok {
+			_ = gen.Set(key, nil)
+			return
+		}
+		hosts, bad := entryHosts(se)
+		for _, err := range bad {
+			s.log.Warn("ServiceEntry host not answered", "serviceentry", key, "err", err)
+		}
+		if err := gen.Set(key, hosts); err != nil {
+			s.log.Warn("ServiceEntry not answered", "serviceentry", key, "err", err)
+		}
+	}
+	w := &entryWatch{version: version, gen: gen, inf: inf, cancel: cancel, done: make(chan struct{}), synced: make(chan struct{})}
+	reg, err := inf.AddEventHandler(cache.ResourceEventHandlerFuncs{
+		AddFunc:    func(obj any) { set(obj, false) },
+		UpdateFunc: func(_, obj any) { set(obj, false) },
+		DeleteFunc: func(obj any) { set(obj, true) },
+	})
+	if err != nil { // only when the informer already stopped
+		gen.Failed(fmt.Errorf("serviceentries: %w", err))
+		close(w.done)
+		return w
+	}
+	go func() { defer close(w.done); inf.RunWithContext(ctx) }()
+	go func() {
+		if cache.WaitForCacheSync(ctx.Done(), reg.HasSynced) {
+			close(w.synced)
+		}
+	}()
+	return w
+}
+
+func (w *entryWatch) stop() {
+	if w == nil {
+		return
+	}
+	w.cancel()
+	<-w.done
+}
