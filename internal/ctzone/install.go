@@ -383,10 +383,7 @@ func (r *Rules) StopCapture() error {
 	stop, done := r.stopRun, r.runDone
 	r.stopRun = nil
 	r.mu.Unlock()
-	if stop != nil {
-		stop()
-		<-done
-	}
+	stopRepair(stop, done)
 	r.op.Lock()
 	defer r.op.Unlock()
 	if r.ns == nil {
@@ -413,6 +410,15 @@ func (r *Rules) StopCapture() error {
 	return nil
 }
 
+// stopRepair stops the repair loop (stop may be nil: none runs) and waits
+// until it has.
+func stopRepair(stop func(), done <-chan struct{}) {
+	if stop != nil {
+		stop()
+		<-done
+	}
+}
+
 // Handoff tells the rules that a successor adopted them: Close then leaves
 // them installed.
 func (r *Rules) Handoff() {
@@ -435,10 +441,7 @@ func (r *Rules) Close() error {
 	r.closed = true
 	stop, done, handoff := r.stopRun, r.runDone, r.handoff
 	r.mu.Unlock()
-	if stop != nil {
-		stop()
-		<-done
-	}
+	stopRepair(stop, done)
 	r.op.Lock()
 	defer r.op.Unlock()
 	if r.ns == nil {

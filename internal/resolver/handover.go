@@ -15,14 +15,14 @@ package resolver
 //     answered, not counted as dropped.
 //   - Files(): duplicates of every listening socket, by listen address, for a
 //     successor (and for registering them with the datapath).
-//   - Drain(ctx, quiet): serve until no query was read or queued for quiet (0: stop
-//     at once; queued: waiting in a socket's queue, which readers kept from running
-//     by a busy machine have not read yet),
-//     then stop reading new queries while every one already read is answered,
-//     in-flight forwards and queries queued on open TCP connections included,
-//     then close this process's file descriptors. It works when the sockets stay
-//     open in a successor: it neither shuts them down nor relies on their closing
-//     (the UDP readers notice the stop within their receive timeout).
+//   - Drain(ctx, quiet): serve until no query was read or waited in a socket's
+//     queue for quiet (0: stop at once; a queue is checked too because readers a
+//     busy machine kept from running may not have read it yet), then stop reading
+//     new queries while every one already read is answered, in-flight forwards and
+//     queries queued on open TCP connections included, then close this process's
+//     file descriptors. It works when the sockets stay open in a successor: it
+//     neither shuts them down nor relies on their closing (the UDP readers notice
+//     the stop within their receive timeout).
 //   - TCP listeners are plain TCP (not MPTCP): the datapath registers them in a
 //     SOCKMAP, which does not take MPTCP sockets.
 

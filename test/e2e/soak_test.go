@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/meshdns/meshdns-ebpf/internal/resolver/upstream"
 	"github.com/meshdns/meshdns-ebpf/internal/testenv"
 )
 
@@ -44,12 +45,15 @@ func TestSoak(t *testing.T) {
 	missBefore := n.mapMiss()
 	// glibc and musl cannot tell SERVFAIL (a failing upstream) from no answer:
 	// they ask for table names only. The raw client asks for everything and
-	// tells them apart: SERVFAIL is an answer, silence is loss.
+	// tells them apart: SERVFAIL is an answer, silence is loss. It waits longer
+	// than the resolver's upstream budget (upstream.DefaultTimeout), after which
+	// a failing upstream's query gets its SERVFAIL.
 	meshOnly := loadTargets[:2]
+	rawTimeout := (upstream.DefaultTimeout + 2*time.Second).String()
 	ld := n.startLoadClients(pod, 1000, []loadClientSpec{
 		{name: "glibc", bin: bins.loadGlibc, share: 0.3, targets: meshOnly},
 		{name: "musl", bin: bins.loadMusl, share: 0.3, targets: meshOnly},
-		{name: "raw", bin: bins.loadGo, share: 0.4, flags: []string{"-raw", "-server", origNS + ":53", "-timeout", "3s"},
+		{name: "raw", bin: bins.loadGo, share: 0.4, flags: []string{"-raw", "-server", origNS + ":53", "-timeout", rawTimeout},
 			targets: append(append([]string{}, loadTargets...), "q%d."+flakyZone+"="+flakyIP)},
 	})
 
