@@ -8,38 +8,71 @@
  *
  * Forward (connect4/6: TCP and connected UDP; sendmsg4/6: unconnected UDP):
  *   dst port != 53                                    -> pass, not counted
- *   agent not ready or heartbeat older than 600ms      -> skip_not_ready
  *   loopback dst and not capture-loopback             -> skip_loopback
  *   dst is one of our targets                         -> pass, not counted
  *   SO_MARK == upstream mark (the resolver itself)    -> skip_resolver
  *   calling task's UID is a proxy UID                 -> skip_proxy
  *   dst not a captured nameserver, not capture-all    -> skip_not_captured
  *   target is loopback, socket in another netns       -> skip_other_netns
- *   else remember (cookie, slot port) -> original dst, rewrite dst to
- *   target:slot port                                  -> redirected_udp/_tcp
+ *   no resolver socket for the slot in resolver_socks -> skip_no_resolver
+ *   resolver stopped dequeuing (see progress)         -> skip_stalled
+ *   no room for this socket's state                   -> skip_no_state
+ *   else record the original destination in the socket's storage and rewrite
+ *   dst to target:slot port                           -> redirected_udp/_tcp
  * Reverse (recvmsg4/6: reply source; getpeername4/6: peer): when the address is
- * a target:slot port, restore the original for this socket (reply_rewritten) or
- * count map_miss. sock_release deletes the socket's entries.
+ * a target:slot port, restore the original the socket recorded for that slot
+ * (reply_rewritten), or count map_miss.
  *
- * All configuration lives in maps the agent writes; nothing is compiled in.
+ * Fail-open. The agent puts one listening socket per (family, protocol, slot)
+ * into resolver_socks, a SOCKMAP. The kernel removes a socket from it when the
+ * socket is closed, so when the resolver's process dies (kill -9 included) the
+ * programs stop redirecting at once. A resolver that is alive but no longer
+ * reads its sockets (SIGSTOP, a stuck read loop) is detected from progress: the
+ * resolver counts every datagram or connection it dequeues in progress.dequeued
+ * (a BPF_F_MMAPABLE array, written without a syscall); the programs start a
+ * watch when they redirect and see no dequeue since the previous watch, and
+ * treat the resolver as stalled once a watch is older than config.stall_ns with
+ * the count unchanged, twice, stall_ns / 4 apart (see resolver_stalled). A slow
+ * resolver that still dequeues now and then never is. The agent sends itself an empty datagram when a watch ages without a
+ * dequeue (a redirected socket that never sent anything), so a live, idle
+ * resolver is not taken for a stalled one.
+ *
+ * Per-socket state lives in socket-local storage (sock_state, freed with the
+ * socket): it cannot be evicted, and when it cannot be allocated or the socket
+ * already uses SOCK_ENTRIES slot ports, the query is not redirected; a reply can
+ * never come back from the wrong source. Each slot port has its own entry, so a
+ * socket querying several nameservers gets every reply source right; with
+ * capture-all, each distinct destination of a socket takes one of the
+ * capture-all slot ports.
+ *
+ * All configuration lives in maps the agent writes; nothing is compiled in. The
+ * enums and structs below are exported to Go by bpf2go (-type).
  */
 
 #include "meshdns_bpf.h"
 
 #define DNS_PORT 53
-#define MAX_NAMESERVERS 32
-#define MAX_SLOTS (MAX_NAMESERVERS + 1)
-#define HEARTBEAT_TIMEOUT_NS 600000000ULL
+
+enum meshdns_limits {
+	MAX_NAMESERVERS = 32, /* captured nameservers, one slot each */
+	MAX_ALL_SLOTS = 4,    /* capture-all slots: distinct other destinations per socket */
+	MAX_SLOTS = MAX_NAMESERVERS + MAX_ALL_SLOTS,
+	SOCK_ENTRIES = 4,     /* slot ports one socket can be redirected to */
+	MAX_PROXY_UIDS = 64,
+	RESOLVER_SOCKS = 4 * MAX_SLOTS, /* (family, protocol, slot) */
+};
 
 /* config.flags */
-#define FLAG_TARGET4 (1U << 0)          /* target4 is set */
-#define FLAG_TARGET6 (1U << 1)          /* target6 is set */
-#define FLAG_CAPTURE_ALL (1U << 2)      /* capture every port-53 destination */
-#define FLAG_CAPTURE_LOOPBACK (1U << 3) /* also capture loopback destinations */
-#define FLAG_TARGET4_LOOPBACK (1U << 4) /* target4 is in 127.0.0.0/8 */
-#define FLAG_TARGET6_LOOPBACK (1U << 5) /* target6 is ::1 */
+enum meshdns_flags {
+	FLAG_TARGET4 = 1 << 0,          /* target4 is set */
+	FLAG_TARGET6 = 1 << 1,          /* target6 is set */
+	FLAG_CAPTURE_ALL = 1 << 2,      /* capture every port-53 destination */
+	FLAG_CAPTURE_LOOPBACK = 1 << 3, /* also capture loopback destinations */
+	FLAG_TARGET4_LOOPBACK = 1 << 4, /* target4 is in 127.0.0.0/8 */
+	FLAG_TARGET6_LOOPBACK = 1 << 5, /* target6 is ::1 */
+};
 
-/* internal/redirect mirrors these enums (names and order); a test compares them. */
+/* Rows of the stats map. */
 enum hook {
 	HOOK_CONNECT4,
 	HOOK_CONNECT6,
@@ -49,22 +82,23 @@ enum hook {
 	HOOK_RECVMSG6,
 	HOOK_GETPEERNAME4,
 	HOOK_GETPEERNAME6,
-	HOOK_SOCK_RELEASE,
 	NUM_HOOKS,
 };
 
+/* Columns of the stats map. */
 enum counter {
 	COUNTER_REDIRECTED_UDP,
 	COUNTER_REDIRECTED_TCP,
 	COUNTER_REPLY_REWRITTEN,
 	COUNTER_SKIP_PROXY,
 	COUNTER_SKIP_RESOLVER,
-	COUNTER_SKIP_NOT_READY,
+	COUNTER_SKIP_NO_RESOLVER,
+	COUNTER_SKIP_STALLED,
 	COUNTER_SKIP_NOT_CAPTURED,
 	COUNTER_SKIP_LOOPBACK,
 	COUNTER_SKIP_OTHER_NETNS,
+	COUNTER_SKIP_NO_STATE,
 	COUNTER_MAP_MISS,
-	COUNTER_MAP_ERROR,
 	NUM_COUNTERS,
 };
 
@@ -76,25 +110,54 @@ enum cgroup_counter {
 	NUM_CGROUP_COUNTERS,
 };
 
+/* resolver_socks index: ((family * 2) + protocol) * MAX_SLOTS + slot. */
+enum resolver_sock_kind {
+	RESOLVER_FAMILY_V4 = 0,
+	RESOLVER_FAMILY_V6 = 1,
+	RESOLVER_PROTO_UDP = 0,
+	RESOLVER_PROTO_TCP = 1,
+};
+
+/*
+ * BTF anchor: the helpers that use the enums above are inlined, which leaves
+ * the enum types out of BTF; this pointer (never read) brings them in, so
+ * bpf2go -type exports them to Go and nothing is mirrored by hand.
+ */
+struct meshdns_enums {
+	enum meshdns_limits limits;
+	enum meshdns_flags flags;
+	enum hook hook;
+	enum counter counter;
+	enum cgroup_counter cgroup_counter;
+	enum resolver_sock_kind resolver_sock_kind;
+};
+struct meshdns_enums *meshdns_enums_anchor __attribute__((unused));
+
 /* Written by the agent; one entry. Addresses in network byte order. */
 struct meshdns_config {
 	__u32 target4;
 	__u32 target6[4];
-	__u16 base_port;     /* slot 0 port, host byte order */
-	__u16 num_slots;     /* slots in use, including the capture-all slot */
-	__u16 all_slot;      /* slot of capture-all destinations */
-	__u16 pad0;
-	__u32 flags;         /* FLAG_* */
+	__u16 base_port; /* slot 0 port, host byte order */
+	__u16 num_slots; /* slots in use: nameservers, then capture-all slots */
+	__u16 all_slot;  /* first capture-all slot (the number of nameservers) */
+	__u16 num_all;   /* capture-all slots (0 without capture-all) */
+	__u32 flags;     /* enum meshdns_flags */
 	__u32 upstream_mark; /* SO_MARK of the resolver's own upstream sockets */
-	__u32 pad1;
 	__u64 agent_netns_cookie;
+	__u64 stall_ns; /* a watch older than this without a dequeue: stalled */
 };
 
-/* Written by the agent; one entry. */
-struct meshdns_state {
-	__u32 ready;
-	__u32 pad0;
-	__u64 heartbeat_ns; /* CLOCK_MONOTONIC, as bpf_ktime_get_ns */
+/*
+ * One entry, memory-mapped by the agent. dequeued is written by the resolver
+ * (one cache line), watch_* by the programs (another).
+ */
+struct meshdns_progress {
+	__u64 dequeued; /* datagrams and connections the resolver read */
+	__u64 pad0[7];
+	__u64 watch_since; /* bpf_ktime_get_ns when the watch started; 0: none */
+	__u64 watch_count; /* dequeued when the watch started */
+	__u64 suspect_since; /* when a program first saw this watch past stall_ns */
+	__u64 pad1[5];
 };
 
 /* A nameserver address; IPv4 as ::ffff:a.b.c.d. */
@@ -102,18 +165,15 @@ struct ns_key {
 	__u32 addr[4];
 };
 
-struct orig_key {
-	__u64 cookie;   /* socket cookie */
-	__u16 port;     /* slot port the socket was sent to, host byte order */
+/* One redirected slot of a socket. */
+struct sock_entry {
+	__u32 addr[4]; /* original destination; IPv4 as ::ffff:a.b.c.d; port 53 */
+	__u16 slot1;   /* slot + 1; 0: free */
 	__u16 pad0;
-	__u32 pad1;
 };
 
-struct orig_val {
-	__u32 addr[4]; /* original destination; IPv4 as ::ffff:a.b.c.d */
-	__u16 port;    /* original port, network byte order */
-	__u16 pad0;
-	__u32 pad1;
+struct sock_origs {
+	struct sock_entry e[SOCK_ENTRIES];
 };
 
 struct hook_counters {
@@ -133,10 +193,19 @@ struct {
 
 struct {
 	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(map_flags, BPF_F_MMAPABLE);
 	__type(key, __u32);
-	__type(value, struct meshdns_state);
+	__type(value, struct meshdns_progress);
 	__uint(max_entries, 1);
-} state SEC(".maps");
+} progress SEC(".maps");
+
+/* The resolver's listening sockets; see enum resolver_sock_kind. */
+struct {
+	__uint(type, BPF_MAP_TYPE_SOCKMAP);
+	__type(key, __u32);
+	__type(value, __u64);
+	__uint(max_entries, RESOLVER_SOCKS);
+} resolver_socks SEC(".maps");
 
 /* Captured nameserver -> slot. */
 struct {
@@ -151,16 +220,16 @@ struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
 	__type(key, __u32);
 	__type(value, __u32);
-	__uint(max_entries, 64);
+	__uint(max_entries, MAX_PROXY_UIDS);
 } proxy_uids SEC(".maps");
 
-/* (socket cookie, slot port) -> original destination. */
+/* Per-socket original destinations, freed with the socket. */
 struct {
-	__uint(type, BPF_MAP_TYPE_LRU_HASH);
-	__type(key, struct orig_key);
-	__type(value, struct orig_val);
-	__uint(max_entries, 65536);
-} orig_dst SEC(".maps");
+	__uint(type, BPF_MAP_TYPE_SK_STORAGE);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, int);
+	__type(value, struct sock_origs);
+} sock_state SEC(".maps");
 
 /* Indexed by enum hook. */
 struct {
@@ -178,14 +247,14 @@ struct {
 	__uint(max_entries, 16384);
 } cgroup_stats SEC(".maps");
 
-static __always_inline void count(__u32 hook, __u32 counter)
+static __always_inline void count(enum hook hook, enum counter counter)
 {
 	struct hook_counters *c = bpf_map_lookup_elem(&stats, &hook);
 	if (c && counter < NUM_COUNTERS)
 		__sync_fetch_and_add(&c->counters[counter], 1);
 }
 
-static __always_inline void count_cgroup(__u32 counter)
+static __always_inline void count_cgroup(enum cgroup_counter counter)
 {
 	__u64 id = bpf_get_current_cgroup_id();
 	struct cgroup_counters *c;
@@ -205,7 +274,7 @@ static __always_inline void count_cgroup(__u32 counter)
 	__sync_fetch_and_add(&c->counters[counter], 1);
 }
 
-static __always_inline void skip(__u32 hook, __u32 counter)
+static __always_inline void skip(enum hook hook, enum counter counter)
 {
 	count(hook, counter);
 	count_cgroup(CGROUP_SKIPPED);
@@ -217,20 +286,56 @@ static __always_inline struct meshdns_config *get_config(void)
 	return bpf_map_lookup_elem(&config, &zero);
 }
 
-/* Capture only while the agent is ready and its heartbeat is fresh. */
-static __always_inline int agent_alive(void)
+/* Whether the resolver has a socket open for this family, protocol and slot. */
+static __always_inline int resolver_listening(enum resolver_sock_kind family, enum resolver_sock_kind proto, __u32 slot)
+{
+	__u32 idx = ((family * 2) + proto) * MAX_SLOTS + slot;
+	struct bpf_sock *sk;
+
+	if (slot >= MAX_SLOTS)
+		return 0;
+	sk = bpf_map_lookup_elem(&resolver_socks, &idx);
+	if (!sk)
+		return 0;
+	bpf_sk_release(sk);
+	return 1;
+}
+
+/*
+ * Whether the resolver stopped dequeuing: a watch is running, nothing was
+ * dequeued since it started, it is older than stall_ns, and it already was
+ * when a program looked stall_ns / 4 ago. Otherwise a new watch starts when
+ * something was dequeued since the last one (or none runs). The second look
+ * gives a resolver that could not run at all for a while (the whole machine
+ * paused: a VM preempted, every CPU busy) the same chance to dequeue as the
+ * client that runs first afterwards: only a resolver that still does not
+ * dequeue then is stalled. A frozen one is detected after 1.25 * stall_ns.
+ */
+static __always_inline int resolver_stalled(struct meshdns_config *cfg)
 {
 	__u32 zero = 0;
-	struct meshdns_state *s = bpf_map_lookup_elem(&state, &zero);
-	__u64 now, hb;
+	struct meshdns_progress *p = bpf_map_lookup_elem(&progress, &zero);
+	__u64 now, since, dequeued, suspect;
 
-	if (!s || !s->ready)
+	if (!p)
 		return 0;
-	hb = s->heartbeat_ns;
+	dequeued = *(volatile __u64 *)&p->dequeued;
+	since = *(volatile __u64 *)&p->watch_since;
 	now = bpf_ktime_get_ns();
-	if (hb > now)
-		return 1; /* written between our read of now and of hb */
-	return now - hb <= HEARTBEAT_TIMEOUT_NS;
+	if (since == 0 || dequeued != *(volatile __u64 *)&p->watch_count) {
+		p->watch_count = dequeued;
+		p->watch_since = now;
+		p->suspect_since = 0;
+		return 0;
+	}
+	if (since > now || now - since <= cfg->stall_ns)
+		return 0; /* (since > now: started on another CPU after our read of now) */
+	suspect = *(volatile __u64 *)&p->suspect_since;
+	if (suspect < since || suspect > now) {
+		p->suspect_since = now; /* first look past stall_ns */
+		return 0;
+	}
+	return now - suspect > cfg->stall_ns / 4;
 }
 
 static __always_inline int is_v4_loopback(__u32 ip4)
@@ -254,21 +359,117 @@ static __always_inline int v6_equal(const __u32 *a, const __u32 *b)
 }
 
 /*
+ * Each entry through its own opaque pointer: clang would otherwise fold the
+ * unrolled accesses back into base + i * sizeof(entry), which the verifier
+ * refuses without CAP_PERFMON (Spectre v1 hardening).
+ */
+#define barrier_var(var) asm volatile("" : "+r"(var))
+
+_Static_assert(SOCK_ENTRIES == 4, "claim_entry and copy_entry calls list every entry");
+
+/* Fills e with dst for slot want1 - 1 if e is free. */
+static __always_inline int claim_entry(struct sock_entry *e, const __u32 *dst, __u32 want1)
+{
+	barrier_var(e);
+	if (e->slot1 != 0)
+		return 0;
+	/* The address first, then the slot that publishes it. */
+	e->addr[0] = dst[0];
+	e->addr[1] = dst[1];
+	e->addr[2] = dst[2];
+	e->addr[3] = dst[3];
+	barrier();
+	e->slot1 = want1;
+	return 1;
+}
+
+/* Copies e's address into orig if e is slot slot1 - 1. */
+static __always_inline int copy_entry(struct sock_entry *e, __u32 slot1, __u32 *orig)
+{
+	barrier_var(e);
+	if (e->slot1 != slot1)
+		return 0;
+	orig[0] = e->addr[0];
+	orig[1] = e->addr[1];
+	orig[2] = e->addr[2];
+	orig[3] = e->addr[3];
+	return 1;
+}
+
+/*
+ * Records dst in st for a listed slot (listed1 = slot + 1) or, for a capture-all
+ * destination (listed1 = 0), on the capture-all slot it already has in st or on
+ * a free one. Sets *slot and returns 0, or returns -1 when the socket has no
+ * room left. Every access to st uses a constant offset (the loops unroll, the
+ * writes go through claim_entry): the verifier forbids variable offsets into
+ * the storage without CAP_PERFMON, and the agent must not need it.
+ */
+static __always_inline int record_orig(struct meshdns_config *cfg, struct sock_origs *st, __u32 listed1,
+				       const __u32 *dst, __u32 *slot)
+{
+	__u32 used = 0; /* capture-all slots this socket already uses (bit per slot) */
+	__u32 want1 = listed1, i;
+	int have_free = 0;
+
+#pragma unroll
+	for (i = 0; i < SOCK_ENTRIES; i++) {
+		__u32 s1 = st->e[i].slot1;
+
+		if (s1 == 0) {
+			have_free = 1;
+			continue;
+		}
+		if (listed1) {
+			if (s1 == listed1) {
+				*slot = s1 - 1;
+				return 0;
+			}
+			continue;
+		}
+		if (s1 > cfg->all_slot && s1 - 1 - cfg->all_slot < MAX_ALL_SLOTS) {
+			used |= 1U << (s1 - 1 - cfg->all_slot);
+			if (v6_equal(st->e[i].addr, dst)) {
+				*slot = s1 - 1;
+				return 0;
+			}
+		}
+	}
+	if (!have_free)
+		return -1;
+	if (!listed1) {
+#pragma unroll
+		for (i = 0; i < MAX_ALL_SLOTS; i++) {
+			if (i < cfg->num_all && !(used & (1U << i))) {
+				want1 = cfg->all_slot + i + 1;
+				break;
+			}
+		}
+		if (!want1)
+			return -1;
+	}
+	if (claim_entry(&st->e[0], dst, want1) || claim_entry(&st->e[1], dst, want1) ||
+	    claim_entry(&st->e[2], dst, want1) || claim_entry(&st->e[3], dst, want1)) {
+		*slot = want1 - 1;
+		return 0;
+	}
+	return -1; /* taken meanwhile by another thread of this socket */
+}
+
+/*
  * The family-independent part of the forward decision. dst is the destination
  * (IPv4 as ::ffff:a.b.c.d), v4 says whether the rewrite goes to target4. Returns
- * the slot port to redirect to, or 0 to leave the socket alone (counted).
+ * the slot port to redirect to after recording dst in the socket's storage, or
+ * 0 to leave the socket alone (counted).
  */
 static __always_inline __u16 decide(struct bpf_sock_addr *ctx, __u32 hook, struct meshdns_config *cfg,
 				    const __u32 *dst, int v4)
 {
 	struct ns_key key = {};
-	__u32 *slot, uid, mark = 0, s;
+	struct sock_origs *st;
+	struct bpf_sock *sk;
+	__u32 *listed, uid, mark = 0, listed1 = 0, slot = 0, family, proto;
 	int target_loopback;
 
-	if (!agent_alive()) {
-		skip(hook, COUNTER_SKIP_NOT_READY);
-		return 0;
-	}
 	if (!(cfg->flags & FLAG_CAPTURE_LOOPBACK) &&
 	    (v4 ? is_v4_loopback(dst[3]) : is_v6_loopback(dst))) {
 		skip(hook, COUNTER_SKIP_LOOPBACK);
@@ -282,6 +483,7 @@ static __always_inline __u16 decide(struct bpf_sock_addr *ctx, __u32 hook, struc
 		if (dst[3] == cfg->target4)
 			return 0; /* already going to the resolver */
 		target_loopback = cfg->flags & FLAG_TARGET4_LOOPBACK;
+		family = RESOLVER_FAMILY_V4;
 	} else {
 		if (!(cfg->flags & FLAG_TARGET6)) {
 			skip(hook, COUNTER_SKIP_NOT_CAPTURED);
@@ -290,6 +492,7 @@ static __always_inline __u16 decide(struct bpf_sock_addr *ctx, __u32 hook, struc
 		if (v6_equal(dst, cfg->target6))
 			return 0;
 		target_loopback = cfg->flags & FLAG_TARGET6_LOOPBACK;
+		family = RESOLVER_FAMILY_V6;
 	}
 	if (bpf_getsockopt(ctx, SOL_SOCKET, SO_MARK, &mark, sizeof(mark)) == 0 &&
 	    cfg->upstream_mark != 0 && mark == cfg->upstream_mark) {
@@ -305,16 +508,17 @@ static __always_inline __u16 decide(struct bpf_sock_addr *ctx, __u32 hook, struc
 	key.addr[1] = dst[1];
 	key.addr[2] = dst[2];
 	key.addr[3] = dst[3];
-	slot = bpf_map_lookup_elem(&nameservers, &key);
-	if (slot) {
-		s = *slot;
-	} else if (cfg->flags & FLAG_CAPTURE_ALL) {
-		s = cfg->all_slot;
+	listed = bpf_map_lookup_elem(&nameservers, &key);
+	if (listed) {
+		if (*listed >= cfg->all_slot || *listed >= MAX_NAMESERVERS) {
+			skip(hook, COUNTER_SKIP_NOT_CAPTURED);
+			return 0;
+		}
+		listed1 = *listed + 1;
+		slot = *listed;
+	} else if (cfg->flags & FLAG_CAPTURE_ALL && cfg->num_all > 0) {
+		slot = cfg->all_slot; /* the capture-all slots share one resolver */
 	} else {
-		skip(hook, COUNTER_SKIP_NOT_CAPTURED);
-		return 0;
-	}
-	if (s >= cfg->num_slots || s >= MAX_SLOTS) {
 		skip(hook, COUNTER_SKIP_NOT_CAPTURED);
 		return 0;
 	}
@@ -322,32 +526,30 @@ static __always_inline __u16 decide(struct bpf_sock_addr *ctx, __u32 hook, struc
 		skip(hook, COUNTER_SKIP_OTHER_NETNS);
 		return 0;
 	}
-	return cfg->base_port + s;
-}
-
-/* Remember where the socket meant to go; 0 on success. */
-static __always_inline int remember(struct bpf_sock_addr *ctx, __u32 hook, __u16 slot_port,
-				    const __u32 *dst, __u16 dst_port_be)
-{
-	struct orig_key key = {};
-	struct orig_val val = {};
-	struct orig_val *old;
-
-	key.cookie = bpf_get_socket_cookie(ctx);
-	key.port = slot_port;
-	val.addr[0] = dst[0];
-	val.addr[1] = dst[1];
-	val.addr[2] = dst[2];
-	val.addr[3] = dst[3];
-	val.port = dst_port_be;
-	old = bpf_map_lookup_elem(&orig_dst, &key);
-	if (old && v6_equal(old->addr, val.addr) && old->port == val.port)
-		return 0; /* sendmsg on the same socket again: nothing to write */
-	if (bpf_map_update_elem(&orig_dst, &key, &val, BPF_ANY) != 0) {
-		count(hook, COUNTER_MAP_ERROR);
-		return -1;
+	proto = ctx->type == SOCK_STREAM ? RESOLVER_PROTO_TCP : RESOLVER_PROTO_UDP;
+	if (!resolver_listening(family, proto, slot)) {
+		skip(hook, COUNTER_SKIP_NO_RESOLVER);
+		return 0;
 	}
-	return 0;
+	if (resolver_stalled(cfg)) {
+		skip(hook, COUNTER_SKIP_STALLED);
+		return 0;
+	}
+	sk = ctx->sk;
+	if (!sk) {
+		skip(hook, COUNTER_SKIP_NO_STATE);
+		return 0;
+	}
+	st = bpf_sk_storage_get(&sock_state, sk, 0, BPF_SK_STORAGE_GET_F_CREATE);
+	if (!st) {
+		skip(hook, COUNTER_SKIP_NO_STATE);
+		return 0;
+	}
+	if (record_orig(cfg, st, listed1, dst, &slot) != 0 || slot >= cfg->num_slots || slot >= MAX_SLOTS) {
+		skip(hook, COUNTER_SKIP_NO_STATE);
+		return 0;
+	}
+	return cfg->base_port + slot;
 }
 
 static __always_inline void count_redirect(struct bpf_sock_addr *ctx, __u32 hook)
@@ -382,8 +584,6 @@ static __always_inline int forward4(struct bpf_sock_addr *ctx, __u32 hook)
 	slot_port = decide(ctx, hook, cfg, dst, 1);
 	if (!slot_port)
 		return 1;
-	if (remember(ctx, hook, slot_port, dst, (__u16)port) != 0)
-		return 1; /* without the entry the reply could not be restored */
 	ctx->user_ip4 = cfg->target4;
 	ctx->user_port = (__u32)bpf_htons(slot_port);
 	count_redirect(ctx, hook);
@@ -411,8 +611,6 @@ static __always_inline int forward6(struct bpf_sock_addr *ctx, __u32 hook)
 	slot_port = decide(ctx, hook, cfg, dst, v4);
 	if (!slot_port)
 		return 1;
-	if (remember(ctx, hook, slot_port, dst, (__u16)port) != 0)
-		return 1;
 	if (v4) {
 		ctx->user_ip6[0] = 0;
 		barrier();
@@ -435,44 +633,46 @@ static __always_inline int forward6(struct bpf_sock_addr *ctx, __u32 hook)
 	return 1;
 }
 
-/* The slot port if port (host byte order) is one of ours, else 0. */
-static __always_inline __u16 slot_port_of(struct meshdns_config *cfg, __u16 port)
+/*
+ * Copies into orig the original destination this socket recorded for the slot
+ * of port (host byte order) and returns 1, or returns 0 (counted as map_miss
+ * when port is one of our slot ports). Constant offsets only, as above.
+ */
+static __always_inline int lookup_orig(struct bpf_sock_addr *ctx, __u32 hook, struct meshdns_config *cfg,
+				       __u16 port, __u32 *orig)
 {
+	struct sock_origs *st;
+	struct bpf_sock *sk;
+	__u32 slot1;
+
 	if (port < cfg->base_port || port >= (__u32)cfg->base_port + cfg->num_slots)
 		return 0;
-	return port;
-}
-
-static __always_inline struct orig_val *lookup_orig(struct bpf_sock_addr *ctx, __u32 hook, __u16 slot_port)
-{
-	struct orig_key key = {};
-	struct orig_val *val;
-
-	key.cookie = bpf_get_socket_cookie(ctx);
-	key.port = slot_port;
-	val = bpf_map_lookup_elem(&orig_dst, &key);
-	if (!val)
+	slot1 = port - cfg->base_port + 1;
+	sk = ctx->sk;
+	if (!sk) {
 		count(hook, COUNTER_MAP_MISS);
-	return val;
+		return 0;
+	}
+	st = bpf_sk_storage_get(&sock_state, sk, 0, 0);
+	if (st && (copy_entry(&st->e[0], slot1, orig) || copy_entry(&st->e[1], slot1, orig) ||
+		   copy_entry(&st->e[2], slot1, orig) || copy_entry(&st->e[3], slot1, orig)))
+		return 1;
+	count(hook, COUNTER_MAP_MISS);
+	return 0;
 }
 
 static __always_inline int reverse4(struct bpf_sock_addr *ctx, __u32 hook)
 {
 	volatile __u32 port = ctx->user_port;
 	struct meshdns_config *cfg = get_config();
-	struct orig_val *orig;
-	__u16 slot_port;
+	__u32 orig[4];
 
 	if (!cfg || !(cfg->flags & FLAG_TARGET4) || ctx->user_ip4 != cfg->target4)
 		return 1;
-	slot_port = slot_port_of(cfg, bpf_ntohs((__u16)port));
-	if (!slot_port)
+	if (!lookup_orig(ctx, hook, cfg, bpf_ntohs((__u16)port), orig))
 		return 1;
-	orig = lookup_orig(ctx, hook, slot_port);
-	if (!orig)
-		return 1;
-	ctx->user_ip4 = orig->addr[3];
-	ctx->user_port = (__u32)orig->port;
+	ctx->user_ip4 = orig[3];
+	ctx->user_port = (__u32)bpf_htons(DNS_PORT);
 	count(hook, COUNTER_REPLY_REWRITTEN);
 	count_cgroup(CGROUP_REPLY_REWRITTEN);
 	return 1;
@@ -482,9 +682,8 @@ static __always_inline int reverse6(struct bpf_sock_addr *ctx, __u32 hook)
 {
 	volatile __u32 port = ctx->user_port;
 	struct meshdns_config *cfg = get_config();
-	struct orig_val *orig;
+	__u32 orig[4];
 	__u32 src[4];
-	__u16 slot_port;
 
 	if (!cfg)
 		return 1;
@@ -498,20 +697,16 @@ static __always_inline int reverse6(struct bpf_sock_addr *ctx, __u32 hook)
 	} else if (!(cfg->flags & FLAG_TARGET6) || !v6_equal(src, cfg->target6)) {
 		return 1;
 	}
-	slot_port = slot_port_of(cfg, bpf_ntohs((__u16)port));
-	if (!slot_port)
+	if (!lookup_orig(ctx, hook, cfg, bpf_ntohs((__u16)port), orig))
 		return 1;
-	orig = lookup_orig(ctx, hook, slot_port);
-	if (!orig)
-		return 1;
-	ctx->user_ip6[0] = orig->addr[0];
+	ctx->user_ip6[0] = orig[0];
 	barrier();
-	ctx->user_ip6[1] = orig->addr[1];
+	ctx->user_ip6[1] = orig[1];
 	barrier();
-	ctx->user_ip6[2] = orig->addr[2];
+	ctx->user_ip6[2] = orig[2];
 	barrier();
-	ctx->user_ip6[3] = orig->addr[3];
-	ctx->user_port = (__u32)orig->port;
+	ctx->user_ip6[3] = orig[3];
+	ctx->user_port = (__u32)bpf_htons(DNS_PORT);
 	count(hook, COUNTER_REPLY_REWRITTEN);
 	count_cgroup(CGROUP_REPLY_REWRITTEN);
 	return 1;
@@ -563,34 +758,6 @@ SEC("cgroup/getpeername6")
 int getpeername6(struct bpf_sock_addr *ctx)
 {
 	return reverse6(ctx, HOOK_GETPEERNAME6);
-}
-
-SEC("cgroup/sock_release")
-int sock_release(struct bpf_sock *sk)
-{
-	struct meshdns_config *cfg;
-	struct orig_key key = {};
-	__u32 family = sk->family, type = sk->type, n, i;
-	long err;
-
-	if (family != AF_INET && family != AF_INET6)
-		return 1;
-	if (type != SOCK_DGRAM && type != SOCK_STREAM)
-		return 1;
-	cfg = get_config();
-	if (!cfg)
-		return 1;
-	n = cfg->num_slots;
-	key.cookie = bpf_get_socket_cookie(sk);
-	for (i = 0; i < MAX_SLOTS; i++) {
-		if (i >= n)
-			break;
-		key.port = cfg->base_port + i;
-		err = bpf_map_delete_elem(&orig_dst, &key);
-		if (err != 0 && err != -ENOENT)
-			count(HOOK_SOCK_RELEASE, COUNTER_MAP_ERROR);
-	}
-	return 1;
 }
 
 char LICENSE[] SEC("license") = "Dual BSD/GPL";

@@ -31,6 +31,8 @@ typedef __u32 __be32;
 #define BPF_MAP_TYPE_PERCPU_ARRAY 6
 #define BPF_MAP_TYPE_LRU_HASH 9
 #define BPF_MAP_TYPE_LRU_PERCPU_HASH 10
+#define BPF_MAP_TYPE_SOCKMAP 15
+#define BPF_MAP_TYPE_SK_STORAGE 24
 
 /* map update flags */
 #define BPF_ANY 0
@@ -39,6 +41,10 @@ typedef __u32 __be32;
 
 /* map creation flags */
 #define BPF_F_NO_PREALLOC (1U << 0)
+#define BPF_F_MMAPABLE (1U << 10)
+
+/* bpf_sk_storage_get flags */
+#define BPF_SK_STORAGE_GET_F_CREATE (1ULL << 0)
 
 #define AF_INET 2
 #define AF_INET6 10
@@ -49,7 +55,6 @@ typedef __u32 __be32;
 #define SOL_SOCKET 1
 #define SO_MARK 36
 
-#define ENOENT 2
 
 struct bpf_sock {
 	__u32 bound_dev_if;
@@ -94,9 +99,10 @@ static long (*bpf_map_update_elem)(void *map, const void *key, const void *value
 static long (*bpf_map_delete_elem)(void *map, const void *key) = (void *)3;
 static __u64 (*bpf_ktime_get_ns)(void) = (void *)5;
 static __u64 (*bpf_get_current_uid_gid)(void) = (void *)15;
-static __u64 (*bpf_get_socket_cookie)(void *ctx) = (void *)46;
 static long (*bpf_getsockopt)(void *bpf_socket, int level, int optname, void *optval, int optlen) = (void *)57;
 static __u64 (*bpf_get_current_cgroup_id)(void) = (void *)80;
+static long (*bpf_sk_release)(void *sock) = (void *)86;
+static void *(*bpf_sk_storage_get)(void *map, void *sk, void *value, __u64 flags) = (void *)107;
 static __u64 (*bpf_get_netns_cookie)(void *ctx) = (void *)122;
 
 /* The BPF targets we build for (bpfel) are little-endian. */

@@ -99,7 +99,15 @@ func runAgent(ctx context.Context, args []string, stderr io.Writer) error {
 	if err != nil {
 		return err
 	}
-	return agent.Run(ctx, cfg, log)
+	a, err := agent.New(cfg, log)
+	if err != nil {
+		return err
+	}
+	if err := a.Start(ctx); err != nil {
+		return err
+	}
+	<-ctx.Done()
+	return a.Close()
 }
 
 func newLogger(level, format string, w io.Writer) (*slog.Logger, error) {

@@ -6,57 +6,106 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"net"
 	"net/netip"
 	"os"
 	"path/filepath"
 	"slices"
+	"sync"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
-
 	"k8s.io/client-go/rest"
 
+	"github.com/meshdns/meshdns-ebpf/internal/cgroup2"
 	"github.com/meshdns/meshdns-ebpf/internal/ctzone"
-	"github.com/meshdns/meshdns-ebpf/internal/kubesource"
 	"github.com/meshdns/meshdns-ebpf/internal/names"
-	"github.com/meshdns/meshdns-ebpf/internal/names/filesource"
 	"github.com/meshdns/meshdns-ebpf/internal/redirect"
 	"github.com/meshdns/meshdns-ebpf/internal/resolver"
-	"github.com/meshdns/meshdns-ebpf/internal/resolver/nametable"
 	"github.com/meshdns/meshdns-ebpf/internal/resolver/upstream"
 )
 
 //go:embed default-names.yaml
 var defaultNames []byte
 
-// capture is an installed capture datapath (eBPF or iptables).
-type capture interface {
-	setReady(bool) error
-	run(ctx context.Context)
-	close() error
+// Drain bounds (docs/design.md, "Upgrades, restarts and crashes"): a stopping
+// agent with no successor keeps reading until its sockets were quiet for
+// drainQuiet after capture went off (queries redirected just before still
+// arrive), then answers what it read, in-flight forwards included, within
+// drainTimeout.
+const (
+	drainQuiet   = 100 * time.Millisecond
+	drainTimeout = 5 * time.Second
+	// readinessInterval is how often capture follows the resolver's readiness.
+	readinessInterval = 100 * time.Millisecond
+)
+
+// Agent is meshdns-ebpf on a node. New validates, Start acquires and starts
+// everything (taking over from a running agent when there is one), Close stops
+// it: capture off, then the resolver drains, then everything is released, or,
+// when a successor took over, only this process's descriptors are released.
+type Agent struct {
+	cfg Config
+	log *slog.Logger
+
+	// Set by Start, released by shutdown.
+	mode, reason string
+	lock         *stateLock
+	inherit      *inheritance
+	st           *State
+	nodes        *nodeAddrs
+	store        *names.Store
+	fwd          *upstream.Forwarder
+	srv          *resolver.Server
+	dp           *redirect.Datapath
+	rules        *ctzone.Rules
+	admin        *adminServer
+	hl           *net.UnixListener
+	stopLoops    chan struct{}
+	loops        sync.WaitGroup
+
+	mu          sync.Mutex
+	started     bool
+	closing     bool
+	serving     bool          // resolver sockets registered with the datapath
+	handingOver chan struct{} // non-nil while a handover runs; closed when it ends
+	hconn       *net.UnixConn // the handover connection in progress
+	handedOff   bool
+	successor   int
+
+	shutOnce sync.Once
+	shutDone chan struct{}
+	shutErr  error
 }
 
-// Run runs the agent until ctx is cancelled. Every error it returns before capture is
-// installed leaves nothing behind; on return after a stop, capture has been removed
-// first and the resolver stopped last.
-func Run(ctx context.Context, cfg Config, log *slog.Logger) (err error) {
+// New validates cfg. It touches nothing.
+func New(cfg Config, log *slog.Logger) (*Agent, error) {
 	if err := cfg.Validate(); err != nil {
-		return err
+		return nil, err
 	}
-	if err := checkPrivileges(cfg.Mode); err != nil {
-		return err
-	}
-	tuneGC(log)
+	return &Agent{cfg: cfg, log: log, stopLoops: make(chan struct{}), shutDone: make(chan struct{})}, nil
+}
 
-	// Undo stack: whatever is set up is torn down in reverse order on any error and on
-	// stop.
-	var undo []func()
+// Start starts the agent; ctx bounds the start (a handover waits at most
+// handoverTimeout). Every error it returns leaves nothing behind that was not
+// there before, and a predecessor it was taking over from serves on.
+func (a *Agent) Start(ctx context.Context) (err error) {
+	a.mu.Lock()
+	if a.started {
+		a.mu.Unlock()
+		return errors.New("agent already started")
+	}
+	a.started = true
+	a.mu.Unlock()
+	cfg, log := &a.cfg, a.log
 	defer func() {
-		for i := len(undo) - 1; i >= 0; i-- {
-			undo[i]()
+		if err != nil {
+			a.abort()
 		}
 	}()
+
+	tuneGC(log)
 
 	// The Kubernetes source: its API server, and the cluster DNS Service to
 	// capture.
@@ -71,36 +120,24 @@ func Run(ctx context.Context, cfg Config, log *slog.Logger) (err error) {
 	if err := cfg.fillFromResolvConf(log); err != nil {
 		return err
 	}
-
-	mode, reason, err := cfg.pickMode(log)
-	if err != nil {
+	rcfg := cfg.redirectConfig(log)
+	ports := []uint16{0}
+	if cfg.Mode != ModeOff {
+		ports = redirect.SlotPorts(rcfg)
+	}
+	if err := checkPrivileges(cfg.Mode, cfg.IptablesBackend, ports); err != nil {
 		return err
 	}
-	if mode != ModeOff {
-		if err := takeOverLeftovers(cfg.StateDir, cfg.BPFFS, log); err != nil {
+	if a.mode, a.reason, err = cfg.pickMode(log); err != nil {
+		return err
+	}
+	if a.mode != cfg.Mode {
+		if err := checkPrivileges(a.mode, cfg.IptablesBackend, ports); err != nil {
 			return err
 		}
 	}
-	st := &State{
-		PID: os.Getpid(), Mode: mode, ModeReason: reason, CaptureAll: cfg.CaptureAll,
-		Admin: cfg.Admin, Persist: cfg.Persist, Started: time.Now().UTC(), Netns: currentNetns(),
-	}
-	for _, n := range cfg.Nameservers {
-		st.Nameservers = append(st.Nameservers, n.String())
-	}
-	for _, u := range cfg.Upstreams {
-		st.Upstreams = append(st.Upstreams, u.String())
-	}
-
-	// Both capture modes send nameserver i to the listen port + i (docs/design.md):
-	// the resolver listens on every slot port of every listen address.
-	rcfg := cfg.redirectConfig(log)
-	listenAddrs := []string{}
-	ports := []uint16{0}
-	if mode != ModeOff {
-		ports = redirect.SlotPorts(rcfg)
-		st.SlotPorts = ports
-	}
+	mode := a.mode
+	var listenAddrs []string
 	for _, l := range cfg.Listen {
 		for _, p := range ports {
 			if p == 0 {
@@ -111,7 +148,7 @@ func Run(ctx context.Context, cfg Config, log *slog.Logger) (err error) {
 	}
 	if mode == ModeEBPF {
 		if cfg.Cgroup == "" {
-			if cfg.Cgroup, err = redirect.FindCgroup2Mount(); err != nil {
+			if cfg.Cgroup, err = cgroup2.FindMount(); err != nil {
 				return fmt.Errorf("find the cgroup2 root: %w", err)
 			}
 			rcfg.Cgroup = cfg.Cgroup
@@ -123,43 +160,81 @@ func Run(ctx context.Context, cfg Config, log *slog.Logger) (err error) {
 		if mounted {
 			log.Info("mounted bpffs", "path", filepath.Dir(cfg.BPFFS))
 		}
-		st.Cgroup, st.BPFFS = cfg.Cgroup, cfg.BPFFS
 	}
-	st.Listen = listenAddrs
 
-	// The state file is written before anything is installed and again after each
-	// step, so that `cleanup` after a crash at any point knows what to remove.
-	save := func() error { return nil }
+	// The state lock, or the running agent's descriptors (its lock among them).
+	var prev *State
 	if mode != ModeOff {
-		save = func() error { return writeState(cfg.StateDir, st) }
-		if err := save(); err != nil {
+		if err := a.acquire(ctx); err != nil {
 			return err
 		}
-		undo = append(undo, func() {
-			if err := removeState(cfg.StateDir); err != nil {
-				log.Error("remove state", "err", err)
+		if a.inherit != nil {
+			prev = a.inherit.state
+		} else if prev, err = ReadState(cfg.StateDir); err == nil {
+			// A clean stop removes the state file: its owner crashed.
+			a.takeOverLeftovers(prev)
+		} else if !errors.Is(err, os.ErrNotExist) {
+			log.Warn("unreadable state file of a previous agent; ignoring it", "err", err)
+			prev = nil
+		}
+		if a.inherit == nil && mode != ModeEBPF {
+			// An eBPF agent stopped here earlier left its programs attached
+			// (inert) for a successor in eBPF mode: this one is not.
+			if removed, err := redirect.Cleanup(cfg.BPFFS); len(removed) > 0 || err != nil {
+				log.Info("removed the eBPF programs an earlier agent left", "pin_dir", cfg.BPFFS, "removed", len(removed), "err", err)
 			}
-		})
+		}
+	}
+	st := &State{
+		PID: os.Getpid(), Mode: mode, ModeReason: a.reason, CaptureAll: cfg.CaptureAll,
+		Admin: cfg.Admin, Persist: cfg.Persist, Started: time.Now().UTC(), Netns: currentNetns(),
+		Listen: listenAddrs,
+	}
+	if mode != ModeOff {
+		st.SlotPorts = ports
+	}
+	if a.inherit != nil {
+		st.Predecessor = a.inherit.from
+	}
+	if mode == ModeEBPF {
+		st.Cgroup, st.BPFFS = cfg.Cgroup, cfg.BPFFS
+	}
+	for _, n := range cfg.Nameservers {
+		st.Nameservers = append(st.Nameservers, n.String())
+	}
+	for _, u := range cfg.Upstreams {
+		st.Upstreams = append(st.Upstreams, u.String())
+	}
+	a.st = st
+
+	// The state file is written before anything is installed and again after each
+	// step, so that `cleanup` after a crash at any point knows what to remove. In a
+	// handover the predecessor's file stays until we serve.
+	if mode != ModeOff && a.inherit == nil {
+		if err := a.save(); err != nil {
+			return err
+		}
 	}
 
 	// Node-local resolver address.
 	if mode != ModeOff {
-		var addrs []netip.Addr
+		var want []netip.Addr
 		for _, l := range cfg.Listen {
-			addrs = append(addrs, l.Addr())
+			want = append(want, l.Addr())
 		}
-		added, err := ensureNodeAddrs(addrs, cfg.LinkName, log)
-		if err != nil {
+		var adopt []NodeAddr
+		if prev != nil && prev.Netns == currentNetns() {
+			adopt = prev.NodeAddrs
+		}
+		a.nodes = newNodeAddrs(want, cfg.LinkName, adopt, log)
+		if err := a.nodes.Start(ctx); err != nil {
 			return err
 		}
-		st.NodeAddrs = added
-		undo = append(undo, func() {
-			if err := removeNodeAddrs(added, log); err != nil {
-				log.Error("remove node address", "err", err)
+		st.NodeAddrs = a.nodes.added
+		if a.inherit == nil {
+			if err := a.save(); err != nil {
+				return err
 			}
-		})
-		if err := save(); err != nil {
-			return err
 		}
 	}
 
@@ -168,18 +243,20 @@ func Run(ctx context.Context, cfg Config, log *slog.Logger) (err error) {
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	reg.MustRegister(newBuildInfo())
 
-	runCtx, stopBackground := context.WithCancel(context.Background())
-	undo = append(undo, stopBackground)
-
 	// Name sources and the store that merges them into the name table.
-	store, err := cfg.newNameStore(reg, kubeRest, log)
-	if err != nil {
+	if a.store, err = cfg.newNameStore(reg, kubeRest, log); err != nil {
 		return err
 	}
-	if err := store.Start(runCtx); err != nil {
+	if err := a.store.Start(ctx); err != nil {
 		return fmt.Errorf("start name sources: %w", err)
 	}
-	undo = append(undo, func() { _ = store.Close() })
+	if a.inherit != nil {
+		// Our resolver will read the predecessor's sockets as soon as it starts:
+		// not before it can answer as well as the predecessor does.
+		if err := waitReady(ctx, a.store.Ready, handoverTimeout); err != nil {
+			return fmt.Errorf("taking over: the name sources are not ready: %w", err)
+		}
+	}
 
 	// Upstream forwarder.
 	ucfg := upstream.NewConfig(cfg.Upstreams...)
@@ -192,21 +269,31 @@ func Run(ctx context.Context, cfg Config, log *slog.Logger) (err error) {
 		// and the resolver may run unprivileged.
 		ucfg.Mark = 0
 	}
-	fwd, err := upstream.New(ucfg)
-	if err != nil {
+	if a.fwd, err = upstream.New(ucfg); err != nil {
 		return fmt.Errorf("upstream: %w", err)
 	}
-	if err := fwd.Start(ctx); err != nil {
-		_ = fwd.Close()
+	if err := a.fwd.Start(ctx); err != nil {
 		return fmt.Errorf("upstream: %w", err)
 	}
-	undo = append(undo, func() { _ = fwd.Close() })
 
-	// Resolver.
-	srv, err := resolver.New(resolver.Config{
+	// The eBPF datapath first: it adopts the pinned links (a predecessor's
+	// programs are replaced in place) before the resolver counts its progress.
+	if mode == ModeEBPF {
+		rcfg.Detach = !cfg.Persist
+		if a.dp, err = redirect.New(rcfg); err != nil {
+			return fmt.Errorf("eBPF datapath: %w", err)
+		}
+		if err := a.dp.Start(ctx); err != nil {
+			return fmt.Errorf("install eBPF datapath: %w", err)
+		}
+		reg.MustRegister(newDatapathCollector(a.dp.HookStats))
+	}
+
+	// Resolver, on the predecessor's sockets when there is one.
+	rc := resolver.Config{
 		Listen:        listenAddrs,
-		Table:         store,
-		Forwarder:     fwd,
+		Table:         a.store,
+		Forwarder:     a.fwd,
 		PodRecords:    cfg.PodRecords,
 		TTL:           cfg.TTL,
 		ClusterDomain: cfg.ClusterDomain,
@@ -215,333 +302,579 @@ func Run(ctx context.Context, cfg Config, log *slog.Logger) (err error) {
 		MaxTCPConns:   cfg.MaxTCPConns,
 		Registerer:    reg,
 		Logger:        log.With("component", "resolver"),
-	})
-	if err != nil {
+	}
+	if a.dp != nil {
+		rc.OnDequeue = a.dp.Dequeued
+	}
+	if a.inherit != nil {
+		rc.Inherited, a.inherit.listeners = a.inherit.listeners, nil
+	}
+	if a.srv, err = resolver.New(rc); err != nil {
 		return fmt.Errorf("resolver: %w", err)
 	}
-	if err := srv.Start(runCtx); err != nil {
+	if err := a.srv.Start(ctx); err != nil {
 		return fmt.Errorf("start resolver: %w", err)
 	}
-	undo = append(undo, func() {
-		sctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
-		defer cancel()
-		if err := srv.Shutdown(sctx); err != nil {
-			log.Error("stop resolver", "err", err)
-		}
-	})
 
-	// Capture.
-	var capt capture
-	switch mode {
-	case ModeEBPF:
-		dp, err := redirect.Install(rcfg)
-		if err != nil {
-			return fmt.Errorf("install eBPF datapath: %w", err)
+	if mode == ModeIptables {
+		if a.rules, err = ctzone.New(cfg.ctzoneConfig(log)); err != nil {
+			return fmt.Errorf("iptables capture: %w", err)
 		}
-		capt = &ebpfCapture{dp: dp, persist: cfg.Persist}
-		reg.MustRegister(newDatapathCollector(cfg.BPFFS))
-	case ModeIptables:
-		r, err := ctzone.Install(cfg.ctzoneConfig(log))
-		if err != nil {
+		if err := a.rules.Start(ctx); err != nil {
 			return fmt.Errorf("install iptables capture: %w", err)
 		}
-		capt = &iptablesCapture{rules: r}
-		st.Backend = r.Backend()
-	}
-	if err := save(); err != nil {
-		if capt != nil {
-			_ = capt.close()
-		}
-		return err
-	}
-	if capt != nil {
-		// Registered after the resolver's undo, so capture is removed before the
-		// resolver stops.
-		undo = append(undo, func() {
-			if err := capt.close(); err != nil {
-				log.Error("remove capture", "err", err)
-			}
-		})
-		go capt.run(runCtx)
+		st.Backend = a.rules.Backend()
 	}
 
 	// Admin endpoints.
 	if cfg.Admin != "" {
-		stopAdmin, err := serveAdmin(cfg.Admin, reg, readyFunc(func() error {
-			if err := store.Ready(); err != nil {
-				return err
-			}
-			return srv.Ready()
-		}), cfg.debugHandler(store), log)
-		if err != nil {
+		var inherited *os.File
+		if a.inherit != nil {
+			inherited, a.inherit.admin = a.inherit.admin, nil
+		}
+		a.admin = newAdminServer(cfg.Admin, reg, a, cfg.debugHandler(a.store), inherited, log.With("component", "admin"))
+		if err := a.admin.Start(ctx); err != nil {
 			return err
 		}
-		undo = append(undo, stopAdmin)
 	}
 
-	log.Info("meshdns-ebpf running", "mode", mode, "reason", reason, "listen", listenAddrs,
+	// Capture on, as soon as the resolver is ready (at once, normally: the name
+	// table's first load is done).
+	if err := a.followReadiness(); err != nil {
+		return err
+	}
+	// Taking over, nothing of the node's state is touched before the
+	// predecessor knows we serve: if we die before, it serves on as it was.
+	if a.inherit != nil {
+		a.inherit.closeUnused()
+		if cfg.handoverFault == "successor" {
+			log.Error("x-handover-fault: the successor dies before it serves")
+			os.Exit(3)
+		}
+		if err := a.inherit.serving(); err != nil {
+			log.Warn("could not tell the previous agent that we serve; it may have died", "pid", a.inherit.from, "err", err)
+		}
+		if prev != nil {
+			a.removeUnwantedAddrs(prev)
+		}
+		log.Info("took over from the previous agent", "pid", a.inherit.from)
+		a.inherit = nil
+		if mode != ModeOff {
+			if a.hl, err = listenHandover(cfg.StateDir); err != nil {
+				log.Error("no handover socket: a successor will not be able to take over", "err", err)
+			}
+			if err := a.save(); err != nil {
+				log.Error("write state", "err", err)
+			}
+		}
+	} else if mode != ModeOff {
+		if a.hl, err = listenHandover(cfg.StateDir); err != nil {
+			return err
+		}
+		if err := a.save(); err != nil {
+			return err
+		}
+	}
+	a.loops.Add(1)
+	go a.readinessLoop()
+	if a.hl != nil {
+		a.loops.Add(1)
+		go a.handoverLoop()
+	}
+	log.Info("meshdns-ebpf running", "mode", mode, "reason", a.reason, "listen", listenAddrs,
 		"nameservers", st.Nameservers, "capture_all", cfg.CaptureAll, "upstreams", st.Upstreams,
 		"cgroup", cfg.Cgroup)
+	return nil
+}
 
-	// Readiness follows the resolver: capture is on only while it can answer.
-	ready := false
-	tick := time.NewTicker(200 * time.Millisecond)
-	defer tick.Stop()
+// Ready is the agent's readiness (/readyz, and what switches capture on): the
+// name sources' and the resolver's, and not handed over.
+func (a *Agent) Ready() error {
+	a.mu.Lock()
+	off, succ := a.handedOff, a.successor
+	a.mu.Unlock()
+	if off {
+		return fmt.Errorf("handed over to pid %d", succ)
+	}
+	if a.srv == nil || a.store == nil {
+		return errors.New("resolver not started")
+	}
+	if err := a.store.Ready(); err != nil {
+		return err
+	}
+	return a.srv.Ready()
+}
+
+// waitReady polls ready until it reports nil, ctx is done or d passed.
+func waitReady(ctx context.Context, ready func() error, d time.Duration) error {
+	deadline := time.Now().Add(d)
 	for {
-		now := srv.Ready() == nil
-		if capt != nil && now != ready {
-			if err := capt.setReady(now); err != nil {
-				return fmt.Errorf("set capture readiness: %w", err)
-			}
-			log.Info("capture readiness changed", "ready", now)
+		err := ready()
+		if err == nil {
+			return nil
 		}
-		ready = now
+		if time.Now().After(deadline) {
+			return err
+		}
 		select {
 		case <-ctx.Done():
-			log.Info("stopping: removing capture first, then the resolver")
-			return nil
-		case <-tick.C:
+			return ctx.Err()
+		case <-time.After(20 * time.Millisecond):
 		}
 	}
 }
 
-// fillFromResolvConf fills nameservers and upstreams that were not given as flags.
-func (c *Config) fillFromResolvConf(log *slog.Logger) error {
-	needNS := c.Nameservers == nil && c.Mode != ModeOff
-	needUp := len(c.Upstreams) == 0
-	if needNS || needUp {
-		servers, _, err := upstream.ParseResolvConf(c.ResolvConf)
-		if err != nil {
-			return fmt.Errorf("read nameservers: %w", err)
+func (a *Agent) save() error {
+	if a.st == nil {
+		return nil
+	}
+	return writeState(a.cfg.StateDir, a.st)
+}
+
+// acquire takes the state lock, or, while another agent holds it, takes over
+// from that agent: its lock, admin listener and resolver sockets.
+func (a *Agent) acquire(ctx context.Context) error {
+	dir := a.cfg.StateDir
+	deadline := time.Now().Add(handoverTimeout)
+	if dl, ok := ctx.Deadline(); ok && dl.Before(deadline) {
+		deadline = dl
+	}
+	var last error
+	for {
+		l, err := tryLock(dir)
+		if err == nil {
+			a.lock = l
+			return nil
 		}
-		if needNS {
-			for _, s := range servers {
-				c.Nameservers = append(c.Nameservers, s.Addr())
+		if !errors.Is(err, errLocked) {
+			return err
+		}
+		hctx, cancel := context.WithDeadline(ctx, deadline)
+		in, err := requestHandover(hctx, dir)
+		cancel()
+		if err == nil {
+			if err := a.compatible(in.state); err != nil {
+				in.closeUnused()
+				in.lock.release()
+				in.conn.Close()
+				return err
 			}
+			a.lock, a.inherit = in.lock, in
+			a.log.Info("taking over from the running agent", "pid", in.from)
+			return nil
 		}
-		if needUp {
-			c.Upstreams = servers
+		if !errors.Is(err, errRetry) {
+			return err
+		}
+		last = err
+		if time.Now().After(deadline) {
+			return fmt.Errorf("another meshdns-ebpf agent holds %s and did not hand over within %v (last: %v); stop it first",
+				lockPath(dir), handoverTimeout, last)
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(100 * time.Millisecond):
 		}
 	}
-	// Never forward to ourselves: our listen addresses on any slot port (the listen
-	// port, one per nameserver, one more for capture-all). Another port on the same
-	// address is someone else's server and fine.
-	ours := func(a netip.Addr, port uint16, checkPort bool) bool {
-		for _, l := range c.Listen {
-			if a != l.Addr() {
-				continue
-			}
-			if !checkPort || (port >= l.Port() && int(port) <= int(l.Port())+len(c.Nameservers)) {
-				return true
-			}
-		}
-		return false
-	}
-	c.Upstreams = slices.DeleteFunc(c.Upstreams, func(u netip.AddrPort) bool {
-		if ours(u.Addr(), u.Port(), true) {
-			log.Warn("ignoring upstream that is our own listen address", "upstream", u)
-			return true
-		}
-		return false
-	})
-	c.Nameservers = slices.DeleteFunc(c.Nameservers, func(n netip.Addr) bool { return ours(n, 0, false) })
-	if len(c.Upstreams) == 0 {
-		return fmt.Errorf("no upstream nameserver: give --upstream or a nameserver in %s", c.ResolvConf)
-	}
-	if c.Mode != ModeOff && len(c.Nameservers) == 0 && !c.CaptureAll {
-		return fmt.Errorf("nothing to capture: no nameserver in %s and no --nameservers (or use --capture-all)", c.ResolvConf)
-	}
-	if !c.CaptureLoopback && !c.CaptureAll {
-		for _, n := range c.Nameservers {
-			if n.IsLoopback() {
-				log.Warn("nameserver is a loopback address and is not captured without --capture-loopback", "nameserver", n)
-			}
-		}
+}
+
+// compatible says whether we can take over from an agent in state st.
+func (a *Agent) compatible(st *State) error {
+	switch {
+	case st.Mode != a.mode:
+		return fmt.Errorf("the running agent (pid %d) captures in %s mode and this one would in %s mode: stop it first", st.PID, st.Mode, a.mode)
+	case a.mode == ModeEBPF && (st.BPFFS != a.cfg.BPFFS || st.Cgroup != a.cfg.Cgroup):
+		return fmt.Errorf("the running agent (pid %d) attaches to %s with pins in %s, this one to %s with pins in %s: stop it first",
+			st.PID, st.Cgroup, st.BPFFS, a.cfg.Cgroup, a.cfg.BPFFS)
+	case st.Netns != currentNetns():
+		return fmt.Errorf("the running agent (pid %d) runs in another network namespace: stop it first", st.PID)
 	}
 	return nil
 }
 
-// pickMode resolves auto into ebpf or iptables and checks a forced mode can work.
-func (c *Config) pickMode(log *slog.Logger) (mode, reason string, err error) {
-	switch c.Mode {
-	case ModeOff:
-		return ModeOff, "requested: resolver only, no capture", nil
-	case ModeIptables:
-		if err := ctzone.Probe(); err != nil {
-			return "", "", fmt.Errorf("--mode iptables cannot work here: %w", err)
-		}
-		return ModeIptables, "requested", nil
+// takeOverLeftovers removes what a crashed agent left that this one does not
+// adopt: another mode's capture, another pin directory's programs. (Pinned
+// links and node addresses we use are adopted.)
+func (a *Agent) takeOverLeftovers(prev *State) {
+	var removed []string
+	var errs []error
+	if prev.Mode == ModeIptables && a.mode != ModeIptables {
+		r, err := ctzone.Cleanup(prev.Backend)
+		removed, errs = append(removed, r...), append(errs, err)
 	}
-	probeErr := c.probeEBPF()
-	if c.Mode == ModeEBPF {
-		// A forced mode that cannot work fails here, before anything is installed.
-		if probeErr != nil {
-			return "", "", fmt.Errorf("--mode ebpf cannot work here: %w", probeErr)
-		}
-		return ModeEBPF, "requested", nil
+	if prev.Mode == ModeEBPF && prev.BPFFS != "" && (a.mode != ModeEBPF || prev.BPFFS != a.cfg.BPFFS) {
+		r, err := redirect.Cleanup(prev.BPFFS)
+		removed, errs = append(removed, r...), append(errs, err)
 	}
-	if probeErr == nil {
-		return ModeEBPF, "auto: the kernel has every eBPF hook the datapath needs", nil
+	if prev.Netns == currentNetns() {
+		removed = append(removed, a.removeUnwantedAddrs(prev)...)
 	}
-	log.Warn("eBPF capture unavailable, falling back to iptables with conntrack zones", "reason", probeErr)
-	if err := ctzone.Probe(); err != nil {
-		return "", "", fmt.Errorf("auto mode: eBPF unavailable (%v) and iptables unavailable: %w", probeErr, err)
+	if err := errors.Join(errs...); err != nil {
+		a.log.Warn("could not remove all a previous agent left", "pid", prev.PID, "err", err)
 	}
-	return ModeIptables, "auto: eBPF unavailable: " + probeErr.Error(), nil
+	a.log.Info("a previous agent did not stop cleanly; taking over what it left", "pid", prev.PID, "removed", removed)
 }
 
-func (c *Config) probeEBPF() error {
-	if c.forceNoEBPF != "" {
-		return fmt.Errorf("forced probe failure: %s", c.forceNoEBPF)
+// removeUnwantedAddrs removes the addresses prev added that we do not listen on.
+func (a *Agent) removeUnwantedAddrs(prev *State) []string {
+	var drop []NodeAddr
+	for _, na := range prev.NodeAddrs {
+		if na.Addr == "" {
+			continue
+		}
+		p, err := netip.ParsePrefix(na.Addr)
+		if err != nil || slices.ContainsFunc(a.cfg.Listen, func(l netip.AddrPort) bool { return l.Addr() == p.Addr() }) {
+			continue
+		}
+		drop = append(drop, na)
 	}
-	f, err := redirect.Probe()
+	if len(drop) == 0 {
+		return nil
+	}
+	if err := removeNodeAddrs(drop, a.log); err != nil {
+		a.log.Warn("remove a previous agent's address", "err", err)
+	}
+	var out []string
+	for _, d := range drop {
+		out = append(out, "address "+d.Addr+" on "+d.Link)
+	}
+	return out
+}
+
+// followReadiness registers the resolver's sockets with the datapath while the
+// resolver is ready and unregisters them while it is not.
+func (a *Agent) followReadiness() error {
+	if a.dp == nil {
+		return nil
+	}
+	notReady := a.store.Ready()
+	if notReady == nil {
+		notReady = a.srv.Ready()
+	}
+	ready := notReady == nil
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.closing || a.handedOff || ready == a.serving {
+		return nil
+	}
+	if !ready {
+		if err := a.dp.Unserve(); err != nil {
+			return err
+		}
+		a.serving = false
+		a.log.Warn("resolver not ready: capture off", "reason", notReady)
+		return nil
+	}
+	if err := a.serveSockets(); err != nil {
+		return err
+	}
+	a.serving = true
+	a.log.Info("resolver ready: capture on")
+	return nil
+}
+
+// serveSockets registers one socket per listen address and protocol.
+func (a *Agent) serveSockets() error {
+	files, err := a.srv.Files()
 	if err != nil {
 		return err
 	}
-	if missing := f.Missing(); len(missing) > 0 {
-		return fmt.Errorf("kernel lacks %v", missing)
+	defer closeListenerFiles(files)
+	var socks []redirect.Socket
+	for _, l := range files {
+		ap, err := netip.ParseAddrPort(l.Addr)
+		if err != nil {
+			return fmt.Errorf("resolver listen address %q: %w", l.Addr, err)
+		}
+		socks = append(socks, redirect.Socket{Addr: ap, Conn: l.UDP[0]}, redirect.Socket{Addr: ap, TCP: true, Conn: l.TCP})
 	}
-	return nil
+	return a.dp.Serve(socks)
 }
 
-func (c *Config) redirectConfig(log *slog.Logger) redirect.Config {
-	rc := redirect.Config{
-		Cgroup:          c.Cgroup,
-		PinDir:          c.BPFFS,
-		Nameservers:     c.Nameservers,
-		CaptureAll:      c.CaptureAll,
-		CaptureLoopback: c.CaptureLoopback,
-		ProxyUIDs:       c.ProxyUIDs,
-		UpstreamMark:    c.UpstreamMark,
-		Logger:          log.With("component", "redirect"),
+func closeListenerFiles(files []resolver.InheritedListener) {
+	for _, l := range files {
+		for _, f := range l.UDP {
+			f.Close()
+		}
+		if l.TCP != nil {
+			l.TCP.Close()
+		}
 	}
-	rc.Target4, rc.Target6 = c.targets()
-	return rc
 }
 
-// targets splits the listen addresses by family (Validate allows one of each).
-func (c *Config) targets() (v4, v6 netip.AddrPort) {
-	for _, l := range c.Listen {
-		if l.Addr().Is4() {
-			v4 = l
+func (a *Agent) readinessLoop() {
+	defer a.loops.Done()
+	t := time.NewTicker(readinessInterval)
+	defer t.Stop()
+	for {
+		select {
+		case <-a.stopLoops:
+			return
+		case <-t.C:
+		}
+		if err := a.followReadiness(); err != nil {
+			a.log.Error("capture readiness", "err", err)
+		}
+	}
+}
+
+// handoverLoop serves successors' requests, one at a time.
+func (a *Agent) handoverLoop() {
+	defer a.loops.Done()
+	for {
+		c, err := a.hl.AcceptUnix()
+		if err != nil {
+			return
+		}
+		a.handleHandover(c)
+	}
+}
+
+func (a *Agent) handleHandover(c *net.UnixConn) {
+	defer c.Close()
+	a.mu.Lock()
+	a.hconn = c // shutdown closes it
+	a.mu.Unlock()
+	defer func() {
+		a.mu.Lock()
+		a.hconn = nil
+		a.mu.Unlock()
+	}()
+	_ = c.SetDeadline(time.Now().Add(5 * time.Second))
+	hello, files, err := readMsg(c)
+	for _, f := range files {
+		f.Close()
+	}
+	if err != nil || hello.Op != "hello" {
+		return
+	}
+	a.mu.Lock()
+	refuse := ""
+	switch {
+	case a.closing:
+		refuse = "stopping"
+	case a.handedOff:
+		refuse = fmt.Sprintf("already handed over to pid %d", a.successor)
+	case a.store.Ready() != nil || a.srv.Ready() != nil:
+		refuse = "not ready"
+	}
+	if refuse != "" {
+		a.mu.Unlock()
+		_ = writeMsg(c, handoverMsg{Op: "error", Error: refuse}, nil)
+		return
+	}
+	done := make(chan struct{})
+	a.handingOver = done
+	a.mu.Unlock()
+	defer func() {
+		a.mu.Lock()
+		a.handingOver = nil
+		a.mu.Unlock()
+		close(done)
+	}()
+	a.log.Info("a successor asks to take over", "pid", hello.PID)
+	o := offer{lock: a.lock.f}
+	stCopy := *a.st
+	o.state = &stCopy
+	if a.admin != nil {
+		if o.admin, err = a.admin.File(); err != nil {
+			a.log.Error("handover: admin listener", "err", err)
+			_ = writeMsg(c, handoverMsg{Op: "error", Error: err.Error()}, nil)
+			return
+		}
+		defer o.admin.Close()
+	}
+	if o.listeners, err = a.srv.Files(); err != nil {
+		a.log.Error("handover: resolver sockets", "err", err)
+		_ = writeMsg(c, handoverMsg{Op: "error", Error: err.Error()}, nil)
+		return
+	}
+	defer closeListenerFiles(o.listeners)
+	_ = c.SetDeadline(time.Now().Add(handoverTimeout))
+	if a.cfg.handoverFault == "predecessor" {
+		o.dieAfterSend = true
+	}
+	succ, err := sendOffer(c, o)
+	if err != nil {
+		a.log.Warn("handover failed; serving on", "successor", hello.PID, "err", err)
+		a.reassert()
+		return
+	}
+	a.mu.Lock()
+	a.handedOff, a.successor = true, succ
+	a.mu.Unlock()
+	a.log.Info("handed over to the successor; draining", "pid", succ)
+	go a.shutdown(true)
+}
+
+// reassert puts our programs, configuration, sockets and state back after a
+// successor failed to take over (it may have replaced some of them).
+func (a *Agent) reassert() {
+	if a.dp != nil {
+		if err := a.dp.Reassert(); err != nil {
+			a.log.Error("restore the datapath after a failed handover", "err", err)
+		}
+		a.mu.Lock()
+		if a.serving {
+			if err := a.serveSockets(); err != nil {
+				a.log.Error("register the resolver sockets again after a failed handover", "err", err)
+			}
+		}
+		a.mu.Unlock()
+	}
+	if err := a.save(); err != nil {
+		a.log.Error("restore the state file after a failed handover", "err", err)
+	}
+}
+
+// Close stops the agent. Without a successor: capture goes off first (queries go
+// to their original nameserver), the resolver answers what was already sent to
+// it, then everything is removed (the eBPF programs stay attached and pinned,
+// inert, for the next agent, unless --persist=false). After a handover it only
+// waits until this process has drained and released its descriptors. A
+// handover in progress is waited for. Idempotent; safe after a failed Start.
+func (a *Agent) Close() error {
+	a.mu.Lock()
+	running := a.handingOver
+	a.mu.Unlock()
+	if running != nil {
+		select {
+		case <-running:
+		case <-time.After(handoverTimeout):
+		}
+	}
+	a.mu.Lock()
+	handoff := a.handedOff
+	a.mu.Unlock()
+	a.shutdown(handoff)
+	<-a.shutDone
+	return a.shutErr
+}
+
+// shutdown releases everything once; see Close.
+func (a *Agent) shutdown(handoff bool) {
+	a.shutOnce.Do(func() {
+		defer close(a.shutDone)
+		log := a.log
+		var errs []error
+		add := func(what string, err error) {
+			if err != nil {
+				errs = append(errs, fmt.Errorf("%s: %w", what, err))
+			}
+		}
+		a.mu.Lock()
+		a.closing = true
+		if a.hconn != nil {
+			a.hconn.Close()
+		}
+		a.mu.Unlock()
+		if a.hl != nil {
+			a.hl.Close()
+			if !handoff {
+				_ = os.Remove(handoverPath(a.cfg.StateDir))
+			}
+		}
+		close(a.stopLoops)
+		a.loops.Wait()
+		if handoff {
+			for _, h := range []interface{ Handoff() }{a.dp, a.rules, a.nodes} {
+				if h != nil && !isNilHandoff(h) {
+					h.Handoff()
+				}
+			}
 		} else {
-			v6 = l
+			log.Info("stopping: capture off, then the resolver drains")
+			if a.dp != nil {
+				add("capture off", a.dp.Unserve())
+			}
+			if a.rules != nil {
+				add("remove iptables capture", a.rules.StopCapture())
+			}
 		}
-	}
-	return v4, v6
-}
-
-func (c *Config) ctzoneConfig(log *slog.Logger) ctzone.Config {
-	cc := ctzone.Config{
-		Nameservers:  c.Nameservers,
-		CaptureAll:   c.CaptureAll,
-		ProxyUIDs:    c.ProxyUIDs,
-		ProxyGIDs:    c.ProxyGIDs,
-		UpstreamMark: c.UpstreamMark,
-		Logger:       log.With("component", "ctzone"),
-	}
-	cc.ListenAddr, cc.ListenAddr6 = c.targets()
-	return cc
-}
-
-// newNameStore creates the name store with the configured sources: the
-// names file, the Kubernetes API server, or the embedded demo table when
-// no other source is given.
-func (c *Config) newNameStore(reg prometheus.Registerer, kubeRest *rest.Config, log *slog.Logger) (*names.Store, error) {
-	m, err := names.NewMetrics(reg)
-	if err != nil {
-		return nil, err
-	}
-	store, err := names.New(names.Config{
-		Table:   nametable.Options{ClusterDomain: c.ClusterDomain, TTL: c.TTL},
-		Logger:  log.With("component", "names"),
-		Metrics: m,
+		if a.srv != nil {
+			quiet := drainQuiet
+			if handoff {
+				quiet = 0 // the successor reads the shared sockets: stop at once
+			}
+			ctx, cancel := context.WithTimeout(context.Background(), drainTimeout)
+			add("drain the resolver", a.srv.Drain(ctx, quiet))
+			cancel()
+		}
+		if a.dp != nil {
+			add("eBPF datapath", a.dp.Close())
+		}
+		if a.rules != nil {
+			add("iptables capture", a.rules.Close())
+		}
+		if a.fwd != nil {
+			add("upstream", a.fwd.Close())
+		}
+		if a.store != nil {
+			add("name sources", a.store.Close())
+		}
+		if a.nodes != nil {
+			add("node address", a.nodes.Close())
+		}
+		if a.admin != nil {
+			add("admin server", a.admin.Close())
+		}
+		if a.st != nil && !handoff {
+			add("state file", removeState(a.cfg.StateDir))
+		}
+		add("state lock", a.lock.release())
+		a.shutErr = errors.Join(errs...)
+		for _, e := range errs {
+			log.Error("stop", "err", e)
+		}
+		switch {
+		case handoff && a.successor != 0:
+			log.Info("handed over and drained; waiting for SIGTERM", "successor", a.successor)
+		case handoff:
+			log.Info("gave up taking over; the running agent serves on")
+		default:
+			log.Info("stopped")
+		}
 	})
-	if err != nil {
-		return nil, fmt.Errorf("name store: %w", err)
-	}
-	if c.NamesFile != "" {
-		f, err := filesource.NewFile(c.NamesFile, filesource.Options{Domain: store.Domain(), Logger: log.With("component", "names")})
-		if err != nil {
-			return nil, err
-		}
-		// The first load must succeed: a bad file at start is bad input, not
-		// something to serve around. Later bad files keep the last good
-		// table serving.
-		if err := f.Check(); err != nil {
-			return nil, err
-		}
-		if err := store.Add(f, names.SourceOptions{Priority: names.PriorityFile}); err != nil {
-			return nil, err
-		}
-	}
-	if kubeRest != nil {
-		ks, err := kubesource.New(kubesource.Config{
-			Name: "kubernetes", Rest: kubeRest, Domain: c.ClusterDomain, NodeName: c.NodeName,
-			Logger: log.With("component", "names"),
-		})
-		if err != nil {
-			return nil, err
-		}
-		if err := store.Add(ks, names.SourceOptions{Priority: names.PriorityKubernetes}); err != nil {
-			return nil, err
-		}
-		c.Mesh.local = ks
-	}
-	if err := c.addMeshSources(store, kubeRest, log); err != nil {
-		return nil, err
-	}
-	if c.NamesFile == "" && kubeRest == nil && !c.meshSources() {
-		demo, err := filesource.NewStatic("demo", defaultNames, store.Domain())
-		if err != nil {
-			return nil, err
-		}
-		if err := store.Add(demo, names.SourceOptions{Priority: names.PriorityDemo}); err != nil {
-			return nil, err
-		}
-		log.Info("using the embedded demo name table (give --names FILE for your own)")
-	}
-	return store, nil
 }
 
-// readyFunc adapts a function to the readiness the admin server asks.
-type readyFunc func() error
-
-func (f readyFunc) Ready() error { return f() }
-
-type ebpfCapture struct {
-	dp      *redirect.Datapath
-	persist bool
+// isNilHandoff reports whether h holds a nil pointer (an unused part).
+func isNilHandoff(h interface{ Handoff() }) bool {
+	switch p := h.(type) {
+	case *redirect.Datapath:
+		return p == nil
+	case *ctzone.Rules:
+		return p == nil
+	case *nodeAddrs:
+		return p == nil
+	}
+	return false
 }
 
-func (e *ebpfCapture) setReady(r bool) error   { return e.dp.SetReady(r) }
-func (e *ebpfCapture) run(ctx context.Context) { e.dp.Run(ctx) }
-func (e *ebpfCapture) close() error            { return e.dp.Close(e.persist) }
-
-type iptablesCapture struct{ rules *ctzone.Rules }
-
-func (i *iptablesCapture) setReady(bool) error     { return nil }
-func (i *iptablesCapture) run(ctx context.Context) { i.rules.Run(ctx) }
-func (i *iptablesCapture) close() error            { return i.rules.Close() }
-
-// takeOverLeftovers refuses to start beside a running agent, and removes what a
-// crashed one (kill -9) left, so a new start on top of leftovers works.
-func takeOverLeftovers(stateDir, pinDir string, log *slog.Logger) error {
-	st, err := ReadState(stateDir)
-	if errors.Is(err, os.ErrNotExist) {
-		return nil
+// abort undoes a failed Start. Taking over from a running agent, it leaves that
+// agent's state alone (the datapath's pins, rules, addresses it adopted) and
+// closes only its own descriptors: the predecessor notices and serves on.
+func (a *Agent) abort() {
+	if in := a.inherit; in != nil {
+		if a.dp != nil {
+			a.dp.Handoff()
+		}
+		if a.rules != nil {
+			a.rules.Handoff()
+		}
+		if a.nodes != nil {
+			_ = a.nodes.abandon()
+			a.nodes = nil
+		}
+		a.st = nil // the predecessor's state file stays
+		in.closeUnused()
+		in.conn.Close()
+		a.mu.Lock()
+		a.handedOff = true // nothing of the node's state is ours
+		a.mu.Unlock()
+	} else if a.dp != nil {
+		a.dp.Discard() // leave nothing attached that was not before
 	}
-	if err != nil {
-		log.Warn("unreadable state file; starting anyway", "err", err)
-		return nil
-	}
-	if st.Alive() {
-		return fmt.Errorf("another meshdns-ebpf agent (pid %d) is running with state dir %s", st.PID, stateDir)
-	}
-	removed, err := Cleanup(stateDir, pinDir, log)
-	log.Info("removed what a previous agent left", "pid", st.PID, "removed", removed)
-	if err != nil {
-		return fmt.Errorf("remove leftovers of agent pid %d: %w", st.PID, err)
-	}
-	return nil
+	a.shutdown(a.inherit != nil)
+	<-a.shutDone
 }

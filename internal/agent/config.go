@@ -43,6 +43,7 @@ type Config struct {
 	BPFFS           string
 	StateDir        string
 	Persist         bool
+	IptablesBackend string // "", "legacy" or "nft"
 	UpstreamMark    uint32
 	ResolvConf      string
 	TTL             time.Duration
@@ -69,6 +70,10 @@ type Config struct {
 
 	// forceNoEBPF makes auto mode behave as if the kernel probe failed (tests).
 	forceNoEBPF string
+	// handoverFault injects a crash into a handover (tests): "successor" exits
+	// after taking the descriptors and the datapath, before it serves;
+	// "predecessor" kills itself right after sending its descriptors.
+	handoverFault string
 }
 
 // DefaultBPFFS is where the agent pins its links and maps, and where the CLI reads them.
@@ -114,8 +119,19 @@ func (c *Config) RegisterFlags(fs *flag.FlagSet) {
 	})
 	fs.StringVar(&c.Admin, "admin", "127.0.0.1:9153", "admin HTTP address for /healthz, /readyz and /metrics (empty disables)")
 	fs.StringVar(&c.BPFFS, "bpffs", DefaultBPFFS, "directory on a bpffs where links and maps are pinned")
-	fs.StringVar(&c.StateDir, "state-dir", DefaultStateDir, "directory for the agent's state file (read by status and cleanup)")
-	fs.BoolVar(&c.Persist, "persist", false, "keep programs attached and pinned after a clean stop (capture stays off until the next start)")
+	fs.StringVar(&c.StateDir, "state-dir", DefaultStateDir, "directory for the agent's lock, state file and handover socket (shared by an agent and its successor; read by status and cleanup)")
+	fs.BoolVar(&c.Persist, "persist", true, "keep the eBPF programs attached and pinned after a stop (inert: nothing is redirected without an agent) so the next agent adopts them without a gap; --persist=false detaches them")
+	fs.Func("iptables-backend", "iptables backend of iptables mode: auto (the one the host uses), nft or legacy (needs CAP_NET_RAW)", func(s string) error {
+		switch s {
+		case "auto":
+			c.IptablesBackend = ""
+		case "nft", "legacy":
+			c.IptablesBackend = s
+		default:
+			return fmt.Errorf("want auto, nft or legacy, got %q", s)
+		}
+		return nil
+	})
 	fs.Func("upstream-mark", "SO_MARK of the resolver's own upstream sockets, never captured (default 0x3f53)", func(s string) error {
 		v, err := strconv.ParseUint(s, 0, 32)
 		if err != nil || v == 0 {
@@ -160,6 +176,7 @@ func (c *Config) RegisterFlags(fs *flag.FlagSet) {
 	fs.StringVar(&c.LogLevel, "log-level", "info", "debug, info, warn or error")
 	fs.StringVar(&c.LogFormat, "log-format", "text", "text or json")
 	fs.StringVar(&c.forceNoEBPF, "x-force-no-ebpf", "", "testing only: make auto mode behave as if the eBPF probe failed with this reason")
+	fs.StringVar(&c.handoverFault, "x-handover-fault", "", "testing only: crash in a handover, as the successor (before serving) or the predecessor (after sending its descriptors)")
 }
 
 // Validate checks what can be checked without touching the system.

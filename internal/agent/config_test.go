@@ -1,11 +1,13 @@
 package agent
 
 import (
+	"errors"
 	"flag"
 	"io"
 	"log/slog"
 	"net/netip"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"reflect"
 	"strings"
@@ -103,7 +105,10 @@ func TestFillFromResolvConf(t *testing.T) {
 			[]string{"169.254.53.1"}, []string{"169.254.53.1:53"}, ""},
 		{"same address, other port is a real upstream", "nameserver 169.254.53.1\n",
 			[]string{"--listen", "127.0.0.1:5353", "--upstream", "127.0.0.1:5300,127.0.0.1:5353,127.0.0.1:5354"},
-			[]string{"169.254.53.1"}, []string{"127.0.0.1:5300"}, ""},
+			[]string{"169.254.53.1"}, []string{"127.0.0.1:5300", "127.0.0.1:5354"}, ""},
+		{"capture-all slot ports are ours too", "nameserver 169.254.53.1\n",
+			[]string{"--listen", "127.0.0.1:5353", "--capture-all", "--upstream", "127.0.0.1:5300,127.0.0.1:5357,127.0.0.1:5358"},
+			[]string{"169.254.53.1"}, []string{"127.0.0.1:5300", "127.0.0.1:5358"}, ""},
 		{"nothing upstream", "search only\n", nil, nil, nil, "no nameserver"},
 		{"nothing to capture", "nameserver 169.254.53.1\n", []string{"--nameservers", "169.254.20.53"}, nil, nil, "nothing to capture"},
 	}
@@ -152,13 +157,63 @@ func TestStateRoundTrip(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if !reflect.DeepEqual(got, st) || !got.Alive() {
-		t.Errorf("round trip: got %+v (alive %v), want %+v", got, got.Alive(), st)
+	if !reflect.DeepEqual(got, st) {
+		t.Errorf("round trip: got %+v, want %+v", got, st)
 	}
 	if err := removeState(dir); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := os.Stat(dir); !os.IsNotExist(err) {
-		t.Errorf("state dir left after removeState: %v", err)
+	if _, err := os.Stat(statePath(dir)); !os.IsNotExist(err) {
+		t.Errorf("state file left after removeState: %v", err)
 	}
+}
+
+// The state lock belongs to the open file, not to a pid: a second agent is
+// refused while the first holds it, a descriptor passed on (a handover) keeps
+// it held after the first lets go, and a holder killed with SIGKILL releases
+// it, whatever its pid (pid 1 of a container included).
+func TestStateLock(t *testing.T) {
+	dir := filepath.Join(t.TempDir(), "state")
+	if locked, err := Locked(dir); err != nil || locked {
+		t.Fatalf("Locked on a fresh dir: %v %v", locked, err)
+	}
+	first, err := tryLock(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := tryLock(dir); !errors.Is(err, errLocked) {
+		t.Fatalf("second tryLock: %v, want errLocked", err)
+	}
+	if locked, _ := Locked(dir); !locked {
+		t.Errorf("Locked = false while held")
+	}
+	// A child process holds a descriptor of the same open file (as a successor
+	// that received it): the lock outlives our descriptor, and dies with the child.
+	child := exec.Command("sleep", "60")
+	child.ExtraFiles = []*os.File{first.f}
+	if err := child.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer child.Wait()
+	if err := first.release(); err != nil {
+		t.Fatal(err)
+	}
+	if locked, _ := Locked(dir); !locked {
+		t.Errorf("Locked = false while the child holds the passed descriptor")
+	}
+	if _, err := tryLock(dir); !errors.Is(err, errLocked) {
+		t.Errorf("tryLock while the child holds it: %v", err)
+	}
+	if err := child.Process.Kill(); err != nil {
+		t.Fatal(err)
+	}
+	_ = child.Wait()
+	if locked, _ := Locked(dir); locked {
+		t.Errorf("Locked = true after the holder was killed")
+	}
+	again, err := tryLock(dir)
+	if err != nil {
+		t.Fatalf("tryLock after the holder was killed: %v", err)
+	}
+	again.release()
 }

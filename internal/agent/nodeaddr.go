@@ -1,11 +1,13 @@
 package agent
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"log/slog"
 	"net"
 	"net/netip"
+	"slices"
 
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
@@ -20,15 +22,98 @@ type NodeAddr struct {
 	Link        string `json:"link"`         // link the address was added to
 	Addr        string `json:"addr"`         // CIDR, e.g. 169.254.20.53/32
 	CreatedLink bool   `json:"created_link"` // the agent created Link (and deletes it)
+	adopted     bool   // taken over from a predecessor, not added by this agent
+}
+
+// adoptedRecords returns the records of recs that cover address a: its address
+// record and the record of the link it is on, if the agent created that link.
+func adoptedRecords(recs []NodeAddr, a netip.Addr) []NodeAddr {
+	var out []NodeAddr
+	for _, r := range recs {
+		if r.Addr == "" {
+			continue
+		}
+		if p, err := netip.ParsePrefix(r.Addr); err == nil && p.Addr() == a {
+			for _, l := range recs {
+				if l.CreatedLink && l.Link == r.Link {
+					l.adopted = true
+					out = append(out, l)
+				}
+			}
+			r.adopted = true
+			out = append(out, r)
+		}
+	}
+	return out
+}
+
+// nodeAddrs is the agent's part that puts the node-local listen addresses in
+// place and removes what it added on Close.
+type nodeAddrs struct {
+	want    []netip.Addr
+	link    string
+	log     *slog.Logger
+	adopt   []NodeAddr // a predecessor's records: ours if still present and wanted
+	added   []NodeAddr // what we own (adopted or added)
+	handoff bool
+}
+
+func newNodeAddrs(want []netip.Addr, link string, adopt []NodeAddr, log *slog.Logger) *nodeAddrs {
+	return &nodeAddrs{want: want, link: link, adopt: adopt, log: log}
+}
+
+// Start makes every non-loopback wanted address local to this namespace: a
+// predecessor's record of it is adopted (so it is removed when we stop), other
+// addresses already present are left alone (and not recorded), missing ones
+// are added (see ensureNodeAddrs).
+func (n *nodeAddrs) Start(context.Context) error {
+	added, err := ensureNodeAddrs(n.want, n.link, n.adopt, n.log)
+	n.added = added
+	return err
+}
+
+// Handoff leaves the addresses to a successor.
+func (n *nodeAddrs) Handoff() { n.handoff = true }
+
+// Close removes what Start added or adopted, unless handed off.
+func (n *nodeAddrs) Close() error {
+	if n.handoff {
+		return nil
+	}
+	err := removeNodeAddrs(n.added, n.log)
+	n.added = nil
+	return err
+}
+
+// abandon removes only what this agent added itself, leaving what it adopted
+// to the predecessor it failed to take over from.
+func (n *nodeAddrs) abandon() error {
+	var mine []NodeAddr
+	for _, na := range n.added {
+		if !na.adopted {
+			mine = append(mine, na)
+		}
+	}
+	n.added = nil
+	return removeNodeAddrs(mine, n.log)
 }
 
 // ensureNodeAddrs makes every non-loopback listen address local to this namespace.
-// Addresses already present are left alone (and not recorded). New ones go on a
+// An address present with a record in adopt is recorded as ours (adopted); other
+// addresses already present are left alone (and not recorded). New ones go on a
 // dummy link named linkName; where the kernel has no dummy link type they go on lo
 // instead, and a log line says so.
-func ensureNodeAddrs(addrs []netip.Addr, linkName string, log *slog.Logger) ([]NodeAddr, error) {
+func ensureNodeAddrs(addrs []netip.Addr, linkName string, adopt []NodeAddr, log *slog.Logger) ([]NodeAddr, error) {
 	var added []NodeAddr
-	undo := func() { removeNodeAddrs(added, log) }
+	undo := func() {
+		var mine []NodeAddr
+		for _, na := range added {
+			if !na.adopted {
+				mine = append(mine, na)
+			}
+		}
+		removeNodeAddrs(mine, log)
+	}
 	for _, a := range addrs {
 		if a.IsLoopback() || a.IsUnspecified() {
 			continue
@@ -39,6 +124,17 @@ func ensureNodeAddrs(addrs []netip.Addr, linkName string, log *slog.Logger) ([]N
 			return nil, err
 		}
 		if local {
+			if recs := adoptedRecords(adopt, a); len(recs) > 0 {
+				for _, r := range recs {
+					if !slices.ContainsFunc(added, func(x NodeAddr) bool {
+						return x.Link == r.Link && x.Addr == r.Addr && x.CreatedLink == r.CreatedLink
+					}) {
+						added = append(added, r)
+					}
+				}
+				log.Info("listen address adopted from the previous agent", "addr", a)
+				continue
+			}
 			log.Info("listen address already present on this node", "addr", a)
 			continue
 		}

@@ -8,15 +8,17 @@ import (
 	"path/filepath"
 	"syscall"
 	"time"
+
+	"golang.org/x/sys/unix"
 )
 
-// DefaultStateDir holds the running agent's state file, read by `status` and
-// `cleanup`.
+// DefaultStateDir holds the running agent's lock, state file and handover socket,
+// read by `status` and `cleanup`.
 const DefaultStateDir = "/run/meshdns"
 
-// State is what a running agent tells the CLI about itself.
+// State is what a running agent tells the CLI (and its successor) about itself.
 type State struct {
-	PID         int        `json:"pid"`
+	PID         int        `json:"pid"`         // informational: the lock, not the pid, says whether it runs
 	Mode        string     `json:"mode"`        // ebpf, iptables or off
 	ModeReason  string     `json:"mode_reason"` // why auto picked this mode
 	Listen      []string   `json:"listen"`      // resolver addresses (UDP and TCP)
@@ -31,7 +33,8 @@ type State struct {
 	NodeAddrs   []NodeAddr `json:"node_addrs,omitempty"`
 	Persist     bool       `json:"persist"`
 	Started     time.Time  `json:"started"`
-	Netns       uint64     `json:"netns"` // inode of the agent's network namespace
+	Netns       uint64     `json:"netns"`                 // inode of the agent's network namespace
+	Predecessor int        `json:"predecessor,omitempty"` // pid of the agent it took over from
 }
 
 // currentNetns returns the inode of this process's network namespace.
@@ -43,7 +46,9 @@ func currentNetns() uint64 {
 	return st.Ino
 }
 
-func statePath(dir string) string { return filepath.Join(dir, "agent.json") }
+func statePath(dir string) string    { return filepath.Join(dir, "agent.json") }
+func lockPath(dir string) string     { return filepath.Join(dir, "agent.lock") }
+func handoverPath(dir string) string { return filepath.Join(dir, "handover.sock") }
 
 func writeState(dir string, st *State) error {
 	if err := os.MkdirAll(dir, 0o755); err != nil {
@@ -82,15 +87,84 @@ func removeState(dir string) error {
 	if err != nil && !errors.Is(err, os.ErrNotExist) {
 		return fmt.Errorf("remove state file: %w", err)
 	}
-	_ = os.Remove(dir) // only when empty
 	return nil
 }
 
-// Alive reports whether the process that wrote st still runs.
-func (st *State) Alive() bool {
-	if st.PID <= 0 {
-		return false
+// stateLock is the lock that says an agent runs with a state directory: an
+// open-file-description lock (F_OFD_SETLK, like flock: it belongs to the open
+// file, not to a pid) on agent.lock, held for the agent's lifetime. The kernel
+// drops it when the last descriptor of that open file is closed, whatever
+// killed the process, so a crashed agent never blocks the next one, even when
+// every agent is pid 1 of its own container. Passing the descriptor to a
+// successor (SCM_RIGHTS) hands the lock over without a moment unlocked.
+type stateLock struct {
+	f *os.File
+}
+
+// errLocked means another process holds the lock.
+var errLocked = errors.New("another meshdns-ebpf agent holds the state lock")
+
+// openLockFile opens (creating) dir/agent.lock.
+func openLockFile(dir string) (*os.File, error) {
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return nil, fmt.Errorf("create state dir %s: %w", dir, err)
 	}
-	err := syscall.Kill(st.PID, 0)
-	return err == nil || errors.Is(err, syscall.EPERM)
+	f, err := os.OpenFile(lockPath(dir), os.O_RDWR|os.O_CREATE|unix.O_CLOEXEC, 0o644)
+	if err != nil {
+		return nil, fmt.Errorf("open state lock: %w", err)
+	}
+	return f, nil
+}
+
+func ofdLock(typ int16) *unix.Flock_t {
+	return &unix.Flock_t{Type: typ, Whence: 0, Start: 0, Len: 0}
+}
+
+// tryLock takes the lock without waiting: errLocked when another agent holds it.
+func tryLock(dir string) (*stateLock, error) {
+	f, err := openLockFile(dir)
+	if err != nil {
+		return nil, err
+	}
+	if err := unix.FcntlFlock(f.Fd(), unix.F_OFD_SETLK, ofdLock(unix.F_WRLCK)); err != nil {
+		f.Close()
+		if errors.Is(err, unix.EAGAIN) || errors.Is(err, unix.EACCES) {
+			return nil, errLocked
+		}
+		return nil, fmt.Errorf("lock %s: %w", lockPath(dir), err)
+	}
+	return &stateLock{f: f}, nil
+}
+
+// adoptLock wraps a descriptor of the lock file received from the agent that
+// held it: the lock is ours from then on.
+func adoptLock(f *os.File) *stateLock { return &stateLock{f: f} }
+
+// release drops our descriptor: the lock is released unless a successor holds
+// another descriptor of the same open file.
+func (l *stateLock) release() error {
+	if l == nil || l.f == nil {
+		return nil
+	}
+	err := l.f.Close()
+	l.f = nil
+	return err
+}
+
+// Locked reports whether an agent holds the state lock of dir, without taking
+// it (F_OFD_GETLK), so asking never gets in the way of an agent starting.
+func Locked(dir string) (bool, error) {
+	f, err := os.OpenFile(lockPath(dir), os.O_RDONLY|unix.O_CLOEXEC, 0)
+	if errors.Is(err, os.ErrNotExist) {
+		return false, nil
+	}
+	if err != nil {
+		return false, fmt.Errorf("open state lock: %w", err)
+	}
+	defer f.Close()
+	lk := ofdLock(unix.F_WRLCK)
+	if err := unix.FcntlFlock(f.Fd(), unix.F_OFD_GETLK, lk); err != nil {
+		return false, fmt.Errorf("query state lock: %w", err)
+	}
+	return lk.Type != unix.F_UNLCK, nil
 }

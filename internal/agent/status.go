@@ -32,11 +32,15 @@ type Status struct {
 func ReadStatus(stateDir, pinDir string) *Status {
 	s := &Status{Ready: "no agent state"}
 	st, err := ReadState(stateDir)
+	running, lerr := Locked(stateDir)
+	if lerr != nil {
+		s.Errors = append(s.Errors, lerr.Error())
+	}
+	s.Running = running
 	switch {
 	case err == nil:
 		s.Agent = st
-		s.Running = st.Alive()
-		s.Ready = probeReady(st)
+		s.Ready = probeReady(st, running)
 		if st.BPFFS != "" {
 			pinDir = st.BPFFS
 		}
@@ -59,9 +63,9 @@ func ReadStatus(stateDir, pinDir string) *Status {
 	return s
 }
 
-func probeReady(st *State) string {
-	if !st.Alive() {
-		return fmt.Sprintf("no: agent pid %d is not running", st.PID)
+func probeReady(st *State, running bool) string {
+	if !running {
+		return fmt.Sprintf("no: agent pid %d is not running (it holds no lock)", st.PID)
 	}
 	if st.Admin == "" {
 		return "unknown: admin endpoint disabled"
@@ -75,6 +79,9 @@ func (s *Status) WriteTable(w io.Writer) error {
 	if a := s.Agent; a != nil {
 		fmt.Fprintln(tw, "AGENT\tVALUE")
 		fmt.Fprintf(tw, "pid\t%d (running: %v)\n", a.PID, s.Running)
+		if a.Predecessor != 0 {
+			fmt.Fprintf(tw, "took over from\tpid %d\n", a.Predecessor)
+		}
 		fmt.Fprintf(tw, "mode\t%s (%s)\n", a.Mode, a.ModeReason)
 		fmt.Fprintf(tw, "ready\t%s\n", s.Ready)
 		fmt.Fprintf(tw, "resolver\t%s\n", strings.Join(a.Listen, ", "))
@@ -113,16 +120,26 @@ func (s *Status) WriteTable(w io.Writer) error {
 	return nil
 }
 
-// Cleanup removes what a crashed agent left: pinned links and maps (which detaches
-// the programs), iptables chains and rules, the node address it added, and its
-// state file. It is safe to run on a clean node.
+// Cleanup removes what a crashed or stopped agent left: pinned links and maps
+// (which detaches the programs), iptables chains and rules, the node address it
+// added, and its state file. It holds the state lock while it works, and refuses
+// while an agent holds it. It is safe to run on a clean node.
 func Cleanup(stateDir, pinDir string, log *slog.Logger) ([]string, error) {
 	var removed []string
 	var errs []error
-	st, err := ReadState(stateDir)
-	if err == nil && st.Alive() && st.PID != os.Getpid() {
-		return nil, fmt.Errorf("the agent (pid %d) is still running: stop it first", st.PID)
+	lock, err := tryLock(stateDir)
+	if errors.Is(err, errLocked) {
+		pid := "?"
+		if st, err := ReadState(stateDir); err == nil {
+			pid = fmt.Sprint(st.PID)
+		}
+		return nil, fmt.Errorf("an agent (pid %s per its state file) holds the lock of %s: stop it first", pid, stateDir)
 	}
+	if err != nil {
+		return nil, err
+	}
+	defer lock.release()
+	st, err := ReadState(stateDir)
 	if err == nil && st.BPFFS != "" {
 		pinDir = st.BPFFS
 	}
@@ -161,6 +178,9 @@ func Cleanup(stateDir, pinDir string, log *slog.Logger) ([]string, error) {
 		} else {
 			removed = append(removed, "state file "+statePath(stateDir))
 		}
+	}
+	if err := os.Remove(handoverPath(stateDir)); err == nil {
+		removed = append(removed, "handover socket "+handoverPath(stateDir))
 	}
 	return removed, errors.Join(errs...)
 }

@@ -38,12 +38,16 @@ func ipv6Enabled() bool {
 // Probe checks that this host (the calling thread's network namespace) can run
 // iptables mode: the tools of the detected backend, the nat and raw tables with
 // the DNAT and CT --zone targets and the owner and mark matches, and conntrack
-// over netlink. It creates a scratch chain MESHDNS-PROBE in each table and
-// removes it again. The error says exactly what is missing.
-func Probe() error {
-	backend, err := DetectBackend()
-	if err != nil {
-		return fmt.Errorf("iptables mode: %w", err)
+// over netlink. backend is "legacy", "nft", or "" to detect it. It creates a
+// scratch chain MESHDNS-PROBE in each table and removes it again. The error says
+// exactly what is missing.
+func Probe(backend string) error {
+	if backend == "" {
+		b, err := DetectBackend()
+		if err != nil {
+			return fmt.Errorf("iptables mode: %w", err)
+		}
+		backend = b
 	}
 	fams := []bool{false}
 	if ipv6Enabled() {

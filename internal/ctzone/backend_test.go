@@ -74,7 +74,7 @@ func TestProbe(t *testing.T) {
 					ns.Exec(t, "iptables-legacy", "-w", "-A", "INPUT", "-p", "tcp", "--dport", fmt.Sprint(9000+i), "-j", "ACCEPT")
 				}
 			}
-			if err := ns.Do(Probe); err != nil {
+			if err := ns.Do(func() error { return Probe("") }); err != nil {
 				t.Fatalf("Probe: %v", err)
 			}
 			for _, b := range []string{BackendLegacy, BackendNFT} {

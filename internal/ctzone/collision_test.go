@@ -1,7 +1,6 @@
 package ctzone
 
 import (
-	"context"
 	"net/netip"
 	"strconv"
 	"strings"
@@ -32,18 +31,13 @@ func meshdnsCapture(cfg Config) func(t *testing.T, tp *ctzonetest.Topology) {
 		cfg.Logger = testLogger(t)
 		var r *Rules
 		err := tp.Pod.Do(func() (err error) {
-			r, err = Install(cfg)
+			r, err = install(cfg)
 			return err
 		})
 		if err != nil {
-			t.Fatalf("Install: %v", err)
+			t.Fatalf("install: %v", err)
 		}
-		ctx, cancel := context.WithCancel(context.Background())
-		done := make(chan struct{})
-		go func() { r.Run(ctx); close(done) }()
 		t.Cleanup(func() {
-			cancel()
-			<-done
 			if err := r.Close(); err != nil {
 				t.Errorf("Close: %v", err)
 			}

@@ -8,9 +8,9 @@
 // the conntrack entries involved, through ctnetlink.
 //
 // Everything lives in chains named MESHDNS-*, each jumped to from one built-in
-// chain by one rule; Install is idempotent, Rules.Run repairs drift, Rules.Close
+// chain by one rule; Rules.Start is idempotent and repairs drift until Close, Rules.Close
 // and Cleanup remove all of it. The rules are programmed in the network
-// namespace Install was called from (or Config.Netns), with the iptables backend
+// namespace Start was called from (or Config.Netns), with the iptables backend
 // (legacy or nft) the host already uses. docs/iptables-mode.md shows the rules.
 package ctzone
 
@@ -45,7 +45,7 @@ type Config struct {
 	ListenAddr netip.AddrPort
 	// ListenAddr6 is the redirect target for v6 destinations. Zero: [::1] with
 	// ListenAddr's port when ListenAddr is 127.0.0.1/::1; otherwise v6 capture
-	// needs it (Install fails for v6 nameservers without it, CaptureAll then
+	// needs it (Start fails for v6 nameservers without it, CaptureAll then
 	// captures v4 only and logs it).
 	ListenAddr6 netip.AddrPort
 	// Nameservers are the captured destinations (port 53), v4 and v6.
@@ -65,7 +65,7 @@ type Config struct {
 	// Backend is "legacy", "nft", or "" to detect (DetectBackend).
 	Backend string
 	// Netns is the path of the network namespace to program (e.g.
-	// /var/run/netns/x). "": the namespace of the calling thread at Install.
+	// /var/run/netns/x). "": the namespace of the calling thread at Start.
 	Netns string
 	// CheckInterval is how often Run checks the rules. 0: DefaultCheckInterval.
 	CheckInterval time.Duration

@@ -8,19 +8,26 @@ import (
 	"strings"
 	"sync"
 	"time"
+
+	"github.com/ti-mo/conntrack"
 )
 
-// Rules is an installed rule set. Its methods act on the network namespace it
-// was installed in, whatever goroutine calls them.
+// Rules is a rule set: New validates, Start installs it and starts the repair
+// loop, Close removes it. Its methods act on the network namespace Start was
+// called in (or Config.Netns), whatever goroutine calls them.
 type Rules struct {
 	cfg     *normalized
 	backend string
 	ns      *nsHandle
 
-	op        sync.Mutex // serialises Check and Close: no repair after removal
+	op        sync.Mutex // serialises Start, Check and Close: no repair after removal
 	mu        sync.Mutex // guards the fields below
+	started   bool
 	closed    bool
+	handoff   bool
 	canonical map[string][]string // "ip4 nat MESHDNS-OUTPUT" -> rules as iptables-save prints them
+	stopRun   context.CancelFunc
+	runDone   chan struct{}
 }
 
 // Backend is the iptables backend the rules live in.
@@ -37,25 +44,44 @@ func key(v6 bool, table, chain string) string {
 	return fam + " " + table + " " + chain
 }
 
-// Install programs the capture and zone rules (see the package comment and
-// docs/iptables-mode.md) and flushes the conntrack entries that would send a
-// query past them. It is idempotent: installing the same Config again yields the
-// same rule set, and it replaces leftovers of a crashed agent. Chains of ours
-// that the Config no longer needs are removed. On error, it removes every chain
-// and rule of ours again.
-func Install(cfg Config) (*Rules, error) {
+// New validates cfg. It touches nothing.
+func New(cfg Config) (*Rules, error) {
 	n, err := normalize(cfg)
 	if err != nil {
 		return nil, fmt.Errorf("iptables mode config: %w", err)
 	}
+	return &Rules{cfg: n, canonical: map[string][]string{}}, nil
+}
+
+// Start programs the capture and zone rules (see the package comment and
+// docs/iptables-mode.md), flushes the conntrack entries that would send a query
+// past them, and starts checking and repairing them every CheckInterval until
+// Close. It is idempotent: installing the same Config again yields the same rule
+// set, and it replaces leftovers of a crashed agent (or adopts a predecessor's).
+// Chains of ours that the Config no longer needs are removed. On error, it
+// removes every chain and rule of ours again.
+func (r *Rules) Start(ctx context.Context) error {
+	r.op.Lock()
+	defer r.op.Unlock()
+	r.mu.Lock()
+	if r.started || r.closed {
+		r.mu.Unlock()
+		return errors.New("rules already started or closed")
+	}
+	r.started = true
+	r.mu.Unlock()
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	n := r.cfg
 	for _, w := range n.warnings {
 		n.Logger.Warn("iptables mode: " + w)
 	}
 	ns, err := openNetns(n.Netns)
 	if err != nil {
-		return nil, err
+		return err
 	}
-	r := &Rules{cfg: n, ns: ns, canonical: map[string][]string{}}
+	r.ns = ns
 	err = ns.do(func() error {
 		r.backend = n.Backend
 		if r.backend == "" {
@@ -84,9 +110,13 @@ func Install(cfg Config) (*Rules, error) {
 			}
 		}
 		ns.close()
-		return nil, fmt.Errorf("install iptables rules: %w", err)
+		r.ns = nil
+		return fmt.Errorf("install iptables rules: %w", err)
 	}
-	return r, nil
+	rctx, cancel := context.WithCancel(context.Background())
+	r.stopRun, r.runDone = cancel, make(chan struct{})
+	go r.run(rctx)
+	return nil
 }
 
 // families returns the ipt of each family we must look at: the ones with rules,
@@ -131,7 +161,7 @@ func (r *Rules) applyAll() error {
 	return nil
 }
 
-// testHookApplied, when set (tests), runs after each table Install applied.
+// testHookApplied, when set (tests), runs after each table Start applied.
 var testHookApplied func(v6 bool, table string) error
 
 // applyTable makes one table hold exactly our chains of want (nil: none) with
@@ -274,10 +304,10 @@ func (r *Rules) Check() ([]string, error) {
 	r.op.Lock()
 	defer r.op.Unlock()
 	r.mu.Lock()
-	closed := r.closed
+	closed, started := r.closed, r.ns != nil
 	r.mu.Unlock()
-	if closed {
-		return nil, errors.New("rules are closed")
+	if closed || !started {
+		return nil, errors.New("rules are not installed")
 	}
 	var repaired []string
 	err := r.ns.do(func() error {
@@ -315,9 +345,10 @@ func (r *Rules) Check() ([]string, error) {
 	return repaired, err
 }
 
-// Run checks and repairs the rules every CheckInterval until ctx is done or the
+// run checks and repairs the rules every CheckInterval until ctx is done or the
 // rules are closed, logging every repair.
-func (r *Rules) Run(ctx context.Context) {
+func (r *Rules) run(ctx context.Context) {
+	defer close(r.runDone)
 	t := time.NewTicker(r.cfg.CheckInterval)
 	defer t.Stop()
 	for {
@@ -342,20 +373,84 @@ func (r *Rules) Run(ctx context.Context) {
 	}
 }
 
-// Close removes every rule and chain of ours (nat before raw, so no captured
-// flow is left with a zone but without NAT while the resolver still runs) and
-// flushes our zone's conntrack entries and any UDP entry still NATed to the
-// resolver. It can be called more than once.
-func (r *Rules) Close() error {
+// StopCapture removes the capture (the nat-table rules: new queries reach
+// their original nameserver) and stops the repair loop, but keeps the zone
+// rules and the conntrack entries of flows already captured, so the replies to
+// queries the resolver still answers are translated back. Close removes the
+// rest. For a stop that drains the resolver in between.
+func (r *Rules) StopCapture() error {
+	r.mu.Lock()
+	stop, done := r.stopRun, r.runDone
+	r.stopRun = nil
+	r.mu.Unlock()
+	stopRepair(stop, done)
 	r.op.Lock()
 	defer r.op.Unlock()
+	if r.ns == nil {
+		return nil
+	}
+	err := r.ns.do(func() error {
+		var errs []error
+		for _, x := range r.families() {
+			if _, err := x.binary("-restore"); err != nil {
+				continue
+			}
+			errs = append(errs, r.applyTable(x, "nat", nil))
+		}
+		// Entries of answered queries would still NAT a new query that reuses
+		// their source port to the resolver: gone. Unanswered ones (in flight)
+		// stay for their replies.
+		_, err := deleteFlows(func(f conntrack.Flow) bool { return f.Zone == r.cfg.Zone && f.Status.SeenReply() })
+		return errors.Join(append(errs, err)...)
+	})
+	if err != nil {
+		return fmt.Errorf("remove iptables capture: %w", err)
+	}
+	r.cfg.Logger.Info("iptables mode capture removed; zone rules stay until the resolver drained", "backend", r.backend)
+	return nil
+}
+
+// stopRepair stops the repair loop (stop may be nil: none runs) and waits
+// until it has.
+func stopRepair(stop func(), done <-chan struct{}) {
+	if stop != nil {
+		stop()
+		<-done
+	}
+}
+
+// Handoff tells the rules that a successor adopted them: Close then leaves
+// them installed.
+func (r *Rules) Handoff() {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.handoff = true
+}
+
+// Close stops the repair loop and removes every rule and chain of ours (nat
+// before raw, so no captured flow is left with a zone but without NAT while the
+// resolver still runs) and flushes our zone's conntrack entries and any UDP
+// entry still NATed to the resolver; after Handoff it removes nothing. It is
+// idempotent and safe after a failed or missing Start.
+func (r *Rules) Close() error {
 	r.mu.Lock()
 	if r.closed {
 		r.mu.Unlock()
 		return nil
 	}
 	r.closed = true
+	stop, done, handoff := r.stopRun, r.runDone, r.handoff
 	r.mu.Unlock()
+	stopRepair(stop, done)
+	r.op.Lock()
+	defer r.op.Unlock()
+	if r.ns == nil {
+		return nil
+	}
+	if handoff {
+		r.cfg.Logger.Info("iptables mode rules left to the successor", "backend", r.backend)
+		return r.ns.close()
+	}
 	err := r.ns.do(func() error {
 		_, err := r.removeAll()
 		return err

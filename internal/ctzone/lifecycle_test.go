@@ -68,15 +68,36 @@ func installIn(t *testing.T, ns *testenv.Netns, cfg Config) (*Rules, error) {
 		cfg.Logger = testLogger(t)
 	}
 	var r *Rules
-	err := ns.Do(func() (err error) { r, err = Install(cfg); return err })
+	err := ns.Do(func() (err error) { r, err = install(cfg); return err })
 	return r, err
+}
+
+// install is New and Start; on a Start error nothing is left to close.
+func install(cfg Config) (*Rules, error) {
+	r, err := New(cfg)
+	if err != nil {
+		return nil, err
+	}
+	if err := r.Start(context.Background()); err != nil {
+		return nil, errors.Join(err, r.Close())
+	}
+	return r, nil
+}
+
+// crash stops r's repair loop and leaves its rules installed, as a crash does.
+func crash(t *testing.T, r *Rules) {
+	t.Helper()
+	r.Handoff()
+	if err := r.Close(); err != nil {
+		t.Fatal(err)
+	}
 }
 
 func mustInstall(t *testing.T, ns *testenv.Netns, cfg Config) *Rules {
 	t.Helper()
 	r, err := installIn(t, ns, cfg)
 	if err != nil {
-		t.Fatalf("Install: %v", err)
+		t.Fatalf("install: %v", err)
 	}
 	return r
 }
@@ -126,13 +147,18 @@ func TestLifecycle(t *testing.T) {
 			if again := saveOurs(t, ns.Name, backend, true); again != first {
 				t.Fatalf("second Install changed the rules:\nfirst:\n%s\nsecond:\n%s", first, again)
 			}
-			_ = crashed // dropped without Close: the second Install took over
+			// The first rule set was left to the second (as after a crash or a
+			// handover): it stops checking and removes nothing.
+			crashed.Handoff()
+			if err := crashed.Close(); err != nil {
+				t.Fatal(err)
+			}
+			if again := saveOurs(t, ns.Name, backend, true); again != first {
+				t.Fatalf("closing the handed-off rule set changed the rules:\n%s", again)
+			}
 
-			// Run repairs: a deleted jump, a deleted rule, a foreign rule placed
-			// before our jump.
-			ctx, cancel := context.WithCancel(context.Background())
-			done := make(chan struct{})
-			go func() { r.Run(ctx); close(done) }()
+			// The repair loop repairs: a deleted jump, a deleted rule, a foreign
+			// rule placed before our jump.
 			ipt := "iptables-" + backend
 			ns.Exec(t, ipt, "-w", "-t", "nat", "-D", "OUTPUT", "-m", "comment", "--comment", commentTag, "-j", chainOutput)
 			ns.Exec(t, ipt, "-w", "-t", "raw", "-D", chainOutput, "3")
@@ -146,8 +172,6 @@ func TestLifecycle(t *testing.T) {
 				return saveOurs(t, ns.Name, backend, true) == first &&
 					strings.Contains(strings.Split(pre, "\n")[1], "-j "+chainPrerouting)
 			})
-			cancel()
-			<-done
 			if !repaired {
 				t.Fatalf("Run did not repair the rules:\nwant:\n%s\ngot:\n%s%s", first, saveOurs(t, ns.Name, backend, true),
 					ns.Exec(t, ipt, "-w", "-t", "nat", "-S", "PREROUTING"))
@@ -165,7 +189,7 @@ func TestLifecycle(t *testing.T) {
 			}
 
 			// Crash: Install, no Close; Cleanup removes it all, twice is a no-op.
-			_ = mustInstall(t, ns, cfg)
+			crash(t, mustInstall(t, ns, cfg))
 			removed := cleanupIn(t, ns, backend)
 			t.Logf("Cleanup removed:\n%s", strings.Join(removed, "\n"))
 			if len(removed) == 0 {
@@ -179,7 +203,7 @@ func TestLifecycle(t *testing.T) {
 			}
 
 			// Install on top of (damaged) leftovers of a crash.
-			_ = mustInstall(t, ns, cfg)
+			crash(t, mustInstall(t, ns, cfg))
 			ns.Exec(t, ipt, "-w", "-t", "nat", "-A", "OUTPUT", "-m", "comment", "--comment", commentTag, "-j", chainOutput)
 			ns.Exec(t, ipt, "-w", "-t", "nat", "-D", chainOutput, "1")
 			ns.Exec(t, ipt, "-w", "-t", "raw", "-N", chainPrefix+"OLD")
@@ -235,7 +259,7 @@ func TestConfigErrors(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			// normalize fails before any namespace is touched.
-			_, err := Install(tc.cfg)
+			_, err := install(tc.cfg)
 			if err == nil || !strings.Contains(err.Error(), tc.want) {
 				t.Fatalf("Install: %v, want an error about %q", err, tc.want)
 			}

@@ -9,7 +9,7 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// nsHandle pins the network namespace that Install programmed, so that Run and
+// nsHandle pins the network namespace that Start programmed, so that run and
 // Close (called from any goroutine) act on that namespace and no other.
 type nsHandle struct {
 	f *os.File
@@ -30,7 +30,9 @@ func openNetns(path string) (*nsHandle, error) {
 func (h *nsHandle) close() error { return h.f.Close() }
 
 // do runs fn on a thread switched into the namespace (child processes started
-// by fn inherit it) and switches the thread back afterwards.
+// by fn inherit it) and switches the thread back afterwards. A thread already
+// in the namespace runs fn as it is: setns needs CAP_SYS_ADMIN, which the agent
+// does not have (only CAP_NET_ADMIN) and does not need for its own namespace.
 func (h *nsHandle) do(fn func() error) error {
 	done := make(chan error, 1)
 	go func() {
@@ -42,6 +44,12 @@ func (h *nsHandle) do(fn func() error) error {
 			return
 		}
 		defer self.Close()
+		if sameFile(self, h.f) {
+			ferr := fn()
+			runtime.UnlockOSThread()
+			done <- ferr
+			return
+		}
 		if err := unix.Setns(int(h.f.Fd()), unix.CLONE_NEWNET); err != nil {
 			runtime.UnlockOSThread()
 			done <- fmt.Errorf("enter network namespace: %w", err)
@@ -57,4 +65,13 @@ func (h *nsHandle) do(fn func() error) error {
 		done <- ferr
 	}()
 	return <-done
+}
+
+// sameFile reports whether a and b are the same namespace (device and inode).
+func sameFile(a, b *os.File) bool {
+	var sa, sb unix.Stat_t
+	if unix.Fstat(int(a.Fd()), &sa) != nil || unix.Fstat(int(b.Fd()), &sb) != nil {
+		return false
+	}
+	return sa.Dev == sb.Dev && sa.Ino == sb.Ino
 }

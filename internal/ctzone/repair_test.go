@@ -21,8 +21,8 @@ func TestRepairFlushesStaleEntries(t *testing.T) {
 		Logger:      testLogger(t),
 	}
 	var r *Rules
-	if err := tp.Pod.Do(func() (err error) { r, err = Install(cfg); return err }); err != nil {
-		t.Fatalf("Install: %v", err)
+	if err := tp.Pod.Do(func() (err error) { r, err = install(cfg); return err }); err != nil {
+		t.Fatalf("install: %v", err)
 	}
 	t.Cleanup(func() { _ = r.Close() })
 	tp.StartProxy(t, ctzonetest.ProxyOptions{UID: ctzonetest.ProxyUID, GID: ctzonetest.ProxyUID})

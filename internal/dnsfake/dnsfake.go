@@ -4,6 +4,7 @@
 package dnsfake
 
 import (
+	"context"
 	"encoding/binary"
 	"errors"
 	"fmt"
@@ -57,6 +58,11 @@ type Server struct {
 	seen     []Query
 	closed   atomic.Bool
 	wg       sync.WaitGroup
+
+	// A resolver's dequeue side, for datapath tests that use the server as one.
+	onRead    atomic.Pointer[func(n int)]
+	readDelay atomic.Int64  // nanoseconds each read waits before it reads
+	frozen    chan struct{} // under mu; non-nil while frozen: reads wait until it is closed
 }
 
 // Listen starts a server. Close stops it.
@@ -73,7 +79,11 @@ func Listen(cfg Config) (*Server, error) {
 			return nil, fmt.Errorf("listen udp %s: %w", cfg.Addr, err)
 		}
 		bound := pc.LocalAddr().(*net.UDPAddr)
-		ln, err := net.Listen("tcp", net.JoinHostPort(host, strconv.Itoa(bound.Port)))
+		// Plain TCP, not Go's default MPTCP: datapath tests register the listener
+		// as a resolver's, and a SOCKMAP takes TCP sockets only.
+		var lc net.ListenConfig
+		lc.SetMultipathTCP(false)
+		ln, err := lc.Listen(context.Background(), "tcp", net.JoinHostPort(host, strconv.Itoa(bound.Port)))
 		if err != nil {
 			pc.Close()
 			if port == "0" && attempt < 20 {
@@ -97,6 +107,58 @@ func (s *Server) SetRespond(fn Respond) { s.respond.Store(&fn) }
 
 // SetDelay makes every answer wait d first.
 func (s *Server) SetDelay(d time.Duration) { s.delay.Store(int64(d)) }
+
+// Conns returns the server's UDP socket and TCP listener (datapath tests
+// register them as a resolver's sockets).
+func (s *Server) Conns() (*net.UDPConn, *net.TCPListener) {
+	return s.pc, s.ln.(*net.TCPListener)
+}
+
+// OnRead sets a function called with 1 for every message the server reads (UDP
+// datagrams, empty ones included, and TCP messages) before it handles it: a
+// resolver's progress signal.
+func (s *Server) OnRead(fn func(n int)) { s.onRead.Store(&fn) }
+
+// SetReadDelay makes the server wait d before each read from its sockets: a
+// resolver slow to dequeue (CPU-starved) that still makes progress.
+func (s *Server) SetReadDelay(d time.Duration) { s.readDelay.Store(int64(d)) }
+
+// Freeze stops the server reading its sockets (queries queue up, as with a
+// SIGSTOPped resolver) until the returned function is called.
+func (s *Server) Freeze() (thaw func()) {
+	ch := make(chan struct{})
+	s.mu.Lock()
+	s.frozen = ch
+	s.mu.Unlock()
+	var once sync.Once
+	return func() {
+		once.Do(func() {
+			s.mu.Lock()
+			s.frozen = nil
+			s.mu.Unlock()
+			close(ch)
+		})
+	}
+}
+
+// beforeRead waits for the read delay and while frozen.
+func (s *Server) beforeRead() {
+	if d := s.readDelay.Load(); d > 0 {
+		time.Sleep(time.Duration(d))
+	}
+	s.mu.Lock()
+	ch := s.frozen
+	s.mu.Unlock()
+	if ch != nil {
+		<-ch
+	}
+}
+
+func (s *Server) read() {
+	if fn := s.onRead.Load(); fn != nil {
+		(*fn)(1)
+	}
+}
 
 // Close stops the server and waits for its listeners (not for delayed answers).
 func (s *Server) Close() {
@@ -153,6 +215,7 @@ func (s *Server) serveUDP() {
 	defer s.wg.Done()
 	buf := make([]byte, 65535)
 	for {
+		s.beforeRead()
 		n, src, err := s.pc.ReadFromUDPAddrPort(buf)
 		if err != nil {
 			if errors.Is(err, net.ErrClosed) {
@@ -160,6 +223,7 @@ func (s *Server) serveUDP() {
 			}
 			continue
 		}
+		s.read()
 		req := new(dns.Msg)
 		if err := req.Unpack(buf[:n]); err != nil {
 			continue
@@ -197,6 +261,7 @@ func (s *Server) serveConn(c net.Conn) {
 	for {
 		_ = c.SetReadDeadline(time.Now().Add(10 * time.Second))
 		var l [2]byte
+		s.beforeRead()
 		if _, err := io.ReadFull(c, l[:]); err != nil {
 			return
 		}
@@ -204,6 +269,7 @@ func (s *Server) serveConn(c net.Conn) {
 		if _, err := io.ReadFull(c, b); err != nil {
 			return
 		}
+		s.read()
 		req := new(dns.Msg)
 		if err := req.Unpack(b); err != nil {
 			return

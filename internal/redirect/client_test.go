@@ -41,7 +41,7 @@ type clientResult struct {
 // runClient is the client's main; it returns the exit code.
 func runClient(args []string) int {
 	fs := flag.NewFlagSet("client", flag.ContinueOnError)
-	mode := fs.String("mode", "connect", "connect|sendto|tcp|godial|loop")
+	mode := fs.String("mode", "connect", "connect|sendto|tcp|godial|loop|many")
 	family := fs.Int("family", 4, "socket family: 4 or 6 (v4 destinations become ::ffff:a.b.c.d)")
 	dsts := fs.String("dst", "", "comma-separated ip:port destinations")
 	name := fs.String("name", "mesh.test", "name to query (type A)")
@@ -50,6 +50,9 @@ func runClient(args []string) int {
 	hold := fs.Bool("hold", false, "print HOLD and keep the sockets open until stdin closes")
 	again := fs.Bool("again", false, "with -hold: on each stdin line, query again on every connected UDP socket, then print HOLD")
 	dur := fs.Duration("dur", 0, "loop mode: how long to keep querying")
+	timeout := fs.Duration("timeout", 2*time.Second, "how long to wait for each reply")
+	noSend := fs.Bool("nosend", false, "connect mode: connect, then close without sending")
+	srcs := fs.String("src", "", "many mode: comma-separated source addresses the sockets bind to in turn")
 	if err := fs.Parse(args); err != nil {
 		return 2
 	}
@@ -62,7 +65,7 @@ func runClient(args []string) int {
 		}
 		targets = append(targets, ap)
 	}
-	c := &client{family: *family, name: *name, mark: int(*mark), out: json.NewEncoder(os.Stdout)}
+	c := &client{family: *family, name: *name, mark: int(*mark), timeout: *timeout, noSend: *noSend, out: json.NewEncoder(os.Stdout)}
 	switch *mode {
 	case "connect", "tcp", "godial":
 		for i := 0; i < *n; i++ {
@@ -76,6 +79,14 @@ func runClient(args []string) int {
 				c.emit(r)
 			}
 		}
+	case "many":
+		var from []netip.Addr
+		for _, a := range strings.Split(*srcs, ",") {
+			if a != "" {
+				from = append(from, netip.MustParseAddr(a))
+			}
+		}
+		return c.many(targets[0], *n, from)
 	case "loop":
 		end := time.Now().Add(*dur)
 		for time.Now().Before(end) {
@@ -105,12 +116,14 @@ func runClient(args []string) int {
 }
 
 type client struct {
-	family int
-	name   string
-	mark   int
-	out    *json.Encoder
-	fds    []int
-	conns  []connected // connected UDP sockets, for -again
+	family  int
+	name    string
+	mark    int
+	timeout time.Duration
+	noSend  bool
+	out     *json.Encoder
+	fds     []int
+	conns   []connected // connected UDP sockets, for -again
 }
 
 type connected struct {
@@ -167,7 +180,7 @@ func (c *client) socket(typ int) (int, error) {
 			return -1, fmt.Errorf("SO_MARK: %w", err)
 		}
 	}
-	tv := unix.Timeval{Sec: 2}
+	tv := unix.NsecToTimeval(c.timeout.Nanoseconds())
 	if err := unix.SetsockoptTimeval(fd, unix.SOL_SOCKET, unix.SO_RCVTIMEO, &tv); err != nil {
 		return -1, fmt.Errorf("SO_RCVTIMEO: %w", err)
 	}
@@ -255,6 +268,9 @@ func (c *client) one(mode string, dst netip.AddrPort, sock int) clientResult {
 		c.conns = append(c.conns, connected{fd: fd, dst: dst})
 		if sa, err := unix.Getpeername(fd); err == nil {
 			r.Peer = sockaddrString(sa)
+		}
+		if c.noSend {
+			return r
 		}
 		if err := noEINTR(func() error { return unix.Send(fd, qb, 0) }); err != nil {
 			r.Err = "send: " + err.Error()
@@ -390,4 +406,106 @@ func recvfrom(fd int, buf []byte) (int, unix.Sockaddr, error) {
 			return n, from, err
 		}
 	}
+}
+
+// manyResult is what mode "many" prints.
+type manyResult struct {
+	Sockets  int `json:"sockets"`  // sockets open at once
+	Answered int `json:"answered"` // replies from the address the query was sent to
+	WrongSrc int `json:"wrong_src"`
+	Lost     int `json:"lost"`
+}
+
+// many opens n UDP sockets (bound to srcs in turn, if given) and connects each
+// to dst, as glibc does before it sends (the connect is what the programs
+// redirect and record); then it prints OPEN and waits for a line on stdin (every
+// client of the test has connected its sockets), and only then does each
+// socket send its query and read the reply, in batches. A reply whose source
+// is not dst means the socket's state was lost in between.
+func (c *client) many(dst netip.AddrPort, n int, srcs []netip.Addr) int {
+	var lim unix.Rlimit
+	if err := unix.Getrlimit(unix.RLIMIT_NOFILE, &lim); err == nil && lim.Cur < uint64(n)+64 {
+		lim.Cur = uint64(n) + 64
+		if err := unix.Setrlimit(unix.RLIMIT_NOFILE, &lim); err != nil {
+			fmt.Fprintf(os.Stderr, "raise RLIMIT_NOFILE: %v\n", err)
+			return 1
+		}
+	}
+	res := manyResult{}
+	fds := make([]int, 0, n)
+	defer func() {
+		for _, fd := range fds {
+			unix.Close(fd)
+		}
+	}()
+	af := unix.AF_INET
+	if c.family == 6 {
+		af = unix.AF_INET6
+	}
+	for len(fds) < n {
+		fd, err := unix.Socket(af, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC|unix.SOCK_NONBLOCK, 0)
+		if err != nil {
+			fmt.Fprintf(os.Stderr, "socket %d: %v\n", len(fds), err)
+			return 1
+		}
+		fds = append(fds, fd)
+		// One source address has ~28k ephemeral ports: bind to several.
+		if len(srcs) > 0 {
+			if err := unix.Bind(fd, c.sockaddr(netip.AddrPortFrom(srcs[len(fds)%len(srcs)], 0))); err != nil {
+				fmt.Fprintf(os.Stderr, "bind socket %d: %v\n", len(fds), err)
+				return 1
+			}
+		}
+		if err := unix.Connect(fd, c.sockaddr(dst)); err != nil {
+			fmt.Fprintf(os.Stderr, "connect socket %d: %v\n", len(fds), err)
+			return 1
+		}
+	}
+	res.Sockets = len(fds)
+	fmt.Println("OPEN")
+	_, _ = bufio.NewReader(os.Stdin).ReadString('\n')
+
+	const batch = 64
+	want := sockaddrString(c.sockaddr(dst))
+	buf := make([]byte, 4096)
+	for i := 0; i < len(fds); i += batch {
+		pending := map[int]uint16{}
+		for _, fd := range fds[i:min(i+batch, len(fds))] {
+			q, qb := c.query()
+			if err := noEINTR(func() error { return unix.Send(fd, qb, 0) }); err != nil {
+				res.Lost++
+				continue
+			}
+			pending[fd] = q.Id
+		}
+		deadline := time.Now().Add(c.timeout)
+		for len(pending) > 0 && time.Now().Before(deadline) {
+			pfds := make([]unix.PollFd, 0, len(pending))
+			for fd := range pending {
+				pfds = append(pfds, unix.PollFd{Fd: int32(fd), Events: unix.POLLIN})
+			}
+			if _, err := unix.Poll(pfds, int(time.Until(deadline).Milliseconds())+1); err != nil && err != unix.EINTR {
+				break
+			}
+			for _, p := range pfds {
+				if p.Revents == 0 {
+					continue
+				}
+				fd := int(p.Fd)
+				nr, from, err := unix.Recvfrom(fd, buf, 0)
+				if err != nil || nr < 2 || binary.BigEndian.Uint16(buf) != pending[fd] {
+					continue
+				}
+				delete(pending, fd)
+				if sockaddrString(from) == want {
+					res.Answered++
+				} else {
+					res.WrongSrc++
+				}
+			}
+		}
+		res.Lost += len(pending)
+	}
+	_ = c.out.Encode(res)
+	return 0
 }

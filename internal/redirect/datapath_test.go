@@ -16,7 +16,6 @@ import (
 	"time"
 
 	"github.com/cilium/ebpf"
-	"github.com/cilium/ebpf/asm"
 	"github.com/cilium/ebpf/link"
 	"github.com/meshdns/meshdns-ebpf/internal/testenv"
 )
@@ -26,8 +25,7 @@ import (
 // counts exactly once on the hook that handled it.
 func TestRedirectClients(t *testing.T) {
 	n := newTestNet(t)
-	d := n.install(t, n.config())
-	_ = d
+	n.start(t, n.config())
 	m1 := mapped(ns1)
 	tests := []struct {
 		name       string
@@ -100,7 +98,7 @@ func TestRedirectClients(t *testing.T) {
 // its own nameserver as source (the map is keyed by socket and slot port).
 func TestRedirectOneSocketTwoNameservers(t *testing.T) {
 	n := newTestNet(t)
-	n.install(t, n.config())
+	n.start(t, n.config())
 	for _, fam := range []int{4, 6} {
 		t.Run(fmt.Sprintf("AF_INET%s", map[int]string{4: "", 6: "6"}[fam]), func(t *testing.T) {
 			a, b := ns1, ns2
@@ -125,7 +123,7 @@ func TestRedirectOneSocketTwoNameservers(t *testing.T) {
 // nameserver, whatever their UID; root without the mark is captured.
 func TestRedirectExemptions(t *testing.T) {
 	n := newTestNet(t)
-	n.install(t, n.config())
+	n.start(t, n.config())
 	tests := []struct {
 		name    string
 		p       proc
@@ -221,7 +219,7 @@ func TestRedirectCaptureAll(t *testing.T) {
 			n := newTestNet(t)
 			cfg := n.config()
 			cfg.CaptureAll = captureAll
-			n.install(t, cfg)
+			n.start(t, cfg)
 			for _, proto := range []string{"+notcp", "+tcp"} {
 				status, answers := n.runDig(t, proto, "@"+nsOther.String(), "mesh.test", "A")
 				if captureAll {
@@ -270,238 +268,11 @@ func isCaptured(r clientResult) bool {
 	return r.Err == "" && r.Rcode == "NOERROR" && len(r.A) == 1 && r.A[0] == resolverAnswer(4, 0)
 }
 
-// Capture stops at once on SetReady(false), within 1s of the last heartbeat when
-// the agent stops heartbeating, and Close(false) leaves nothing behind.
-func TestFailOpen(t *testing.T) {
-	n := newTestNet(t)
-	d, err := Install(n.config())
-	if err != nil {
-		t.Fatalf("Install: %v", err)
-	}
-	closed := false
-	t.Cleanup(func() {
-		if !closed {
-			d.Close(false)
-		}
-	})
-
-	// Installed but not ready yet.
-	wantOriginal(t, n.query(t, proc{uid: userUID}, "-dst="+hp(ns1, 53))[0])
-	if got := hookCounter(t, n.pinDir(), "connect4", "skip_not_ready"); got != 1 {
-		t.Errorf("skip_not_ready = %d, want 1", got)
-	}
-
-	if err := d.SetReady(true); err != nil {
-		t.Fatal(err)
-	}
-	wantCaptured(t, n.query(t, proc{uid: userUID}, "-dst="+hp(ns1, 53))[0], 4, 0, hp(ns1, 53), "")
-	if err := d.SetReady(false); err != nil {
-		t.Fatal(err)
-	}
-	wantOriginal(t, n.query(t, proc{uid: userUID}, "-dst="+hp(ns1, 53))[0])
-
-	// Heartbeat stops: ready, but no Run.
-	if err := d.SetReady(true); err != nil {
-		t.Fatal(err)
-	}
-	hb := d.lastHeartbeat
-	// The programs see the heartbeat age at some instant between TMono and TConn
-	// (before and after connect): a captured query must have started at age <= 1s,
-	// one that reached the original must have connected at age > 1s.
-	rs := n.queryLoop(t, 1400*time.Millisecond)
-	var lastCaptured, firstOriginal time.Duration = -1, -1
-	for _, r := range rs {
-		if isCaptured(r) {
-			lastCaptured = time.Duration(r.TMono - hb)
-			if lastCaptured > HeartbeatTimeout {
-				t.Errorf("query connected at heartbeat age %v was captured, want fail-open after %v", lastCaptured, HeartbeatTimeout)
-			}
-		} else {
-			wantOriginal(t, r)
-			age := time.Duration(r.TConn - hb)
-			if age <= HeartbeatTimeout {
-				t.Errorf("query connected at heartbeat age %v went to the original, want capture until %v", age, HeartbeatTimeout)
-			}
-			if firstOriginal < 0 {
-				firstOriginal = age
-			}
-		}
-	}
-	t.Logf("heartbeat stopped: %d queries; last captured at heartbeat age %v, first to the original at %v", len(rs), lastCaptured, firstOriginal)
-	if firstOriginal < 0 {
-		t.Errorf("no query reached the original nameserver within %v of the last heartbeat", 1400*time.Millisecond)
-	}
-	if lastCaptured < 0 {
-		t.Errorf("no query was captured while the heartbeat was fresh")
-	}
-
-	// Close(false): nothing attached, nothing pinned, traffic to the original.
-	if got := attachedPrograms(t, n.cg); got != len(hooks) {
-		t.Fatalf("%d programs attached before Close, want %d", got, len(hooks))
-	}
-	if err := d.Close(false); err != nil {
-		t.Fatalf("Close: %v", err)
-	}
-	closed = true
-	if got := attachedPrograms(t, n.cg); got != 0 {
-		t.Errorf("%d programs still attached to %s after Close(false)", got, n.cg.Path)
-	}
-	if pins := pinsUnder(t, n.bpffs); len(pins) != 0 {
-		t.Errorf("pins left after Close(false): %v", pins)
-	}
-	wantOriginal(t, n.query(t, proc{uid: userUID}, "-dst="+hp(ns1, 53))[0])
-	if _, err := ReadStats(n.pinDir()); err == nil || !strings.Contains(err.Error(), "no meshdns datapath pinned at") {
-		t.Errorf("ReadStats after Close: %v, want a 'no meshdns datapath pinned' error", err)
-	}
-}
-
-const agentEnv = "MESHDNS_REDIRECT_AGENT"
-
-// runAgent is a stand-in agent for the kill -9 test: it installs the JSON
-// config, sets it ready, heartbeats, and waits to be killed.
-func runAgent(cfgJSON string) int {
-	var cfg Config
-	if err := json.Unmarshal([]byte(cfgJSON), &cfg); err != nil {
-		fmt.Fprintln(os.Stderr, err)
-		return 2
-	}
-	d, err := Install(cfg)
-	if err != nil {
-		fmt.Fprintln(os.Stderr, err)
-		return 1
-	}
-	if err := d.SetReady(true); err != nil {
-		fmt.Fprintln(os.Stderr, err)
-		return 1
-	}
-	go d.Run(context.Background())
-	fmt.Println("READY")
-	select {}
-}
-
-// An agent killed with SIGKILL leaves its programs attached and pinned, but they
-// stop capturing within 1s; Cleanup removes the leftovers, and Install replaces
-// them.
-func TestKilledAgentFailsOpenAndCleanup(t *testing.T) {
-	n := newTestNet(t)
-	cfgJSON, err := json.Marshal(n.config())
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
-	agent := exec.CommandContext(ctx, clientBin)
-	agent.Env = append(os.Environ(), agentEnv+"="+string(cfgJSON))
-	agent.Stderr = os.Stderr
-	stdout, err := agent.StdoutPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := agent.Start(); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		_ = agent.Process.Kill()
-		_ = agent.Wait()
-		_, _ = Cleanup(n.pinDir())
-	})
-	line, err := bufio.NewReader(stdout).ReadString('\n')
-	if err != nil || strings.TrimSpace(line) != "READY" {
-		t.Fatalf("agent did not get ready: %q %v", line, err)
-	}
-	wantCaptured(t, n.query(t, proc{uid: userUID}, "-dst="+hp(ns1, 53))[0], 4, 0, hp(ns1, 53), "")
-
-	if err := agent.Process.Signal(syscall.SIGKILL); err != nil {
-		t.Fatal(err)
-	}
-	_ = agent.Wait()
-	killed := monotonicNow()
-	if got := attachedPrograms(t, n.cg); got != len(hooks) {
-		t.Fatalf("%d programs attached after kill -9, want %d (pinned links keep them)", got, len(hooks))
-	}
-	rs := n.queryLoop(t, 1300*time.Millisecond)
-	var firstOriginal time.Duration = -1
-	for _, r := range rs {
-		since := time.Duration(r.TConn - killed)
-		if isCaptured(r) {
-			since = time.Duration(r.TMono - killed)
-			if since > HeartbeatTimeout {
-				t.Errorf("query sent %v after kill -9 was still captured", since)
-			}
-		} else {
-			wantOriginal(t, r)
-			if firstOriginal < 0 {
-				firstOriginal = since
-			}
-		}
-	}
-	t.Logf("kill -9: first query to the original nameserver %v after the kill (%d queries)", firstOriginal, len(rs))
-	if firstOriginal < 0 {
-		t.Errorf("no query reached the original nameserver within 1.3s of kill -9")
-	}
-	if st, err := ReadStatus(n.pinDir()); err != nil {
-		t.Errorf("ReadStatus of the leftovers: %v", err)
-	} else if st.Capturing || !st.Ready || len(st.Programs) != len(hooks) {
-		t.Errorf("status of the leftovers: ready=%v capturing=%v programs=%d, want ready, not capturing, %d programs", st.Ready, st.Capturing, len(st.Programs), len(hooks))
-	}
-
-	removed, err := Cleanup(n.pinDir())
-	if err != nil {
-		t.Fatalf("Cleanup: %v", err)
-	}
-	if want := len(hooks) + 7; len(removed) != want {
-		t.Errorf("Cleanup removed %d pins, want %d: %v", len(removed), want, removed)
-	}
-	if got := attachedPrograms(t, n.cg); got != 0 {
-		t.Errorf("%d programs attached after Cleanup", got)
-	}
-	if pins := pinsUnder(t, n.bpffs); len(pins) != 0 {
-		t.Errorf("pins left after Cleanup: %v", pins)
-	}
-	if removed, err := Cleanup(n.pinDir()); err != nil || len(removed) != 0 {
-		t.Errorf("second Cleanup: %v %v, want nothing to do", removed, err)
-	}
-}
-
-// Install over the leftovers of a previous agent (persisted) replaces them: one
-// set of programs attached, counters fresh.
-func TestInstallReplacesLeftovers(t *testing.T) {
-	n := newTestNet(t)
-	d1, err := Install(n.config())
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := d1.Close(true); err != nil {
-		t.Fatalf("Close(true): %v", err)
-	}
-	if got := attachedPrograms(t, n.cg); got != len(hooks) {
-		t.Fatalf("%d programs attached after Close(true), want %d", got, len(hooks))
-	}
-	st, err := ReadStatus(n.pinDir())
-	if err != nil {
-		t.Fatalf("ReadStatus after Close(true): %v", err)
-	}
-	if st.Ready {
-		t.Errorf("persisted datapath is still ready")
-	}
-	d2 := n.install(t, n.config())
-	if got := attachedPrograms(t, n.cg); got != len(hooks) {
-		t.Errorf("%d programs attached after reinstall, want %d", got, len(hooks))
-	}
-	wantCaptured(t, n.query(t, proc{uid: userUID}, "-dst="+hp(ns1, 53))[0], 4, 0, hp(ns1, 53), "")
-	if got := hookCounter(t, n.pinDir(), "connect4", "redirected_udp"); got != 1 {
-		t.Errorf("connect4 redirected_udp = %d after one query, want 1", got)
-	}
-	if len(d2.Programs()) != len(hooks) {
-		t.Errorf("Programs() = %d entries", len(d2.Programs()))
-	}
-}
-
 // Counters match the queries exactly, per hook, in total and per cgroup; the
 // table and JSON carry them.
 func TestStats(t *testing.T) {
 	n := newTestNet(t)
-	d := n.install(t, n.config())
+	d := n.start(t, n.config())
 	const nUDP, nSendto, nTCP, nProxy = 25, 15, 10, 5
 	check := func(rs []clientResult, want int) {
 		t.Helper()
@@ -541,8 +312,9 @@ func TestStats(t *testing.T) {
 		{"total", "reply_rewritten"}:        2*nUDP + nSendto + nTCP,
 		{"total", "skip_proxy"}:             nProxy,
 		{"total", "map_miss"}:               0,
-		{"total", "map_error"}:              0,
-		{"total", "skip_not_ready"}:         0,
+		{"total", "skip_no_resolver"}:       0,
+		{"total", "skip_stalled"}:           0,
+		{"total", "skip_no_state"}:          0,
 		{"connect6", "redirected_udp"}:      0,
 	}
 	for k, v := range want {
@@ -574,7 +346,7 @@ func TestStats(t *testing.T) {
 	out := buf.String()
 	t.Logf("stats table:\n%s", out)
 	lines := strings.Split(out, "\n")
-	if f := strings.Fields(lines[0]); len(f) != 1+len(counterNames) || f[0] != "HOOK" || f[1] != "REDIRECTED_UDP" {
+	if f := strings.Fields(lines[0]); len(f) != 1+len(CounterNames()) || f[0] != "HOOK" || f[1] != "REDIRECTED_UDP" {
 		t.Errorf("header %q", lines[0])
 	}
 	rowOf := func(name string) []string {
@@ -630,8 +402,9 @@ func TestStats(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if !st.Ready || !st.Capturing || st.HeartbeatAge > time.Second {
-		t.Errorf("status ready=%v capturing=%v age=%v", st.Ready, st.Capturing, st.HeartbeatAge)
+	if !st.Capturing || st.Stalled || st.ResolverSockets != 2*2*testSlots-2*2*maxAllSlots || st.Dequeued == 0 {
+		t.Errorf("status capturing=%v stalled=%v resolver sockets=%d dequeued=%d, want capturing, %d sockets",
+			st.Capturing, st.Stalled, st.ResolverSockets, st.Dequeued, 2*2*(testSlots-maxAllSlots))
 	}
 	if st.Target4 != netip.AddrPortFrom(target4, testBasePort) || st.Target6 != netip.AddrPortFrom(target6, testBasePort) {
 		t.Errorf("status targets %v %v", st.Target4, st.Target6)
@@ -679,10 +452,14 @@ func TestInstallBadInput(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			cfg := n.config()
 			tc.mod(&cfg)
-			d, err := Install(cfg)
+			cfg.Detach = true
+			d, err := New(cfg)
 			if err == nil {
-				d.Close(false)
-				t.Fatalf("Install succeeded, want an error containing %q", tc.want)
+				err = d.Start(t.Context())
+				d.Close()
+			}
+			if err == nil {
+				t.Fatalf("New+Start succeeded, want an error containing %q", tc.want)
 			}
 			if !strings.Contains(err.Error(), tc.want) {
 				t.Errorf("error %q, want it to contain %q", err, tc.want)
@@ -699,14 +476,7 @@ func TestInstallBadInput(t *testing.T) {
 
 	// A failure half-way through attaching (another program holds recvmsg6
 	// exclusively) removes the links and pins made so far.
-	prog, err := ebpf.NewProgram(&ebpf.ProgramSpec{
-		Type: ebpf.CGroupSockAddr, AttachType: ebpf.AttachCGroupUDP6Recvmsg, License: "GPL",
-		Instructions: asm.Instructions{asm.Mov.Imm(asm.R0, 1), asm.Return()},
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer prog.Close()
+	prog := passProgram(t, ebpf.CGroupSockAddr, ebpf.AttachCGroupUDP6Recvmsg)
 	opts := link.RawAttachProgramOptions{Target: n.cg.FD(), Program: prog, Attach: ebpf.AttachCGroupUDP6Recvmsg}
 	if err := link.RawAttachProgram(opts); err != nil {
 		t.Fatal(err)
@@ -716,7 +486,14 @@ func TestInstallBadInput(t *testing.T) {
 			t.Errorf("detach the exclusive program: %v", err)
 		}
 	}()
-	_, err = Install(n.config())
+	cfg := n.config()
+	cfg.Detach = true
+	d, err := New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	err = d.Start(t.Context())
+	d.Close()
 	if err == nil || !strings.Contains(err.Error(), "cgroup/recvmsg6") {
 		t.Fatalf("Install with recvmsg6 taken: %v, want an attach error naming cgroup/recvmsg6", err)
 	}
@@ -726,80 +503,6 @@ func TestInstallBadInput(t *testing.T) {
 	}
 	if pins := pinsUnder(t, n.bpffs); len(pins) != 0 {
 		t.Errorf("pins left after a failed Install: %v", pins)
-	}
-}
-
-func origDstEntries(t *testing.T, d *Datapath) int {
-	t.Helper()
-	var (
-		k   redirectOrigKey
-		v   redirectOrigVal
-		cnt int
-	)
-	it := d.objs.OrigDst.Iterate()
-	for it.Next(&k, &v) {
-		cnt++
-	}
-	if err := it.Err(); err != nil {
-		t.Fatal(err)
-	}
-	return cnt
-}
-
-// sock_release deletes a socket's entries (every slot) when it closes.
-func TestSockReleaseCleansMap(t *testing.T) {
-	n := newTestNet(t)
-	d := n.install(t, n.config())
-	tests := []struct {
-		name    string
-		args    []string
-		entries int
-	}{
-		{"one socket, two nameservers", []string{"-mode=sendto", "-dst=" + hp(ns1, 53) + "," + hp(ns2, 53)}, 2},
-		{"five connected sockets", []string{"-mode=connect", "-dst=" + hp(ns1, 53), "-n=5"}, 5},
-		{"three tcp sockets, v6", []string{"-mode=tcp", "-family=6", "-dst=" + hp(ns6, 53), "-n=3"}, 3},
-	}
-	for _, tc := range tests {
-		t.Run(tc.name, func(t *testing.T) {
-			if got := origDstEntries(t, d); got != 0 {
-				t.Fatalf("%d entries before the test", got)
-			}
-			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-			defer cancel()
-			cmd := n.clientCmd(ctx, proc{uid: userUID}, append(tc.args, "-hold")...)
-			stdin, err := cmd.StdinPipe()
-			if err != nil {
-				t.Fatal(err)
-			}
-			stdout, err := cmd.StdoutPipe()
-			if err != nil {
-				t.Fatal(err)
-			}
-			if err := cmd.Start(); err != nil {
-				t.Fatal(err)
-			}
-			var out bytes.Buffer
-			sc := bufio.NewScanner(stdout)
-			for sc.Scan() && sc.Text() != "HOLD" {
-				out.WriteString(sc.Text() + "\n")
-			}
-			for _, r := range parseResults(t, out.Bytes()) {
-				if r.Err != "" || r.Rcode != "NOERROR" {
-					t.Errorf("query failed: %+v", r)
-				}
-			}
-			if got := origDstEntries(t, d); got != tc.entries {
-				t.Errorf("%d entries while the sockets are open, want %d", got, tc.entries)
-			}
-			stdin.Close()
-			_, _ = io.Copy(io.Discard, stdout)
-			if err := cmd.Wait(); err != nil {
-				t.Fatalf("client: %v", err)
-			}
-			if !testenv.WaitFor(2*time.Second, func() bool { return origDstEntries(t, d) == 0 }) {
-				t.Errorf("%d entries left after the sockets closed", origDstEntries(t, d))
-			}
-		})
 	}
 }
 
@@ -835,7 +538,7 @@ func TestRedirectOtherNetns(t *testing.T) {
 	t.Run("node-local target: pod captured", func(t *testing.T) {
 		n := newTestNet(t)
 		pod := n.addPod(t)
-		n.install(t, n.config())
+		n.start(t, n.config())
 		for _, mode := range []string{"connect", "sendto", "tcp"} {
 			rs := n.queryIn(t, pod, "-mode="+mode, "-dst="+hp(ns1, 53))
 			src, peer := hp(ns1, 53), hp(ns1, 53)
@@ -852,31 +555,27 @@ func TestRedirectOtherNetns(t *testing.T) {
 		n := newTestNet(t)
 		pod := n.addPod(t)
 		loop := netip.MustParseAddr("127.0.0.1")
-		testenv.StartFakeDNS(t, n.node, hp(loop, testBasePort),
+		loopResolver := testenv.StartFakeDNS(t, n.node, hp(loop, testBasePort),
 			map[string][]netip.Addr{"mesh.test": {netip.MustParseAddr("10.53.127.0")}})
 		cfg := n.config()
 		cfg.Target4 = netip.AddrPortFrom(loop, testBasePort)
 		cfg.Target6 = netip.AddrPort{}
 		cfg.Nameservers = []netip.Addr{ns1}
-		var d *Datapath
-		// The agent runs in the node namespace: Install takes its netns cookie.
-		if err := n.node.Do(func() (err error) { d, err = Install(cfg); return err }); err != nil {
-			t.Fatalf("Install: %v", err)
-		}
-		ctx, cancel := context.WithCancel(context.Background())
-		done := make(chan struct{})
-		t.Cleanup(func() {
-			cancel()
-			<-done
-			d.Close(false)
-		})
-		if err := d.SetReady(true); err != nil {
+		cfg.Detach = true
+		d, err := New(cfg)
+		if err != nil {
 			t.Fatal(err)
 		}
-		go func() {
-			defer close(done)
-			d.Run(ctx)
-		}()
+		// The agent runs in the node namespace: Start takes its netns cookie.
+		if err := n.node.Do(func() error { return d.Start(t.Context()) }); err != nil {
+			t.Fatalf("Start: %v", err)
+		}
+		t.Cleanup(func() { d.Close() })
+		udp, tcp := loopResolver.Conns()
+		if err := d.Serve([]Socket{{Addr: cfg.Target4, Conn: udp}, {Addr: cfg.Target4, TCP: true, Conn: tcp}}); err != nil {
+			t.Fatal(err)
+		}
+		loopResolver.OnRead(d.Dequeued)
 		rs := n.query(t, proc{uid: userUID}, "-mode=connect", "-dst="+hp(ns1, 53))
 		if r := rs[0]; r.Err != "" || len(r.A) != 1 || r.A[0] != "10.53.127.0" || r.Src != hp(ns1, 53) {
 			t.Errorf("node client: %+v, want the loopback resolver's answer from %s", r, hp(ns1, 53))
@@ -890,107 +589,6 @@ func TestRedirectOtherNetns(t *testing.T) {
 			t.Errorf("sendmsg4 skip_other_netns = %d, want 1", got)
 		}
 	})
-}
-
-// An agent restart with persist keeps the per-socket state and counters: a
-// socket connected (redirected) before the restart still gets its replies
-// restored after it.
-func TestPersistRestartKeepsSocketState(t *testing.T) {
-	n := newTestNet(t)
-	startAgent := func() (*Datapath, func()) {
-		d, err := Install(n.config())
-		if err != nil {
-			t.Fatalf("Install: %v", err)
-		}
-		if err := d.SetReady(true); err != nil {
-			t.Fatal(err)
-		}
-		ctx, cancel := context.WithCancel(context.Background())
-		done := make(chan struct{})
-		go func() { defer close(done); d.Run(ctx) }()
-		return d, func() { cancel(); <-done }
-	}
-	d1, stop1 := startAgent()
-	closed1 := false
-	t.Cleanup(func() {
-		stop1()
-		if !closed1 {
-			d1.Close(false)
-		}
-	})
-
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	defer cancel()
-	cmd := n.clientCmd(ctx, proc{uid: userUID}, "-mode=connect", "-dst="+hp(ns1, 53), "-hold", "-again")
-	stdin, err := cmd.StdinPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	stdout, err := cmd.StdoutPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	defer cmd.Wait()
-	defer stdin.Close()
-	sc := bufio.NewScanner(stdout)
-	untilHold := func() []clientResult {
-		var out bytes.Buffer
-		for sc.Scan() && sc.Text() != "HOLD" {
-			out.WriteString(sc.Text() + "\n")
-		}
-		return parseResults(t, out.Bytes())
-	}
-	rs := untilHold()
-	if len(rs) != 1 {
-		t.Fatalf("got %d results before the restart", len(rs))
-	}
-	wantCaptured(t, rs[0], 4, 0, hp(ns1, 53), hp(ns1, 53))
-
-	stop1()
-	if err := d1.Close(true); err != nil {
-		t.Fatalf("Close(true): %v", err)
-	}
-	closed1 = true
-	d2, stop2 := startAgent()
-	t.Cleanup(func() {
-		stop2()
-		if err := d2.Close(false); err != nil {
-			t.Errorf("Close: %v", err)
-		}
-	})
-	if got := attachedPrograms(t, n.cg); got != len(hooks) {
-		t.Errorf("%d programs attached after the restart, want %d", got, len(hooks))
-	}
-	if _, err := io.WriteString(stdin, "again\n"); err != nil {
-		t.Fatal(err)
-	}
-	rs = untilHold()
-	if len(rs) != 1 {
-		t.Fatalf("got %d results after the restart", len(rs))
-	}
-	// Same socket, still connected to the resolver: the reply source must still
-	// be restored from the state the first agent recorded.
-	wantCaptured(t, rs[0], 4, 0, hp(ns1, 53), "")
-	s, err := ReadStats(n.pinDir())
-	if err != nil {
-		t.Fatal(err)
-	}
-	for k, v := range map[[2]string]uint64{
-		{"connect4", "redirected_udp"}:  1,
-		{"recvmsg4", "reply_rewritten"}: 2,
-		{"total", "map_miss"}:           0,
-	} {
-		if got := counterOf(t, s, k[0], k[1]); got != v {
-			t.Errorf("%s %s = %d, want %d (counters carry over the restart)", k[0], k[1], got, v)
-		}
-	}
-	stdin.Close()
-	if !testenv.WaitFor(2*time.Second, func() bool { return origDstEntries(t, d2) == 0 }) {
-		t.Errorf("%d entries left after the socket closed", origDstEntries(t, d2))
-	}
 }
 
 // buildMusl compiles testdata/gai.c with musl-gcc into a directory every UID can
@@ -1019,7 +617,7 @@ func buildMusl(t *testing.T) string {
 func TestSystemResolvers(t *testing.T) {
 	testenv.RequirePrivileged(t, "getent", "musl-gcc")
 	n := newTestNet(t)
-	n.install(t, n.config())
+	n.start(t, n.config())
 	musl := buildMusl(t)
 	v4slot0, v6slot2 := resolverAnswer(4, 0), resolverAnswer(6, 2)
 	tests := []struct {
@@ -1067,4 +665,142 @@ func containsString(list []string, s string) bool {
 		}
 	}
 	return false
+}
+
+// Issue 13: 70,000 captured sockets open at once (more than the 65,536 entries
+// the old LRU map held) all keep their state: each socket connects (redirected,
+// state recorded), and once all of them are connected each sends its query;
+// every reply comes from the nameserver the socket asked.
+func TestManyCapturedSockets(t *testing.T) {
+	n := newTestNet(t)
+	n.start(t, n.config())
+	const sockets = 70000
+	// Each source address has one range of ephemeral ports: use three.
+	srcs := []string{"169.254.60.1", "169.254.60.2", "169.254.60.3"}
+	for _, a := range srcs {
+		n.node.IP(t, "addr", "add", a+"/32", "dev", "lo")
+	}
+	// A process may hold RLIMIT_NOFILE descriptors: spread the sockets over
+	// enough clients, all open at once.
+	var lim syscall.Rlimit
+	if err := syscall.Getrlimit(syscall.RLIMIT_NOFILE, &lim); err != nil {
+		t.Fatal(err)
+	}
+	per := int(lim.Max) - 200
+	if per > sockets {
+		per = sockets
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
+	type client struct {
+		cmd    *exec.Cmd
+		stdin  io.WriteCloser
+		stdout *bufio.Reader
+		stderr bytes.Buffer
+	}
+	var clients []*client
+	start := time.Now()
+	for left := sockets; left > 0; left -= per {
+		c := &client{cmd: n.clientCmd(ctx, proc{uid: 0}, "-mode=many", fmt.Sprintf("-n=%d", min(per, left)), "-dst="+hp(ns1, 53), "-timeout=5s",
+			"-src="+strings.Join(srcs, ","))}
+		c.cmd.Stderr = &c.stderr
+		var err error
+		if c.stdin, err = c.cmd.StdinPipe(); err != nil {
+			t.Fatal(err)
+		}
+		out, err := c.cmd.StdoutPipe()
+		if err != nil {
+			t.Fatal(err)
+		}
+		c.stdout = bufio.NewReader(out)
+		if err := c.cmd.Start(); err != nil {
+			t.Fatal(err)
+		}
+		defer c.cmd.Wait()
+		defer c.stdin.Close()
+		clients = append(clients, c)
+		if line, err := c.stdout.ReadString('\n'); err != nil || strings.TrimSpace(line) != "OPEN" {
+			t.Fatalf("client: %q %v\n%s", line, err, c.stderr.String())
+		}
+	}
+	// One client queries at a time (the others keep their sockets open).
+	var total manyResult
+	for _, c := range clients {
+		io.WriteString(c.stdin, "go\n")
+		line, err := c.stdout.ReadString('\n')
+		if err != nil {
+			t.Fatalf("client: %v\n%s", err, c.stderr.String())
+		}
+		var res manyResult
+		if err := json.Unmarshal([]byte(line), &res); err != nil {
+			t.Fatalf("client output %q: %v", line, err)
+		}
+		total.Sockets += res.Sockets
+		total.Answered += res.Answered
+		total.WrongSrc += res.WrongSrc
+		total.Lost += res.Lost
+	}
+	t.Logf("%d captured sockets connected at once (%d clients), then one query each, in %v: %d answered from the nameserver asked, %d from the wrong source, %d lost",
+		total.Sockets, len(clients), time.Since(start).Round(time.Millisecond), total.Answered, total.WrongSrc, total.Lost)
+	if total.Sockets != sockets || total.WrongSrc != 0 || total.Answered+total.WrongSrc+total.Lost != sockets {
+		t.Errorf("want %d sockets and 0 wrong-source replies: %+v", sockets, total)
+	}
+	if total.Lost > sockets/100 {
+		t.Errorf("%d of %d queries lost", total.Lost, sockets)
+	}
+	if got := hookCounter(t, n.pinDir(), "total", "map_miss"); got != 0 {
+		t.Errorf("map_miss = %d", got)
+	}
+}
+
+// With capture-all, one socket querying several uncaptured nameservers gets
+// every reply from the nameserver it asked: each distinct destination takes its
+// own capture-all slot. A socket that runs out of slots is left alone for the
+// next destination (it reaches that nameserver itself) rather than ever getting
+// a reply from the wrong source.
+func TestCaptureAllOneSocketSeveralNameservers(t *testing.T) {
+	n := newTestNet(t)
+	cfg := n.config()
+	cfg.CaptureAll = true
+	n.start(t, cfg)
+	var dsts []string
+	for _, a := range others {
+		dsts = append(dsts, hp(a, 53))
+	}
+	for _, fam := range []int{4, 6} {
+		t.Run(fmt.Sprintf("AF_INET%s", map[int]string{4: "", 6: "6"}[fam]), func(t *testing.T) {
+			before := hookCounter(t, n.pinDir(), "total", "skip_no_state")
+			// ns1 (a listed slot) and five uncaptured nameservers on one socket:
+			// ns1 and the first three others fill the socket's four entries.
+			all := append([]string{hp(ns1, 53)}, dsts...)
+			if fam == 6 {
+				for i, d := range all {
+					ap := netip.MustParseAddrPort(d)
+					all[i] = hp(mapped(ap.Addr()), 53)
+				}
+			}
+			rs := n.query(t, proc{uid: userUID}, "-mode=sendto", fmt.Sprintf("-family=%d", fam), "-dst="+strings.Join(all, ","))
+			if len(rs) != len(all) {
+				t.Fatalf("got %d results, want %d", len(rs), len(all))
+			}
+			wantCaptured(t, rs[0], 4, 0, all[0], "")
+			for i := 1; i < len(all); i++ {
+				r := rs[i]
+				if r.Src != all[i] {
+					t.Errorf("query to %s: reply from %s", all[i], r.Src)
+				}
+				if i <= sockEntries-1 {
+					wantCaptured(t, r, 4, 3+i-1, all[i], "")
+				} else {
+					wantOriginal(t, r)
+				}
+			}
+			if got := hookCounter(t, n.pinDir(), "total", "skip_no_state") - before; got != uint64(len(all)-sockEntries) {
+				t.Errorf("skip_no_state went up by %d, want %d", got, len(all)-sockEntries)
+			}
+		})
+	}
+	if got := hookCounter(t, n.pinDir(), "total", "map_miss"); got != 0 {
+		t.Errorf("map_miss = %d", got)
+	}
 }

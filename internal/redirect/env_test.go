@@ -15,7 +15,10 @@ import (
 	"testing"
 	"time"
 
+	"github.com/cilium/ebpf"
+	"github.com/cilium/ebpf/asm"
 	"github.com/cilium/ebpf/link"
+
 	"github.com/meshdns/meshdns-ebpf/internal/testenv"
 )
 
@@ -25,16 +28,21 @@ var (
 	ns1      = netip.MustParseAddr("169.254.53.1")  // captured, slot 0
 	ns2      = netip.MustParseAddr("169.254.53.2")  // captured, slot 1
 	ns6      = netip.MustParseAddr("fd53::1")       // captured, slot 2
-	nsOther  = netip.MustParseAddr("169.254.53.99") // not captured (capture-all: slot 3)
+	nsOther  = netip.MustParseAddr("169.254.53.99") // not captured (capture-all: slots 3..6)
 	target4  = netip.MustParseAddr("169.254.20.53")
 	target6  = netip.MustParseAddr("fd53::53")
 	extAddr  = netip.MustParseAddr("192.0.2.1")
 	testMark = uint32(0x3f53)
 )
 
+// others are more uncaptured nameservers, for capture-all tests of one socket
+// querying several of them.
+var others = []netip.Addr{nsOther, netip.MustParseAddr("169.254.53.100"), netip.MustParseAddr("169.254.53.101"),
+	netip.MustParseAddr("169.254.53.102"), netip.MustParseAddr("169.254.53.103")}
+
 const (
 	testBasePort = 5300
-	testSlots    = 4 // ns1, ns2, ns6, capture-all
+	testSlots    = 3 + maxAllSlots // ns1, ns2, ns6, capture-all slots
 	userUID      = 1000
 	proxyUID     = 1337
 )
@@ -55,6 +63,13 @@ func TestMain(m *testing.M) {
 	}
 	if os.Getenv(agentEnv) != "" {
 		os.Exit(runAgent(os.Getenv(agentEnv)))
+	}
+	if os.Getenv(probeEnv) == "1" {
+		if err := probePrograms(); err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			os.Exit(1)
+		}
+		os.Exit(0)
 	}
 	dir, err := os.MkdirTemp("", "meshdns-redirect-client-")
 	if err != nil {
@@ -100,10 +115,11 @@ func copyExecutable(dir string) (string, error) {
 // testNet is one test's cgroup, node namespace, bpffs, original nameservers and
 // fake resolver.
 type testNet struct {
-	cg    *testenv.Cgroup
-	node  *testenv.Netns
-	bpffs string
-	orig  map[netip.Addr]*testenv.FakeDNS
+	cg        *testenv.Cgroup
+	node      *testenv.Netns
+	bpffs     string
+	orig      map[netip.Addr]*testenv.FakeDNS
+	resolvers []*testenv.FakeDNS // on every target and slot port
 }
 
 func newTestNet(t *testing.T) *testNet {
@@ -112,21 +128,22 @@ func newTestNet(t *testing.T) *testNet {
 	n := &testNet{orig: map[netip.Addr]*testenv.FakeDNS{}}
 	n.cg = testenv.NewCgroup(t)
 	n.node = testenv.NewNetns(t, "mdnode")
-	for _, a := range []string{ns1.String() + "/32", ns2.String() + "/32", nsOther.String() + "/32", target4.String() + "/32"} {
-		n.node.IP(t, "addr", "add", a, "dev", "lo")
+	for _, a := range append([]netip.Addr{ns1, ns2, target4}, others...) {
+		n.node.IP(t, "addr", "add", a.String()+"/32", "dev", "lo")
 	}
 	for _, a := range []string{ns6.String() + "/128", target6.String() + "/128"} {
 		n.node.IP(t, "-6", "addr", "add", a, "dev", "lo", "nodad")
 	}
-	for _, a := range []netip.Addr{ns1, ns2, nsOther, ns6} {
+	for _, a := range append([]netip.Addr{ns1, ns2, ns6}, others...) {
 		n.orig[a] = testenv.StartFakeDNS(t, n.node, netip.AddrPortFrom(a, 53).String(),
 			map[string][]netip.Addr{"ext.test": {extAddr}})
 	}
 	for slot := 0; slot < testSlots; slot++ {
-		testenv.StartFakeDNS(t, n.node, netip.AddrPortFrom(target4, uint16(testBasePort+slot)).String(),
-			map[string][]netip.Addr{"mesh.test": {netip.MustParseAddr(resolverAnswer(4, slot))}})
-		testenv.StartFakeDNS(t, n.node, netip.AddrPortFrom(target6, uint16(testBasePort+slot)).String(),
-			map[string][]netip.Addr{"mesh.test": {netip.MustParseAddr(resolverAnswer(6, slot))}})
+		n.resolvers = append(n.resolvers,
+			testenv.StartFakeDNS(t, n.node, netip.AddrPortFrom(target4, uint16(testBasePort+slot)).String(),
+				map[string][]netip.Addr{"mesh.test": {netip.MustParseAddr(resolverAnswer(4, slot))}}),
+			testenv.StartFakeDNS(t, n.node, netip.AddrPortFrom(target6, uint16(testBasePort+slot)).String(),
+				map[string][]netip.Addr{"mesh.test": {netip.MustParseAddr(resolverAnswer(6, slot))}}))
 	}
 	n.bpffs = testenv.NewBPFFS(t)
 	return n
@@ -146,31 +163,68 @@ func (n *testNet) config() Config {
 	}
 }
 
-// install installs cfg, sets it ready and keeps its heartbeat running until the
-// test ends, when it is closed (detached, unpinned).
-func (n *testNet) install(t *testing.T, cfg Config) *Datapath {
+// start starts a datapath for cfg, registers the fake resolvers (those on a
+// target and slot port of cfg) as its resolver sockets, counts their reads as
+// its progress, and closes it when the test ends (detached, unpinned).
+func (n *testNet) start(t *testing.T, cfg Config) *Datapath {
 	t.Helper()
-	d, err := Install(cfg)
+	cfg.Detach = true
+	d, err := New(cfg)
 	if err != nil {
-		t.Fatalf("Install: %v", err)
+		t.Fatalf("New: %v", err)
 	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan struct{})
+	n.startDatapath(t, d)
 	t.Cleanup(func() {
-		cancel()
-		<-done
-		if err := d.Close(false); err != nil {
+		n.progressTo(nil)
+		if err := d.Close(); err != nil {
 			t.Errorf("Close: %v", err)
 		}
 	})
-	if err := d.SetReady(true); err != nil {
-		t.Fatalf("SetReady: %v", err)
-	}
-	go func() {
-		defer close(done)
-		d.Run(ctx)
-	}()
+	n.serve(t, d, cfg)
 	return d
+}
+
+// startDatapath starts d in the node namespace, as an agent there would (its
+// watchdog probes the resolver from there).
+func (n *testNet) startDatapath(t *testing.T, d *Datapath) {
+	t.Helper()
+	if err := n.node.Do(func() error { return d.Start(t.Context()) }); err != nil {
+		t.Fatalf("Start: %v", err)
+	}
+}
+
+// serve registers the fake resolvers that listen on cfg's targets and slot
+// ports with d, and makes their reads d's progress.
+func (n *testNet) serve(t *testing.T, d *Datapath, cfg Config) {
+	t.Helper()
+	var socks []Socket
+	ports := map[uint16]bool{}
+	for _, p := range SlotPorts(cfg) {
+		ports[p] = true
+	}
+	for _, r := range n.resolvers {
+		ap := netip.MustParseAddrPort(r.Addr)
+		if !ports[ap.Port()] || (ap.Addr() != cfg.Target4.Addr() && ap.Addr() != cfg.Target6.Addr()) {
+			continue
+		}
+		udp, tcp := r.Conns()
+		socks = append(socks, Socket{Addr: ap, Conn: udp}, Socket{Addr: ap, TCP: true, Conn: tcp})
+	}
+	if err := d.Serve(socks); err != nil {
+		t.Fatalf("Serve: %v", err)
+	}
+	n.progressTo(d)
+}
+
+// progressTo makes every fake resolver's reads count as d's progress (nil: none).
+func (n *testNet) progressTo(d *Datapath) {
+	fn := func(int) {}
+	if d != nil {
+		fn = d.Dequeued
+	}
+	for _, r := range n.resolvers {
+		r.OnRead(fn)
+	}
 }
 
 type proc struct {
@@ -267,21 +321,15 @@ func hookCounter(t *testing.T, pinDir, hookName, counter string) uint64 {
 
 func counterOf(t *testing.T, s *Stats, hookName, counter string) uint64 {
 	t.Helper()
-	ci := -1
-	for i, c := range counterNames {
-		if c == counter {
-			ci = i
-		}
-	}
-	if ci < 0 {
+	if !containsString(CounterNames(), counter) {
 		t.Fatalf("unknown counter %s", counter)
 	}
 	if hookName == "total" {
-		return *s.Total.counter(ci)
+		return s.Total.Get(counter)
 	}
 	for i := range s.Hooks {
 		if s.Hooks[i].Hook == hookName {
-			return *s.Hooks[i].counter(ci)
+			return s.Hooks[i].Get(counter)
 		}
 	}
 	t.Fatalf("unknown hook %s", hookName)
@@ -325,3 +373,18 @@ func pinsUnder(t *testing.T, dir string) []string {
 func hp(a netip.Addr, port uint16) string { return netip.AddrPortFrom(a, port).String() }
 
 func mapped(a netip.Addr) netip.Addr { return netip.AddrFrom16(a.As16()) }
+
+// passProgram loads a program of type typ for attach that lets everything
+// through (a foreign program, or one an older version left).
+func passProgram(t *testing.T, typ ebpf.ProgramType, attach ebpf.AttachType) *ebpf.Program {
+	t.Helper()
+	prog, err := ebpf.NewProgram(&ebpf.ProgramSpec{
+		Type: typ, AttachType: attach, License: "GPL",
+		Instructions: asm.Instructions{asm.Mov.Imm(asm.R0, 1), asm.Return()},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { prog.Close() })
+	return prog
+}

@@ -5,9 +5,11 @@ import (
 	"fmt"
 	"os"
 	"strings"
+	"unsafe"
 
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/asm"
+	"github.com/cilium/ebpf/btf"
 	"github.com/cilium/ebpf/features"
 	"github.com/cilium/ebpf/link"
 	"github.com/cilium/ebpf/rlimit"
@@ -37,9 +39,10 @@ func (f Feature) String() string {
 type Features struct {
 	Hooks      []Feature // one per program: cgroup/connect4 ... cgroup/sock_release
 	Helpers    []Feature // helpers the programs call, per program type / hook
-	MapTypes   []Feature // map types the object uses
+	MapTypes   []Feature // map types and flags the object uses
 	CgroupLink Feature   // bpf_link for cgroups (attach and pin)
 	BPFFS      Feature   // the bpf filesystem
+	Programs   Feature   // the programs of bpf/redirect.c load (the verifier accepts them, with our privileges)
 }
 
 // Missing lists what this kernel lacks, one precise line per feature, e.g.
@@ -48,7 +51,7 @@ type Features struct {
 func (f Features) Missing() []string {
 	var out []string
 	all := append(append(append([]Feature{}, f.Hooks...), f.Helpers...), f.MapTypes...)
-	all = append(all, f.CgroupLink, f.BPFFS)
+	all = append(all, f.CgroupLink, f.BPFFS, f.Programs)
 	for _, x := range all {
 		if x.Err != nil {
 			out = append(out, x.String())
@@ -69,7 +72,7 @@ func Probe() (Features, error) {
 		f.Hooks = append(f.Hooks, Feature{Name: h.section, Detail: h.attachName, Err: probeHook(h, nil)})
 	}
 	if err := f.Hooks[0].Err; err != nil && (errors.Is(err, unix.EPERM) || errors.Is(err, unix.EACCES)) {
-		return f, fmt.Errorf("load a probe program: %w (needs root or CAP_BPF+CAP_NET_ADMIN)", err)
+		return f, fmt.Errorf("load a probe program: %w (needs CAP_BPF and CAP_NET_ADMIN)", err)
 	}
 
 	hookByName := map[string]hook{}
@@ -79,33 +82,57 @@ func Probe() (Features, error) {
 	helperProbes := []struct {
 		hook   string
 		name   string
-		insns  asm.Instructions
+		insns  func() (asm.Instructions, func(), error)
 		detail string
 	}{
-		{"connect4", "bpf_get_socket_cookie", callCtx(asm.FnGetSocketCookie), "in cgroup/connect4"},
-		{"connect4", "bpf_get_netns_cookie", callCtx(asm.FnGetNetnsCookie), "in cgroup/connect4"},
-		{"connect4", "bpf_get_current_cgroup_id", callCtx(asm.FnGetCurrentCgroupId), "in cgroup/connect4"},
-		{"connect4", "bpf_getsockopt", getsockoptMark(), "SO_MARK in cgroup/connect4"},
-		{"sendmsg4", "bpf_getsockopt", getsockoptMark(), "SO_MARK in cgroup/sendmsg4"},
-		{"recvmsg4", "bpf_get_socket_cookie", callCtx(asm.FnGetSocketCookie), "in cgroup/recvmsg4"},
-		{"sock_release", "bpf_get_socket_cookie", callCtx(asm.FnGetSocketCookie), "in cgroup/sock_release"},
+		{"connect4", "bpf_get_netns_cookie", plain(callCtx(asm.FnGetNetnsCookie)), "in cgroup/connect4"},
+		{"connect4", "bpf_get_current_cgroup_id", plain(callCtx(asm.FnGetCurrentCgroupId)), "in cgroup/connect4"},
+		{"connect4", "bpf_getsockopt", plain(getsockoptMark()), "SO_MARK in cgroup/connect4"},
+		{"sendmsg4", "bpf_getsockopt", plain(getsockoptMark()), "SO_MARK in cgroup/sendmsg4"},
+		{"connect4", "bpf_map_lookup_elem on a SOCKMAP, bpf_sk_release", sockmapLookup, "resolver sockets, in cgroup/connect4"},
+		{"sendmsg4", "bpf_sk_storage_get", skStorageGet, "per-socket state, in cgroup/sendmsg4"},
+		{"recvmsg4", "bpf_sk_storage_get", skStorageGet, "per-socket state, in cgroup/recvmsg4"},
 	}
 	for _, p := range helperProbes {
 		h := hookByName[p.hook]
 		err := error(nil)
 		if hookErr := f.Hooks[indexOfHook(p.hook)].Err; hookErr != nil {
 			err = fmt.Errorf("hook %s is missing", h.section)
+		} else if insns, cleanup, ierr := p.insns(); ierr != nil {
+			err = ierr
 		} else {
-			err = probeHook(h, p.insns)
+			err = probeHook(h, insns)
+			cleanup()
 		}
 		f.Helpers = append(f.Helpers, Feature{Name: p.name, Detail: p.detail, Err: err})
 	}
-	for _, mt := range []ebpf.MapType{ebpf.Hash, ebpf.Array, ebpf.PerCPUArray, ebpf.LRUHash, ebpf.LRUCPUHash} {
+	for _, mt := range []ebpf.MapType{ebpf.Hash, ebpf.Array, ebpf.PerCPUArray, ebpf.LRUCPUHash, ebpf.SockMap, ebpf.SkStorage} {
 		f.MapTypes = append(f.MapTypes, Feature{Name: "map type " + mt.String(), Err: features.HaveMapType(mt)})
 	}
+	f.MapTypes = append(f.MapTypes, Feature{Name: "BPF_F_MMAPABLE arrays", Detail: "resolver progress, Linux 5.5", Err: features.HaveMapFlag(features.BPF_F_MMAPABLE)})
 	f.CgroupLink = Feature{Name: "bpf_link for cgroups", Detail: "BPF_LINK_CREATE, Linux 5.7", Err: probeCgroupLink()}
 	f.BPFFS = Feature{Name: "bpffs", Detail: "filesystem type bpf", Err: probeBPFFS()}
+	f.Programs = Feature{Name: "eBPF programs", Detail: "bpf/redirect.c, with this process's privileges", Err: probePrograms()}
 	return f, nil
+}
+
+// probePrograms loads the datapath's programs and maps, attaching nothing: the
+// verifier's last word, with this process's capabilities (without CAP_PERFMON
+// it is stricter).
+func probePrograms() error {
+	spec, err := loadRedirect()
+	if err != nil {
+		return err
+	}
+	var objs redirectObjects
+	if err := spec.LoadAndAssign(&objs, nil); err != nil {
+		var ve *ebpf.VerifierError
+		if errors.As(err, &ve) {
+			return fmt.Errorf("the verifier rejected them: %+v", ve)
+		}
+		return err
+	}
+	return objs.Close()
 }
 
 func indexOfHook(name string) int {
@@ -119,6 +146,66 @@ func indexOfHook(name string) int {
 
 func returnOne() asm.Instructions {
 	return asm.Instructions{asm.Mov.Imm(asm.R0, 1), asm.Return()}
+}
+
+func plain(insns asm.Instructions) func() (asm.Instructions, func(), error) {
+	return func() (asm.Instructions, func(), error) { return insns, func() {}, nil }
+}
+
+// sockmapLookup looks up key 0 of a SOCKMAP and releases what it found, as the
+// forward path does with resolver_socks.
+func sockmapLookup() (asm.Instructions, func(), error) {
+	m, err := ebpf.NewMap(&ebpf.MapSpec{Type: ebpf.SockMap, KeySize: 4, ValueSize: 8, MaxEntries: 1})
+	if err != nil {
+		return nil, nil, fmt.Errorf("create a SOCKMAP: %w", err)
+	}
+	return asm.Instructions{
+		asm.LoadMapPtr(asm.R1, m.FD()),
+		asm.StoreImm(asm.R10, -4, 0, asm.Word),
+		asm.Mov.Reg(asm.R2, asm.R10),
+		asm.Add.Imm(asm.R2, -4),
+		asm.FnMapLookupElem.Call(),
+		asm.JEq.Imm(asm.R0, 0, "out"),
+		asm.Mov.Reg(asm.R1, asm.R0),
+		asm.FnSkRelease.Call(),
+		asm.Mov.Imm(asm.R0, 1).WithSymbol("out"),
+		asm.Return(),
+	}, func() { m.Close() }, nil
+}
+
+// skStorageGet reads the socket-local storage of ctx->sk without creating it.
+func skStorageGet() (asm.Instructions, func(), error) {
+	m, err := ebpf.NewMap(&ebpf.MapSpec{
+		Type: ebpf.SkStorage, KeySize: 4, ValueSize: 8, Flags: unix.BPF_F_NO_PREALLOC,
+		Key: &btf.Int{Name: "int", Size: 4, Encoding: btf.Signed}, Value: &btf.Int{Name: "long long unsigned int", Size: 8},
+	})
+	if err != nil {
+		return nil, nil, fmt.Errorf("create an SK_STORAGE map: %w", err)
+	}
+	return asm.Instructions{
+		asm.LoadMem(asm.R2, asm.R1, int16(unsafe.Offsetof(sockAddrCtx{}.sk)), asm.DWord),
+		asm.JEq.Imm(asm.R2, 0, "out"),
+		asm.LoadMapPtr(asm.R1, m.FD()),
+		asm.Mov.Imm(asm.R3, 0),
+		asm.Mov.Imm(asm.R4, 0),
+		asm.FnSkStorageGet.Call(),
+		asm.Mov.Imm(asm.R0, 1).WithSymbol("out"),
+		asm.Return(),
+	}, func() { m.Close() }, nil
+}
+
+// sockAddrCtx is struct bpf_sock_addr up to its sk pointer.
+type sockAddrCtx struct {
+	userFamily uint32
+	userIP4    uint32
+	userIP6    [4]uint32
+	userPort   uint32
+	family     uint32
+	typ        uint32
+	protocol   uint32
+	msgSrcIP4  uint32
+	msgSrcIP6  [4]uint32
+	sk         uint64
 }
 
 // callCtx calls fn(ctx) and returns 1.

@@ -1,13 +1,23 @@
 // Package redirect is meshdns-ebpf's eBPF datapath: it loads the cgroup sock_addr
 // programs of bpf/redirect.c (compiled by bpf2go, committed), writes their
-// configuration into maps, attaches them to a cgroup v2 directory with bpf_links,
-// pins links and maps on a bpffs, keeps the fail-open heartbeat alive, detaches
-// them again, and reads their counters back from the pins for the CLI.
+// configuration into maps, attaches them to a cgroup v2 directory with bpf_links
+// (or adopts the links a previous agent left pinned, replacing their programs
+// atomically), registers the resolver's listening sockets that switch capture on,
+// feeds the resolver's progress to the programs, and reads their counters back
+// for the CLI and for metrics.
 //
 // The programs redirect port-53 traffic to captured nameservers to the resolver
 // (nameserver i goes to the resolver's port base+i, see [SlotPorts]) and restore
-// the original nameserver as reply source and peer. They redirect only while the
-// agent is ready and its heartbeat (written by [Datapath.Run]) is younger than HeartbeatTimeout (600 ms).
+// the original nameserver as reply source and peer. They redirect only to a slot
+// whose resolver socket is registered ([Datapath.Serve]); the kernel drops a
+// socket from that set when it closes, so a dead resolver is bypassed at once. A
+// resolver that stops dequeuing is bypassed after [DefaultStallAfter]
+// (progress, see [Datapath.Dequeued]).
+//
+// Lifecycle: [New] validates, [Datapath.Start] acquires, [Datapath.Close]
+// releases. A clean Close leaves the programs attached and pinned (inert, since
+// no resolver socket is registered) for the next agent to adopt, unless
+// Config.Detach.
 package redirect
 
 import (
@@ -17,17 +27,23 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"net"
 	"net/netip"
 	"os"
 	"path/filepath"
 	"sort"
+	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
+	"unsafe"
 
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/link"
 	"github.com/cilium/ebpf/rlimit"
 	"golang.org/x/sys/unix"
+
+	"github.com/meshdns/meshdns-ebpf/internal/cgroup2"
 )
 
 // Config says where the datapath attaches and what it captures.
@@ -37,19 +53,16 @@ type Config struct {
 	Target4         netip.AddrPort // resolver v4 address; port = slot 0 port; zero value = no v4 target
 	Target6         netip.AddrPort // resolver v6 address (optional); same port as Target4 when both are set
 	Nameservers     []netip.Addr   // captured nameservers; slot i → port Target.Port()+i
-	CaptureAll      bool           // capture every port-53 destination (slot len(Nameservers))
+	CaptureAll      bool           // capture every port-53 destination (MAX_ALL_SLOTS more slots)
 	CaptureLoopback bool           // also capture loopback destinations (127.0.0.0/8, ::1)
 	ProxyUIDs       []uint32       // UIDs whose sockets are never captured
 	UpstreamMark    uint32         // SO_MARK of the resolver's own upstream sockets; must be non-zero
-	Logger          *slog.Logger   // nil: discard
+	StallAfter      time.Duration  // 0: DefaultStallAfter
+	// Detach makes Close detach the programs and remove every pin. Without it
+	// they stay attached and pinned for the next agent (inert meanwhile).
+	Detach bool
+	Logger *slog.Logger // nil: discard
 }
-
-// HeartbeatInterval is how often [Datapath.Run] refreshes the heartbeat; the
-// programs stop redirecting when it is older than [HeartbeatTimeout].
-const (
-	HeartbeatInterval = 100 * time.Millisecond
-	HeartbeatTimeout  = time.Duration(heartbeatTimeoutNS)
-)
 
 // settings is a validated Config in the form the maps take.
 type settings struct {
@@ -57,13 +70,15 @@ type settings struct {
 	basePort    uint16
 	numSlots    uint16
 	allSlot     uint16
+	numAll      uint16
 	flags       uint32
 	nameservers []netip.Addr // unmapped, deduplicated, in slot order
 }
 
 // SlotPorts returns the ports the resolver must listen on (UDP and TCP, on every
-// target address): base+i for nameserver i, plus base+len(Nameservers) with
-// CaptureAll. It returns nil when no target is configured.
+// target address): base+i for nameserver i, plus MAX_ALL_SLOTS more with
+// CaptureAll (one per distinct other destination a socket queries). It returns
+// nil when no target is configured.
 func SlotPorts(cfg Config) []uint16 {
 	base := basePort(cfg)
 	if base == 0 {
@@ -71,7 +86,7 @@ func SlotPorts(cfg Config) []uint16 {
 	}
 	n := len(cfg.Nameservers)
 	if cfg.CaptureAll {
-		n++
+		n += maxAllSlots
 	}
 	ports := make([]uint16, 0, n)
 	for i := 0; i < n; i++ {
@@ -141,6 +156,12 @@ func validate(cfg Config) (*settings, error) {
 	if len(cfg.Nameservers) == 0 && !cfg.CaptureAll {
 		return nil, errors.New("nothing to capture: give nameservers or enable capture-all")
 	}
+	if cfg.StallAfter < 0 {
+		return nil, fmt.Errorf("stall timeout %v is negative", cfg.StallAfter)
+	}
+	if s.cfg.StallAfter == 0 {
+		s.cfg.StallAfter = DefaultStallAfter
+	}
 	seen := map[netip.Addr]bool{}
 	for _, ns := range cfg.Nameservers {
 		a := ns.Unmap().WithZone("")
@@ -168,7 +189,8 @@ func validate(cfg Config) (*settings, error) {
 	s.allSlot = uint16(slots)
 	if cfg.CaptureAll {
 		s.flags |= flagCaptureAll
-		slots++
+		s.numAll = uint16(maxAllSlots)
+		slots += maxAllSlots
 	}
 	if cfg.CaptureLoopback {
 		s.flags |= flagCaptureLoopback
@@ -187,20 +209,30 @@ type Datapath struct {
 	log    *slog.Logger
 	set    *settings
 	pinDir string
-	objs   redirectObjects
-	links  []attached
 
-	mu            sync.Mutex
-	ready         bool
-	lastHeartbeat uint64 // CLOCK_MONOTONIC ns of the last state write
-	closed        bool
+	mu       sync.Mutex
+	started  bool
+	closed   bool
+	handoff  bool
+	discard  bool
+	netns    uint64 // cookie of Start's network namespace
+	objs     redirectObjects
+	links    []attached
+	progress *progress
+	dequeued atomic.Pointer[uint64] // progress.dequeued while mapped
+	served   []uint32               // resolver_socks keys we registered
+	cgroups  *cgroup2.Namer
+	probe    *net.UDPConn // the watchdog's, opened in Start's network namespace
+	stopWD   context.CancelFunc
+	wdDone   chan struct{}
 }
 
 type attached struct {
-	hook hook
-	link link.Link
-	id   link.ID
-	pin  string
+	hook    hook
+	link    link.Link
+	id      link.ID
+	pin     string
+	adopted bool // the link was pinned by a previous agent; we replaced its program
 }
 
 // ProgramInfo describes one attached program.
@@ -211,102 +243,161 @@ type ProgramInfo struct {
 	Cgroup    string `json:"cgroup"`
 }
 
-// Install validates cfg, loads the programs, writes their configuration, attaches
-// every program to cfg.Cgroup with a bpf_link and pins links and maps under
-// cfg.PinDir (links/<program>, maps/<map>), replacing whatever a crashed or
-// persisted agent left there (its per-socket state and counters are kept when
-// their layout is unchanged). The datapath starts not ready: nothing is
-// redirected until SetReady(true). On any error everything attached or pinned so
-// far is removed again.
-func Install(cfg Config) (dp *Datapath, err error) {
-	log := cfg.Logger
-	if log == nil {
-		log = slog.New(slog.NewTextHandler(io.Discard, nil))
-	}
+// New validates cfg. It touches nothing in the kernel.
+func New(cfg Config) (*Datapath, error) {
 	set, err := validate(cfg)
 	if err != nil {
 		return nil, fmt.Errorf("invalid datapath config: %w", err)
 	}
-	if err := checkCgroup2Dir(cfg.Cgroup); err != nil {
-		return nil, err
+	log := cfg.Logger
+	if log == nil {
+		log = slog.New(slog.NewTextHandler(io.Discard, nil))
+	}
+	return &Datapath{log: log, set: set, pinDir: cfg.PinDir, cgroups: cgroup2.NewNamer()}, nil
+}
+
+// Start loads the programs, writes their configuration, and attaches every
+// program to Config.Cgroup with a bpf_link pinned under Config.PinDir
+// (links/<program>, maps/<map>). Links a previous agent left pinned there (a
+// restart, an upgrade, a crash) are adopted: their programs are replaced in
+// place, so capture has no gap, and the maps whose layout is unchanged are kept
+// (the per-socket state of sockets redirected earlier, the registered resolver
+// sockets of a running predecessor, the counters). Nothing is redirected until a
+// resolver socket is registered with Serve. On error, what this Start attached
+// or pinned is removed again; adopted links are left as they were.
+func (d *Datapath) Start(ctx context.Context) (err error) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.started || d.closed {
+		return errors.New("datapath already started or closed")
+	}
+	d.started = true
+	cfg := d.set.cfg
+	if err := cgroup2.CheckDir(cfg.Cgroup); err != nil {
+		return err
 	}
 	if err := checkPinDir(cfg.PinDir); err != nil {
-		return nil, err
+		return err
 	}
 	netnsCookie, err := ownNetnsCookie()
-	if err != nil && set.flags&(flagTarget4Loopback|flagTarget6Loopback) != 0 {
-		return nil, fmt.Errorf("a loopback target needs this network namespace's cookie: %w", err)
+	if err != nil && d.set.flags&(flagTarget4Loopback|flagTarget6Loopback) != 0 {
+		return fmt.Errorf("a loopback target needs this network namespace's cookie: %w", err)
 	}
 	if err := rlimit.RemoveMemlock(); err != nil {
-		return nil, fmt.Errorf("remove memlock rlimit: %w", err)
+		return fmt.Errorf("remove memlock rlimit: %w", err)
 	}
 	spec, err := loadRedirect()
 	if err != nil {
-		return nil, fmt.Errorf("load embedded eBPF object: %w", err)
+		return fmt.Errorf("load embedded eBPF object: %w", err)
 	}
-	// A previous agent's socket state and counters carry over, so sockets it
-	// redirected still get their replies restored; everything else is replaced.
-	reused := reusableMaps(cfg.PinDir, spec, log)
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	reused := reusableMaps(cfg.PinDir, spec, d.log)
 	defer func() {
 		for _, m := range reused {
 			m.Close() // the collection holds its own clones
 		}
 	}()
-	if removed, err := Cleanup(cfg.PinDir); err != nil {
-		return nil, fmt.Errorf("remove leftovers in %s: %w", cfg.PinDir, err)
-	} else if len(removed) > 0 {
-		log.Warn("replaced the pins of a previous agent", "pin_dir", cfg.PinDir, "removed", removed, "kept_maps", sortedNames(reused))
-	}
-
-	d := &Datapath{log: log, set: set, pinDir: cfg.PinDir}
 	createdPinDir := false
 	if _, statErr := os.Stat(cfg.PinDir); errors.Is(statErr, os.ErrNotExist) {
 		createdPinDir = true
 	}
+	var pinned []string // map pins this Start created
 	defer func() {
-		if err != nil {
-			d.teardown()
-			if createdPinDir {
-				_ = os.Remove(cfg.PinDir)
+		if err == nil {
+			return
+		}
+		for _, a := range d.links {
+			if !a.adopted {
+				_ = a.link.Detach()
+				_ = a.link.Unpin()
 			}
+			_ = a.link.Close()
+		}
+		d.links = nil
+		if d.probe != nil {
+			d.probe.Close()
+		}
+		for _, p := range pinned {
+			_ = os.Remove(p)
+		}
+		d.dequeued.Store(nil)
+		if d.progress != nil {
+			d.progress.close()
+			d.progress = nil
+		}
+		_ = d.objs.Close()
+		d.objs = redirectObjects{}
+		if createdPinDir {
+			removeEmptyPinDirs(cfg.PinDir)
 		}
 	}()
 
 	if err := spec.LoadAndAssign(&d.objs, &ebpf.CollectionOptions{MapReplacements: reused}); err != nil {
 		var ve *ebpf.VerifierError
 		if errors.As(err, &ve) {
-			return nil, fmt.Errorf("load eBPF programs: the verifier rejected them: %+v", ve)
+			return fmt.Errorf("load eBPF programs: the verifier rejected them: %+v", ve)
 		}
-		return nil, fmt.Errorf("load eBPF programs: %w", err)
+		return fmt.Errorf("load eBPF programs: %w%s", err, permissionHint(err))
 	}
+	d.netns = netnsCookie
 	if err := d.writeConfig(netnsCookie); err != nil {
-		return nil, err
+		return err
 	}
-	if err := d.writeState(false); err != nil {
-		return nil, err
+	if d.progress, err = mapProgress(d.objs.Progress); err != nil {
+		return err
 	}
-	if err := d.pinMaps(); err != nil {
-		return nil, err
+	d.dequeued.Store(d.progress.field(unsafe.Offsetof(redirectMeshdnsProgress{}.Dequeued)))
+	if pinned, err = d.pinMaps(reused); err != nil {
+		return err
 	}
 	if err := d.attach(); err != nil {
-		return nil, err
+		return err
 	}
-	log.Info("eBPF datapath attached", "cgroup", cfg.Cgroup, "pin_dir", cfg.PinDir,
-		"target4", set.cfg.Target4, "target6", set.cfg.Target6, "nameservers", set.nameservers,
-		"capture_all", cfg.CaptureAll, "slot_ports", SlotPorts(set.cfg))
-	return d, nil
+	if err := removeForeignPins(cfg.PinDir); err != nil {
+		d.log.Warn("remove pins of an older version", "err", err)
+	}
+	network := "udp4"
+	if !cfg.Target4.IsValid() {
+		network = "udp6"
+	}
+	if d.probe, err = net.ListenUDP(network, nil); err != nil {
+		return fmt.Errorf("open the resolver liveness probe socket: %w", err)
+	}
+	wctx, cancel := context.WithCancel(context.Background())
+	d.stopWD = cancel
+	d.wdDone = make(chan struct{})
+	go d.watchdog(wctx)
+	adopted := 0
+	for _, a := range d.links {
+		if a.adopted {
+			adopted++
+		}
+	}
+	d.log.Info("eBPF datapath attached", "cgroup", cfg.Cgroup, "pin_dir", cfg.PinDir,
+		"target4", d.set.cfg.Target4, "target6", d.set.cfg.Target6, "nameservers", d.set.nameservers,
+		"capture_all", cfg.CaptureAll, "slot_ports", SlotPorts(d.set.cfg),
+		"adopted_links", adopted, "kept_maps", sortedNames(reused))
+	return nil
 }
 
-// reusedMapNames are the maps whose contents survive an agent restart: the
-// per-socket original destinations and the counters.
-var reusedMapNames = []string{redirectMapOrigDst, redirectMapStats, redirectMapCgroupStats}
+func permissionHint(err error) string {
+	if errors.Is(err, unix.EPERM) || errors.Is(err, unix.EACCES) {
+		return " (loading these programs needs CAP_BPF and CAP_NET_ADMIN)"
+	}
+	return ""
+}
 
-// reusableMaps opens the maps of reusedMapNames pinned under pinDir that are
-// compatible with spec (same type, key, value, size); others are left out and
-// replaced by fresh ones.
+// reusableMaps opens the maps pinned under pinDir that are compatible with spec
+// (same type, key, value, size, flags); others are left out and replaced by
+// fresh ones.
 func reusableMaps(pinDir string, spec *ebpf.CollectionSpec, log *slog.Logger) map[string]*ebpf.Map {
 	out := map[string]*ebpf.Map{}
-	for _, name := range reusedMapNames {
+	for name, ms := range spec.Maps {
+		if strings.HasPrefix(name, ".") {
+			continue // internal maps (.bss): never pinned
+		}
 		p := filepath.Join(pinDir, mapsDir, name)
 		m, err := ebpf.LoadPinnedMap(p, nil)
 		if err != nil {
@@ -315,7 +406,7 @@ func reusableMaps(pinDir string, spec *ebpf.CollectionSpec, log *slog.Logger) ma
 			}
 			continue
 		}
-		if err := spec.Maps[name].Compatible(m); err != nil {
+		if err := ms.Compatible(m); err != nil {
 			log.Warn("pinned map is incompatible with this version, starting afresh", "map", p, "err", err)
 			m.Close()
 			continue
@@ -360,15 +451,19 @@ func addrWords(a netip.Addr) [4]uint32 {
 	return w
 }
 
+// writeConfig writes the configuration maps. Reused maps may hold a previous
+// agent's entries: nameservers and proxy UIDs we do not have are deleted.
 func (d *Datapath) writeConfig(netnsCookie uint64) error {
 	s := d.set
 	c := redirectMeshdnsConfig{
 		BasePort:         s.basePort,
 		NumSlots:         s.numSlots,
 		AllSlot:          s.allSlot,
+		NumAll:           s.numAll,
 		Flags:            s.flags,
 		UpstreamMark:     s.cfg.UpstreamMark,
 		AgentNetnsCookie: netnsCookie,
+		StallNs:          uint64(s.cfg.StallAfter),
 	}
 	if s.cfg.Target4.IsValid() {
 		c.Target4 = addrWords(s.cfg.Target4.Addr())[3]
@@ -376,54 +471,68 @@ func (d *Datapath) writeConfig(netnsCookie uint64) error {
 	if s.cfg.Target6.IsValid() {
 		c.Target6 = addrWords(s.cfg.Target6.Addr())
 	}
+	want := map[redirectNsKey]uint32{}
+	for i, ns := range s.nameservers {
+		want[redirectNsKey{Addr: addrWords(ns)}] = uint32(i)
+	}
+	var (
+		key  redirectNsKey
+		slot uint32
+		gone []redirectNsKey
+	)
+	it := d.objs.Nameservers.Iterate()
+	for it.Next(&key, &slot) {
+		if _, ok := want[key]; !ok {
+			gone = append(gone, key)
+		}
+	}
+	for k, v := range want {
+		if err := d.objs.Nameservers.Put(&k, v); err != nil {
+			return fmt.Errorf("write nameserver to map: %w", err)
+		}
+	}
+	// The config (slot count) before the deletes, so that no program sees a
+	// nameserver with a slot past num_slots.
 	if err := d.objs.Config.Put(uint32(0), &c); err != nil {
 		return fmt.Errorf("write config map: %w", err)
 	}
-	for i, ns := range s.nameservers {
-		key := redirectNsKey{Addr: addrWords(ns)}
-		if err := d.objs.Nameservers.Put(&key, uint32(i)); err != nil {
-			return fmt.Errorf("write nameserver %s to map: %w", ns, err)
+	for _, k := range gone {
+		if err := d.objs.Nameservers.Delete(&k); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
+			return fmt.Errorf("delete stale nameserver from map: %w", err)
 		}
 	}
+	wantUID := map[uint32]bool{}
 	for _, uid := range s.cfg.ProxyUIDs {
+		wantUID[uid] = true
 		if err := d.objs.ProxyUids.Put(uid, uint32(1)); err != nil {
 			return fmt.Errorf("write proxy uid %d to map: %w", uid, err)
 		}
 	}
-	return nil
-}
-
-func monotonicNow() uint64 {
-	var ts unix.Timespec
-	_ = unix.ClockGettime(unix.CLOCK_MONOTONIC, &ts)
-	return uint64(ts.Nano())
-}
-
-// writeState writes ready and a fresh heartbeat. Callers hold d.mu or own d.
-func (d *Datapath) writeState(ready bool) error {
-	now := monotonicNow()
-	st := redirectMeshdnsState{HeartbeatNs: now}
-	if ready {
-		st.Ready = 1
+	var uid, one uint32
+	var goneUIDs []uint32
+	uit := d.objs.ProxyUids.Iterate()
+	for uit.Next(&uid, &one) {
+		if !wantUID[uid] {
+			goneUIDs = append(goneUIDs, uid)
+		}
 	}
-	if err := d.objs.State.Put(uint32(0), &st); err != nil {
-		return fmt.Errorf("write state map: %w", err)
+	for _, u := range goneUIDs {
+		_ = d.objs.ProxyUids.Delete(u)
 	}
-	d.ready = ready
-	d.lastHeartbeat = now
 	return nil
 }
 
 func (d *Datapath) mapsByName() map[string]*ebpf.Map {
 	m := d.objs.redirectMaps
 	return map[string]*ebpf.Map{
-		redirectMapCgroupStats: m.CgroupStats,
-		redirectMapConfig:      m.Config,
-		redirectMapNameservers: m.Nameservers,
-		redirectMapOrigDst:     m.OrigDst,
-		redirectMapProxyUids:   m.ProxyUids,
-		redirectMapState:       m.State,
-		redirectMapStats:       m.Stats,
+		redirectMapCgroupStats:   m.CgroupStats,
+		redirectMapConfig:        m.Config,
+		redirectMapNameservers:   m.Nameservers,
+		redirectMapProgress:      m.Progress,
+		redirectMapProxyUids:     m.ProxyUids,
+		redirectMapResolverSocks: m.ResolverSocks,
+		redirectMapSockState:     m.SockState,
+		redirectMapStats:         m.Stats,
 	}
 }
 
@@ -438,89 +547,143 @@ func (d *Datapath) programsByName() map[string]*ebpf.Program {
 		redirectProgRecvmsg6:     p.Recvmsg6,
 		redirectProgGetpeername4: p.Getpeername4,
 		redirectProgGetpeername6: p.Getpeername6,
-		redirectProgSockRelease:  p.SockRelease,
 	}
 }
 
-func (d *Datapath) pinMaps() error {
+// pinMaps pins the maps that are not reused (replacing an incompatible pin of a
+// previous version) and returns the pins it created.
+func (d *Datapath) pinMaps(reused map[string]*ebpf.Map) ([]string, error) {
 	dir := filepath.Join(d.pinDir, mapsDir)
 	if err := os.MkdirAll(dir, 0o700); err != nil {
-		return fmt.Errorf("create %s: %w", dir, err)
+		return nil, fmt.Errorf("create %s: %w", dir, err)
 	}
+	var created []string
 	for name, m := range d.mapsByName() {
-		p := filepath.Join(dir, name)
-		if err := m.Pin(p); err != nil {
-			return fmt.Errorf("pin map %s at %s: %w", name, p, err)
+		if _, ok := reused[name]; ok {
+			continue
 		}
+		p := filepath.Join(dir, name)
+		if err := os.Remove(p); err != nil && !errors.Is(err, os.ErrNotExist) {
+			return created, fmt.Errorf("replace pin %s: %w", p, err)
+		}
+		if err := m.Pin(p); err != nil {
+			return created, fmt.Errorf("pin map %s at %s: %w", name, p, err)
+		}
+		created = append(created, p)
 	}
-	return nil
+	return created, nil
 }
 
+// attach adopts each pinned link that is attached to our cgroup with the hook's
+// attach type (replacing its program atomically), and attaches and pins a new
+// link for the others.
 func (d *Datapath) attach() error {
-	cg, err := os.Open(d.set.cfg.Cgroup)
+	cgPath := d.set.cfg.Cgroup
+	cg, err := os.Open(cgPath)
 	if err != nil {
-		return fmt.Errorf("open cgroup %s: %w", d.set.cfg.Cgroup, err)
+		return fmt.Errorf("open cgroup %s: %w", cgPath, err)
 	}
 	defer cg.Close()
+	var st unix.Stat_t
+	if err := unix.Fstat(int(cg.Fd()), &st); err != nil {
+		return fmt.Errorf("stat cgroup %s: %w", cgPath, err)
+	}
+	cgID := st.Ino // a cgroup's id is the inode of its directory
 	dir := filepath.Join(d.pinDir, linksDir)
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return fmt.Errorf("create %s: %w", dir, err)
 	}
 	progs := d.programsByName()
 	for _, h := range hooks {
-		l, err := link.AttachRawLink(link.RawLinkOptions{
-			Target:  int(cg.Fd()),
-			Program: progs[h.name],
-			Attach:  h.attach,
-		})
-		if err != nil {
-			hint := ""
-			if errors.Is(err, unix.EPERM) {
-				hint = " (another program may be attached to this cgroup exclusively, without BPF_F_ALLOW_MULTI)"
+		p := filepath.Join(dir, h.name)
+		prog := progs[h.name]
+		if l, ok := d.adoptable(p, h, cgID); ok {
+			if err := l.Update(prog); err != nil {
+				l.Close()
+				return fmt.Errorf("replace the program of the pinned link %s: %w", p, err)
 			}
-			return fmt.Errorf("attach %s (%s) to cgroup %s: %w%s", h.section, h.attachName, d.set.cfg.Cgroup, err, hint)
+			a := attached{hook: h, link: l, pin: p, adopted: true}
+			if info, err := l.Info(); err == nil {
+				a.id = info.ID
+			}
+			d.links = append(d.links, a)
+			continue
 		}
-		a := attached{hook: h, link: l, pin: filepath.Join(dir, h.name)}
-		d.links = append(d.links, a)
+		// A pin that is not ours to adopt (another cgroup, another hook): gone.
+		if _, err := os.Stat(p); err == nil {
+			if err := detachPinnedLink(p); err != nil {
+				return err
+			}
+		}
+		l, err := link.AttachRawLink(link.RawLinkOptions{Target: int(cg.Fd()), Program: prog, Attach: h.attach})
+		if err != nil {
+			hint := permissionHint(err)
+			if errors.Is(err, unix.EPERM) {
+				hint = " (another program may be attached to this cgroup exclusively, without BPF_F_ALLOW_MULTI; or CAP_NET_ADMIN is missing)"
+			}
+			return fmt.Errorf("attach %s (%s) to cgroup %s: %w%s", h.section, h.attachName, cgPath, err, hint)
+		}
+		a := attached{hook: h, link: l, pin: p}
 		if info, err := l.Info(); err == nil {
-			d.links[len(d.links)-1].id = info.ID
+			a.id = info.ID
 		}
-		if err := l.Pin(a.pin); err != nil {
-			return fmt.Errorf("pin link of %s at %s: %w", h.section, a.pin, err)
+		d.links = append(d.links, a)
+		if err := l.Pin(p); err != nil {
+			return fmt.Errorf("pin link of %s at %s: %w", h.section, p, err)
 		}
 	}
 	return nil
 }
 
-// teardown detaches and unpins everything d attached or pinned and closes its
-// objects. It is used on Install errors and by Close(false).
-func (d *Datapath) teardown() error {
-	var errs []error
-	for _, a := range d.links {
-		if err := a.link.Detach(); err != nil && !errors.Is(err, link.ErrNotSupported) {
-			errs = append(errs, fmt.Errorf("detach %s: %w", a.hook.section, err))
-		}
-		if err := a.link.Unpin(); err != nil {
-			errs = append(errs, fmt.Errorf("unpin link %s: %w", a.pin, err))
-		}
-		if err := a.link.Close(); err != nil {
-			errs = append(errs, fmt.Errorf("detach %s: %w", a.hook.section, err))
-		}
+// adoptable opens the link pinned at p when it attaches h's attach type to the
+// cgroup cgID.
+func (d *Datapath) adoptable(p string, h hook, cgID uint64) (link.Link, bool) {
+	l, err := link.LoadPinnedLink(p, nil)
+	if err != nil {
+		return nil, false
 	}
-	d.links = nil
-	for name, m := range d.mapsByName() {
-		if m == nil {
+	info, err := l.Info()
+	if err != nil {
+		l.Close()
+		return nil, false
+	}
+	cg := info.Cgroup()
+	if cg == nil || cg.CgroupId != cgID || ebpf.AttachType(cg.AttachType) != h.attach {
+		l.Close()
+		return nil, false
+	}
+	return l, true
+}
+
+// removeForeignPins detaches and removes pins under pinDir that are not ours:
+// links and maps of an older version with other programs or maps.
+func removeForeignPins(pinDir string) error {
+	ours := map[string]bool{}
+	for _, h := range hooks {
+		ours[filepath.Join(pinDir, linksDir, h.name)] = true
+	}
+	for _, name := range []string{redirectMapCgroupStats, redirectMapConfig, redirectMapNameservers, redirectMapProgress,
+		redirectMapProxyUids, redirectMapResolverSocks, redirectMapSockState, redirectMapStats} {
+		ours[filepath.Join(pinDir, mapsDir, name)] = true
+	}
+	var errs []error
+	for _, sub := range []string{linksDir, mapsDir} {
+		entries, err := os.ReadDir(filepath.Join(pinDir, sub))
+		if err != nil {
 			continue
 		}
-		if err := m.Unpin(); err != nil {
-			errs = append(errs, fmt.Errorf("unpin map %s: %w", name, err))
+		for _, e := range entries {
+			p := filepath.Join(pinDir, sub, e.Name())
+			if ours[p] || e.IsDir() {
+				continue
+			}
+			if sub == linksDir {
+				errs = append(errs, detachPinnedLink(p))
+			} else if err := os.Remove(p); err != nil {
+				errs = append(errs, err)
+			}
 		}
 	}
-	if err := d.objs.Close(); err != nil {
-		errs = append(errs, fmt.Errorf("close eBPF objects: %w", err))
-	}
-	d.objs = redirectObjects{}
-	errs = append(errs, removeEmptyPinDirs(d.pinDir)...)
 	return errors.Join(errs...)
 }
 
@@ -536,75 +699,123 @@ func removeEmptyPinDirs(pinDir string) []error {
 	return errs
 }
 
-// SetReady switches capture on or off and writes a fresh heartbeat.
-func (d *Datapath) SetReady(ready bool) error {
+// Handoff tells the datapath that a successor adopted it: Close then releases
+// only this process's file descriptors, leaving the registered resolver sockets
+// (now shared with the successor), the links and the pins alone.
+func (d *Datapath) Handoff() {
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	if d.closed {
-		return errors.New("datapath is closed")
-	}
-	return d.writeState(ready)
+	d.handoff = true
 }
 
-// Run refreshes the heartbeat every HeartbeatInterval until ctx is done. Without
-// it the programs stop redirecting HeartbeatTimeout after the last SetReady.
-func (d *Datapath) Run(ctx context.Context) {
-	t := time.NewTicker(HeartbeatInterval)
-	defer t.Stop()
-	for {
-		select {
-		case <-ctx.Done():
-			return
-		case <-t.C:
+// Discard makes Close remove what Start attached and pinned itself (for an
+// agent whose start failed: it leaves nothing behind), while links it adopted
+// stay pinned as they were found.
+func (d *Datapath) Discard() {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	d.discard = true
+}
+
+// Reassert makes this datapath current again after a successor that had
+// started to take it over failed: this datapath's programs go back into the
+// pinned links and its configuration into the maps. The caller registers its
+// resolver sockets again (Serve).
+func (d *Datapath) Reassert() error {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.closed || d.objs.Config == nil {
+		return errors.New("datapath is not started or closed")
+	}
+	var errs []error
+	progs := d.programsByName()
+	for _, a := range d.links {
+		if err := a.link.Update(progs[a.hook.name]); err != nil {
+			errs = append(errs, fmt.Errorf("put the program of %s back: %w", a.hook.name, err))
 		}
-		d.mu.Lock()
-		if d.closed {
-			d.mu.Unlock()
-			return
-		}
-		err := d.writeState(d.ready)
+	}
+	errs = append(errs, d.writeConfig(d.netns))
+	return errors.Join(errs...)
+}
+
+// Close stops the watchdog and unregisters the resolver sockets registered
+// with Serve (capture stops), unless Handoff was called. With Config.Detach (and
+// no handoff) it then detaches every program and removes every pin (and the
+// pin directory when it is then empty); otherwise links and maps stay pinned,
+// and attached but inert, for the next agent to adopt. It closes this process's
+// file descriptors in every case. Close is idempotent and safe after a failed
+// or missing Start.
+func (d *Datapath) Close() error {
+	d.mu.Lock()
+	if d.closed {
 		d.mu.Unlock()
-		if err != nil {
-			d.log.Error("write heartbeat", "err", err)
-		}
-	}
-}
-
-// Close stops capture. Without persist it detaches every program and removes
-// every pin (and the pin directory when it is then empty). With persist it only
-// sets the datapath not ready and closes its file descriptors: links and maps stay
-// pinned (and attached, but failing open) for the next agent, which replaces them.
-func (d *Datapath) Close(persist bool) error {
-	d.mu.Lock()
-	defer d.mu.Unlock()
-	if d.closed {
 		return nil
 	}
 	d.closed = true
-	var errs []error
-	if err := d.writeState(false); err != nil {
-		errs = append(errs, err)
+	stop, done := d.stopWD, d.wdDone
+	d.mu.Unlock()
+	if stop != nil {
+		stop()
+		<-done
 	}
-	if persist {
-		for _, a := range d.links {
-			if err := a.link.Close(); err != nil { // pinned: stays attached
-				errs = append(errs, fmt.Errorf("close link %s: %w", a.hook.name, err))
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if !d.started || d.objs.Config == nil {
+		return nil
+	}
+	d.probe.Close()
+	var errs []error
+	if !d.handoff {
+		errs = append(errs, d.unserveLocked())
+	}
+	detach := d.set.cfg.Detach && !d.handoff
+	adopted := false
+	for _, a := range d.links {
+		adopted = adopted || a.adopted
+	}
+	for _, a := range d.links {
+		if detach || (d.discard && !a.adopted) {
+			if err := a.link.Detach(); err != nil && !errors.Is(err, link.ErrNotSupported) {
+				errs = append(errs, fmt.Errorf("detach %s: %w", a.hook.section, err))
+			}
+			if err := a.link.Unpin(); err != nil {
+				errs = append(errs, fmt.Errorf("unpin link %s: %w", a.pin, err))
 			}
 		}
-		d.links = nil
-		if err := d.objs.Close(); err != nil {
-			errs = append(errs, fmt.Errorf("close eBPF objects: %w", err))
+		if err := a.link.Close(); err != nil {
+			errs = append(errs, fmt.Errorf("close link %s: %w", a.hook.name, err))
 		}
-		d.log.Info("eBPF datapath left pinned (persist)", "pin_dir", d.pinDir)
-		return errors.Join(errs...)
 	}
-	if err := d.teardown(); err != nil {
-		errs = append(errs, err)
+	d.links = nil
+	if detach || (d.discard && !adopted) {
+		for name := range d.mapsByName() {
+			p := filepath.Join(d.pinDir, mapsDir, name)
+			if err := os.Remove(p); err != nil && !errors.Is(err, os.ErrNotExist) {
+				errs = append(errs, fmt.Errorf("unpin map %s: %w", name, err))
+			}
+		}
+		errs = append(errs, removeEmptyPinDirs(d.pinDir)...)
 	}
+	d.dequeued.Store(nil)
+	if d.progress != nil {
+		d.progress.close()
+		d.progress = nil
+	}
+	if err := d.objs.Close(); err != nil {
+		errs = append(errs, fmt.Errorf("close eBPF objects: %w", err))
+	}
+	d.objs = redirectObjects{}
 	if err := errors.Join(errs...); err != nil {
 		return err
 	}
-	d.log.Info("eBPF datapath detached", "cgroup", d.set.cfg.Cgroup)
+	switch {
+	case d.handoff:
+		d.log.Info("eBPF datapath handed over to the successor")
+	case detach || (d.discard && !adopted):
+		d.log.Info("eBPF datapath detached", "cgroup", d.set.cfg.Cgroup)
+	default:
+		d.log.Info("eBPF datapath left attached and pinned (inert) for the next agent", "pin_dir", d.pinDir)
+	}
 	return nil
 }
 

@@ -13,14 +13,56 @@ import (
 	"github.com/cilium/ebpf"
 )
 
+type redirectCgroupCounter uint32
+
+const (
+	redirectCgroupCounterCGROUP_REDIRECTED_UDP  redirectCgroupCounter = 0
+	redirectCgroupCounterCGROUP_REDIRECTED_TCP  redirectCgroupCounter = 1
+	redirectCgroupCounterCGROUP_REPLY_REWRITTEN redirectCgroupCounter = 2
+	redirectCgroupCounterCGROUP_SKIPPED         redirectCgroupCounter = 3
+	redirectCgroupCounterNUM_CGROUP_COUNTERS    redirectCgroupCounter = 4
+)
+
 type redirectCgroupCounters struct {
 	_        structs.HostLayout
 	Counters [4]uint64
 }
 
+type redirectCounter uint32
+
+const (
+	redirectCounterCOUNTER_REDIRECTED_UDP    redirectCounter = 0
+	redirectCounterCOUNTER_REDIRECTED_TCP    redirectCounter = 1
+	redirectCounterCOUNTER_REPLY_REWRITTEN   redirectCounter = 2
+	redirectCounterCOUNTER_SKIP_PROXY        redirectCounter = 3
+	redirectCounterCOUNTER_SKIP_RESOLVER     redirectCounter = 4
+	redirectCounterCOUNTER_SKIP_NO_RESOLVER  redirectCounter = 5
+	redirectCounterCOUNTER_SKIP_STALLED      redirectCounter = 6
+	redirectCounterCOUNTER_SKIP_NOT_CAPTURED redirectCounter = 7
+	redirectCounterCOUNTER_SKIP_LOOPBACK     redirectCounter = 8
+	redirectCounterCOUNTER_SKIP_OTHER_NETNS  redirectCounter = 9
+	redirectCounterCOUNTER_SKIP_NO_STATE     redirectCounter = 10
+	redirectCounterCOUNTER_MAP_MISS          redirectCounter = 11
+	redirectCounterNUM_COUNTERS              redirectCounter = 12
+)
+
+type redirectHook uint32
+
+const (
+	redirectHookHOOK_CONNECT4     redirectHook = 0
+	redirectHookHOOK_CONNECT6     redirectHook = 1
+	redirectHookHOOK_SENDMSG4     redirectHook = 2
+	redirectHookHOOK_SENDMSG6     redirectHook = 3
+	redirectHookHOOK_RECVMSG4     redirectHook = 4
+	redirectHookHOOK_RECVMSG6     redirectHook = 5
+	redirectHookHOOK_GETPEERNAME4 redirectHook = 6
+	redirectHookHOOK_GETPEERNAME6 redirectHook = 7
+	redirectHookNUM_HOOKS         redirectHook = 8
+)
+
 type redirectHookCounters struct {
 	_        structs.HostLayout
-	Counters [11]uint64
+	Counters [12]uint64
 }
 
 type redirectMeshdnsConfig struct {
@@ -30,18 +72,44 @@ type redirectMeshdnsConfig struct {
 	BasePort         uint16
 	NumSlots         uint16
 	AllSlot          uint16
-	Pad0             uint16
+	NumAll           uint16
 	Flags            uint32
 	UpstreamMark     uint32
-	Pad1             uint32
+	_                [4]byte
 	AgentNetnsCookie uint64
+	StallNs          uint64
 }
 
-type redirectMeshdnsState struct {
-	_           structs.HostLayout
-	Ready       uint32
-	Pad0        uint32
-	HeartbeatNs uint64
+type redirectMeshdnsFlags uint32
+
+const (
+	redirectMeshdnsFlagsFLAG_TARGET4          redirectMeshdnsFlags = 1
+	redirectMeshdnsFlagsFLAG_TARGET6          redirectMeshdnsFlags = 2
+	redirectMeshdnsFlagsFLAG_CAPTURE_ALL      redirectMeshdnsFlags = 4
+	redirectMeshdnsFlagsFLAG_CAPTURE_LOOPBACK redirectMeshdnsFlags = 8
+	redirectMeshdnsFlagsFLAG_TARGET4LOOPBACK  redirectMeshdnsFlags = 16
+	redirectMeshdnsFlagsFLAG_TARGET6LOOPBACK  redirectMeshdnsFlags = 32
+)
+
+type redirectMeshdnsLimits uint32
+
+const (
+	redirectMeshdnsLimitsMAX_NAMESERVERS redirectMeshdnsLimits = 32
+	redirectMeshdnsLimitsMAX_ALL_SLOTS   redirectMeshdnsLimits = 4
+	redirectMeshdnsLimitsMAX_SLOTS       redirectMeshdnsLimits = 36
+	redirectMeshdnsLimitsSOCK_ENTRIES    redirectMeshdnsLimits = 4
+	redirectMeshdnsLimitsMAX_PROXY_UIDS  redirectMeshdnsLimits = 64
+	redirectMeshdnsLimitsRESOLVER_SOCKS  redirectMeshdnsLimits = 144
+)
+
+type redirectMeshdnsProgress struct {
+	_            structs.HostLayout
+	Dequeued     uint64
+	Pad0         [7]uint64
+	WatchSince   uint64
+	WatchCount   uint64
+	SuspectSince uint64
+	Pad1         [5]uint64
 }
 
 type redirectNsKey struct {
@@ -49,42 +117,48 @@ type redirectNsKey struct {
 	Addr [4]uint32
 }
 
-type redirectOrigKey struct {
-	_      structs.HostLayout
-	Cookie uint64
-	Port   uint16
-	Pad0   uint16
-	Pad1   uint32
+type redirectResolverSockKind uint32
+
+const (
+	redirectResolverSockKindRESOLVER_FAMILY_V4 redirectResolverSockKind = 0
+	redirectResolverSockKindRESOLVER_FAMILY_V6 redirectResolverSockKind = 1
+	redirectResolverSockKindRESOLVER_PROTO_UDP redirectResolverSockKind = 0
+	redirectResolverSockKindRESOLVER_PROTO_TCP redirectResolverSockKind = 1
+)
+
+type redirectSockEntry struct {
+	_     structs.HostLayout
+	Addr  [4]uint32
+	Slot1 uint16
+	Pad0  uint16
 }
 
-type redirectOrigVal struct {
-	_    structs.HostLayout
-	Addr [4]uint32
-	Port uint16
-	Pad0 uint16
-	Pad1 uint32
+type redirectSockOrigs struct {
+	_ structs.HostLayout
+	E [4]redirectSockEntry
 }
 
 // Names of all BPF objects in the ELF.
 //
 // Used for safe lookups in a Collection or CollectionSpec.
 const (
-	redirectMapCgroupStats   = "cgroup_stats"
-	redirectMapConfig        = "config"
-	redirectMapNameservers   = "nameservers"
-	redirectMapOrigDst       = "orig_dst"
-	redirectMapProxyUids     = "proxy_uids"
-	redirectMapState         = "state"
-	redirectMapStats         = "stats"
-	redirectProgConnect4     = "connect4"
-	redirectProgConnect6     = "connect6"
-	redirectProgGetpeername4 = "getpeername4"
-	redirectProgGetpeername6 = "getpeername6"
-	redirectProgRecvmsg4     = "recvmsg4"
-	redirectProgRecvmsg6     = "recvmsg6"
-	redirectProgSendmsg4     = "sendmsg4"
-	redirectProgSendmsg6     = "sendmsg6"
-	redirectProgSockRelease  = "sock_release"
+	redirectMapCgroupStats        = "cgroup_stats"
+	redirectMapConfig             = "config"
+	redirectMapNameservers        = "nameservers"
+	redirectMapProgress           = "progress"
+	redirectMapProxyUids          = "proxy_uids"
+	redirectMapResolverSocks      = "resolver_socks"
+	redirectMapSockState          = "sock_state"
+	redirectMapStats              = "stats"
+	redirectProgConnect4          = "connect4"
+	redirectProgConnect6          = "connect6"
+	redirectProgGetpeername4      = "getpeername4"
+	redirectProgGetpeername6      = "getpeername6"
+	redirectProgRecvmsg4          = "recvmsg4"
+	redirectProgRecvmsg6          = "recvmsg6"
+	redirectProgSendmsg4          = "sendmsg4"
+	redirectProgSendmsg6          = "sendmsg6"
+	redirectVarMeshdnsEnumsAnchor = "meshdns_enums_anchor"
 )
 
 // loadRedirect returns the embedded CollectionSpec for redirect.
@@ -137,26 +211,27 @@ type redirectProgramSpecs struct {
 	Recvmsg6     *ebpf.ProgramSpec `ebpf:"recvmsg6"`
 	Sendmsg4     *ebpf.ProgramSpec `ebpf:"sendmsg4"`
 	Sendmsg6     *ebpf.ProgramSpec `ebpf:"sendmsg6"`
-	SockRelease  *ebpf.ProgramSpec `ebpf:"sock_release"`
 }
 
 // redirectMapSpecs contains maps before they are loaded into the kernel.
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type redirectMapSpecs struct {
-	CgroupStats *ebpf.MapSpec `ebpf:"cgroup_stats"`
-	Config      *ebpf.MapSpec `ebpf:"config"`
-	Nameservers *ebpf.MapSpec `ebpf:"nameservers"`
-	OrigDst     *ebpf.MapSpec `ebpf:"orig_dst"`
-	ProxyUids   *ebpf.MapSpec `ebpf:"proxy_uids"`
-	State       *ebpf.MapSpec `ebpf:"state"`
-	Stats       *ebpf.MapSpec `ebpf:"stats"`
+	CgroupStats   *ebpf.MapSpec `ebpf:"cgroup_stats"`
+	Config        *ebpf.MapSpec `ebpf:"config"`
+	Nameservers   *ebpf.MapSpec `ebpf:"nameservers"`
+	Progress      *ebpf.MapSpec `ebpf:"progress"`
+	ProxyUids     *ebpf.MapSpec `ebpf:"proxy_uids"`
+	ResolverSocks *ebpf.MapSpec `ebpf:"resolver_socks"`
+	SockState     *ebpf.MapSpec `ebpf:"sock_state"`
+	Stats         *ebpf.MapSpec `ebpf:"stats"`
 }
 
 // redirectVariableSpecs contains global variables before they are loaded into the kernel.
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type redirectVariableSpecs struct {
+	MeshdnsEnumsAnchor *ebpf.VariableSpec `ebpf:"meshdns_enums_anchor"`
 }
 
 // redirectObjects contains all objects after they have been loaded into the kernel.
@@ -179,13 +254,14 @@ func (o *redirectObjects) Close() error {
 //
 // It can be passed to loadRedirectObjects or ebpf.CollectionSpec.LoadAndAssign.
 type redirectMaps struct {
-	CgroupStats *ebpf.Map `ebpf:"cgroup_stats"`
-	Config      *ebpf.Map `ebpf:"config"`
-	Nameservers *ebpf.Map `ebpf:"nameservers"`
-	OrigDst     *ebpf.Map `ebpf:"orig_dst"`
-	ProxyUids   *ebpf.Map `ebpf:"proxy_uids"`
-	State       *ebpf.Map `ebpf:"state"`
-	Stats       *ebpf.Map `ebpf:"stats"`
+	CgroupStats   *ebpf.Map `ebpf:"cgroup_stats"`
+	Config        *ebpf.Map `ebpf:"config"`
+	Nameservers   *ebpf.Map `ebpf:"nameservers"`
+	Progress      *ebpf.Map `ebpf:"progress"`
+	ProxyUids     *ebpf.Map `ebpf:"proxy_uids"`
+	ResolverSocks *ebpf.Map `ebpf:"resolver_socks"`
+	SockState     *ebpf.Map `ebpf:"sock_state"`
+	Stats         *ebpf.Map `ebpf:"stats"`
 }
 
 func (m *redirectMaps) Close() error {
@@ -193,9 +269,10 @@ func (m *redirectMaps) Close() error {
 		m.CgroupStats,
 		m.Config,
 		m.Nameservers,
-		m.OrigDst,
+		m.Progress,
 		m.ProxyUids,
-		m.State,
+		m.ResolverSocks,
+		m.SockState,
 		m.Stats,
 	)
 }
@@ -204,6 +281,7 @@ func (m *redirectMaps) Close() error {
 //
 // It can be passed to loadRedirectObjects or ebpf.CollectionSpec.LoadAndAssign.
 type redirectVariables struct {
+	MeshdnsEnumsAnchor *ebpf.Variable `ebpf:"meshdns_enums_anchor"`
 }
 
 // redirectPrograms contains all programs after they have been loaded into the kernel.
@@ -218,7 +296,6 @@ type redirectPrograms struct {
 	Recvmsg6     *ebpf.Program `ebpf:"recvmsg6"`
 	Sendmsg4     *ebpf.Program `ebpf:"sendmsg4"`
 	Sendmsg6     *ebpf.Program `ebpf:"sendmsg6"`
-	SockRelease  *ebpf.Program `ebpf:"sock_release"`
 }
 
 func (p *redirectPrograms) Close() error {
@@ -231,7 +308,6 @@ func (p *redirectPrograms) Close() error {
 		p.Recvmsg6,
 		p.Sendmsg4,
 		p.Sendmsg6,
-		p.SockRelease,
 	)
 }
 

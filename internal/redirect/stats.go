@@ -1,7 +1,9 @@
 package redirect
 
 import (
+	"bytes"
 	"encoding/binary"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -15,30 +17,52 @@ import (
 
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/link"
+
+	"github.com/meshdns/meshdns-ebpf/internal/cgroup2"
 )
 
-// HookStats are the counters of one program (or their total), summed over CPUs.
+// HookStats are the counters of one program (or their total), summed over CPUs,
+// in the order of CounterNames. In JSON they are flat: {"hook": ..., "<name>": n}.
 type HookStats struct {
-	Hook            string `json:"hook"`
-	RedirectedUDP   uint64 `json:"redirected_udp"`
-	RedirectedTCP   uint64 `json:"redirected_tcp"`
-	ReplyRewritten  uint64 `json:"reply_rewritten"`
-	SkipProxy       uint64 `json:"skip_proxy"`
-	SkipResolver    uint64 `json:"skip_resolver"`
-	SkipNotReady    uint64 `json:"skip_not_ready"`
-	SkipNotCaptured uint64 `json:"skip_not_captured"`
-	SkipLoopback    uint64 `json:"skip_loopback"`
-	SkipOtherNetns  uint64 `json:"skip_other_netns"`
-	MapMiss         uint64 `json:"map_miss"`
-	MapError        uint64 `json:"map_error"`
+	Hook     string
+	Counters []uint64
 }
 
-// counter returns the field of counter i (the order of counterNames).
-func (h *HookStats) counter(i int) *uint64 {
-	return [...]*uint64{
-		&h.RedirectedUDP, &h.RedirectedTCP, &h.ReplyRewritten, &h.SkipProxy, &h.SkipResolver,
-		&h.SkipNotReady, &h.SkipNotCaptured, &h.SkipLoopback, &h.SkipOtherNetns, &h.MapMiss, &h.MapError,
-	}[i]
+// Get returns the counter called name (one of CounterNames), or 0.
+func (h HookStats) Get(name string) uint64 {
+	for i, n := range CounterNames() {
+		if n == name && i < len(h.Counters) {
+			return h.Counters[i]
+		}
+	}
+	return 0
+}
+
+// MarshalJSON writes {"hook": ..., "redirected_udp": n, ...} in counter order.
+func (h HookStats) MarshalJSON() ([]byte, error) {
+	return flatJSON("hook", h.Hook, CounterNames(), h.Counters)
+}
+
+func flatJSON(key string, value any, names []string, counters []uint64) ([]byte, error) {
+	var b bytes.Buffer
+	kb, _ := json.Marshal(key)
+	vb, err := json.Marshal(value)
+	if err != nil {
+		return nil, err
+	}
+	b.WriteByte('{')
+	b.Write(kb)
+	b.WriteByte(':')
+	b.Write(vb)
+	for i, n := range names {
+		var c uint64
+		if i < len(counters) {
+			c = counters[i]
+		}
+		fmt.Fprintf(&b, ",%q:%d", n, c)
+	}
+	b.WriteByte('}')
+	return b.Bytes(), nil
 }
 
 // CgroupStats are the counters of the sockets of one cgroup, summed over CPUs and
@@ -59,8 +83,19 @@ type CgroupStats struct {
 // address, UDP and TCP connects).
 func (c CgroupStats) Redirected() uint64 { return c.RedirectedUDP + c.RedirectedTCP }
 
-func (c *CgroupStats) counter(i int) *uint64 {
-	return [...]*uint64{&c.RedirectedUDP, &c.RedirectedTCP, &c.ReplyRewritten, &c.Skipped}[i]
+// counter is the field of enum cgroup_counter value i.
+func (c *CgroupStats) counter(i redirectCgroupCounter) *uint64 {
+	switch i {
+	case redirectCgroupCounterCGROUP_REDIRECTED_UDP:
+		return &c.RedirectedUDP
+	case redirectCgroupCounterCGROUP_REDIRECTED_TCP:
+		return &c.RedirectedTCP
+	case redirectCgroupCounterCGROUP_REPLY_REWRITTEN:
+		return &c.ReplyRewritten
+	case redirectCgroupCounterCGROUP_SKIPPED:
+		return &c.Skipped
+	}
+	return nil
 }
 
 // Stats are the datapath's counters.
@@ -86,7 +121,7 @@ func loadPinnedMap(pinDir, name string) (*ebpf.Map, error) {
 	return m, nil
 }
 
-// ReadStats reads the counters from the maps pinned under pinDir.
+// ReadStats reads the counters from the maps pinned under pinDir (the CLI).
 func ReadStats(pinDir string) (*Stats, error) {
 	statsMap, err := loadPinnedMap(pinDir, redirectMapStats)
 	if err != nil {
@@ -98,23 +133,61 @@ func ReadStats(pinDir string) (*Stats, error) {
 		return nil, err
 	}
 	defer cgMap.Close()
+	return readStats(statsMap, cgMap, cgroup2.Walk)
+}
 
-	s := &Stats{Total: HookStats{Hook: "TOTAL"}}
-	for i, h := range hooks {
+// HookStats reads the per-hook counters from the live maps: what a metrics
+// scrape needs, without opening pins or walking the cgroup tree.
+func (d *Datapath) HookStats() ([]HookStats, error) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.objs.Stats == nil {
+		return nil, errors.New("datapath is not started or closed")
+	}
+	return readHookStats(d.objs.Stats)
+}
+
+// Stats reads every counter from the live maps; cgroup paths come from a cache
+// that walks the cgroup tree only for ids it has not seen.
+func (d *Datapath) Stats() (*Stats, error) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.objs.Stats == nil {
+		return nil, errors.New("datapath is not started or closed")
+	}
+	return readStats(d.objs.Stats, d.objs.CgroupStats, d.cgroups.Paths)
+}
+
+func readHookStats(statsMap *ebpf.Map) ([]HookStats, error) {
+	names := CounterNames()
+	out := make([]HookStats, 0, len(hooks))
+	for _, h := range hooks {
 		var perCPU []redirectHookCounters
-		if err := statsMap.Lookup(uint32(i), &perCPU); err != nil {
+		if err := statsMap.Lookup(uint32(h.row), &perCPU); err != nil {
 			return nil, fmt.Errorf("read counters of %s: %w", h.name, err)
 		}
-		hs := HookStats{Hook: h.name}
+		hs := HookStats{Hook: h.name, Counters: make([]uint64, len(names))}
 		for _, c := range perCPU {
-			for j := range counterNames {
-				*hs.counter(j) += c.Counters[j]
-				*s.Total.counter(j) += c.Counters[j]
+			for j := range names {
+				hs.Counters[j] += c.Counters[j]
 			}
 		}
-		s.Hooks = append(s.Hooks, hs)
+		out = append(out, hs)
 	}
+	return out, nil
+}
 
+func readStats(statsMap, cgMap *ebpf.Map, paths func([]uint64) map[uint64]string) (*Stats, error) {
+	hs, err := readHookStats(statsMap)
+	if err != nil {
+		return nil, err
+	}
+	s := &Stats{Hooks: hs, Total: HookStats{Hook: "TOTAL", Counters: make([]uint64, len(CounterNames()))}}
+	for _, h := range hs {
+		for j, c := range h.Counters {
+			s.Total.Counters[j] += c
+		}
+	}
 	var (
 		id     uint64
 		perCPU []redirectCgroupCounters
@@ -124,8 +197,10 @@ func ReadStats(pinDir string) (*Stats, error) {
 	for it.Next(&id, &perCPU) {
 		cs := CgroupStats{ID: id}
 		for _, c := range perCPU {
-			for j := range cgroupCounterNames {
-				*cs.counter(j) += c.Counters[j]
+			for j := range c.Counters {
+				if f := cs.counter(redirectCgroupCounter(j)); f != nil {
+					*f += c.Counters[j]
+				}
 			}
 		}
 		s.Cgroups = append(s.Cgroups, cs)
@@ -134,9 +209,9 @@ func ReadStats(pinDir string) (*Stats, error) {
 	if err := it.Err(); err != nil {
 		return nil, fmt.Errorf("read per-cgroup counters: %w", err)
 	}
-	paths := cgroupPaths(ids)
+	p := paths(ids)
 	for i := range s.Cgroups {
-		s.Cgroups[i].Path = paths[s.Cgroups[i].ID]
+		s.Cgroups[i].Path = p[s.Cgroups[i].ID]
 	}
 	sort.SliceStable(s.Cgroups, func(i, j int) bool {
 		a, b := s.Cgroups[i], s.Cgroups[j]
@@ -154,16 +229,21 @@ func ReadStats(pinDir string) (*Stats, error) {
 // WriteTable writes the per-hook counters with a TOTAL row, then the per-cgroup
 // counters (most redirected first), as aligned tables.
 func (s *Stats) WriteTable(w io.Writer) error {
+	names := CounterNames()
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
 	head := []string{"HOOK"}
-	for _, n := range counterNames {
+	for _, n := range names {
 		head = append(head, strings.ToUpper(n))
 	}
 	fmt.Fprintln(tw, strings.Join(head, "\t"))
 	row := func(h HookStats) {
 		cols := []string{h.Hook}
-		for j := range counterNames {
-			cols = append(cols, fmt.Sprint(*h.counter(j)))
+		for j := range names {
+			var c uint64
+			if j < len(h.Counters) {
+				c = h.Counters[j]
+			}
+			cols = append(cols, fmt.Sprint(c))
 		}
 		fmt.Fprintln(tw, strings.Join(cols, "\t"))
 	}
@@ -178,7 +258,7 @@ func (s *Stats) WriteTable(w io.Writer) error {
 
 	tw = tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
 	head = []string{"CGROUP ID", "PATH"}
-	for _, n := range cgroupCounterNames {
+	for _, n := range CgroupCounterNames() {
 		head = append(head, strings.ToUpper(n))
 	}
 	fmt.Fprintln(tw, strings.Join(head, "\t"))
@@ -191,8 +271,8 @@ func (s *Stats) WriteTable(w io.Writer) error {
 			path = "pod " + c.Pod
 		}
 		cols := []string{fmt.Sprint(c.ID), path}
-		for j := range cgroupCounterNames {
-			cols = append(cols, fmt.Sprint(*c.counter(j)))
+		for j := range CgroupCounterNames() {
+			cols = append(cols, fmt.Sprint(*c.counter(redirectCgroupCounter(j))))
 		}
 		fmt.Fprintln(tw, strings.Join(cols, "\t"))
 	}
@@ -210,9 +290,12 @@ type NameserverSlot struct {
 type Status struct {
 	PinDir          string           `json:"pin_dir"`
 	Programs        []ProgramInfo    `json:"programs"`
-	Ready           bool             `json:"ready"`
-	HeartbeatAge    time.Duration    `json:"heartbeat_age_ns"`
-	Capturing       bool             `json:"capturing"` // ready and heartbeat fresh
+	ResolverSockets int              `json:"resolver_sockets"` // registered resolver sockets (0: capture is off)
+	Dequeued        uint64           `json:"dequeued"`         // datagrams and connections the resolver read
+	Stalled         bool             `json:"stalled"`          // a watch aged past the stall timeout and a quarter more (the programs' second look)
+	WatchAge        time.Duration    `json:"watch_age_ns"`     // age of the running watch with no dequeue since; 0: none
+	Capturing       bool             `json:"capturing"`        // resolver sockets registered and not stalled
+	StallAfter      time.Duration    `json:"stall_after_ns"`
 	Target4         netip.AddrPort   `json:"target4"`
 	Target6         netip.AddrPort   `json:"target6"`
 	SlotPorts       []uint16         `json:"slot_ports"`
@@ -226,41 +309,42 @@ type Status struct {
 // ReadStatus reads what is attached and how it is configured from the links and
 // maps pinned under pinDir.
 func ReadStatus(pinDir string) (*Status, error) {
-	cfgMap, err := loadPinnedMap(pinDir, redirectMapConfig)
-	if err != nil {
-		return nil, err
+	var maps [5]*ebpf.Map
+	for i, name := range []string{redirectMapConfig, redirectMapProgress, redirectMapNameservers, redirectMapProxyUids, redirectMapResolverSocks} {
+		m, err := loadPinnedMap(pinDir, name)
+		if err != nil {
+			return nil, err
+		}
+		defer m.Close()
+		maps[i] = m
 	}
-	defer cfgMap.Close()
-	stateMap, err := loadPinnedMap(pinDir, redirectMapState)
-	if err != nil {
-		return nil, err
-	}
-	defer stateMap.Close()
-	nsMap, err := loadPinnedMap(pinDir, redirectMapNameservers)
-	if err != nil {
-		return nil, err
-	}
-	defer nsMap.Close()
-	uidMap, err := loadPinnedMap(pinDir, redirectMapProxyUids)
-	if err != nil {
-		return nil, err
-	}
-	defer uidMap.Close()
+	cfgMap, progMap, nsMap, uidMap, sockMap := maps[0], maps[1], maps[2], maps[3], maps[4]
 
 	st := &Status{PinDir: pinDir}
 	var c redirectMeshdnsConfig
 	if err := cfgMap.Lookup(uint32(0), &c); err != nil {
 		return nil, fmt.Errorf("read config map: %w", err)
 	}
-	var state redirectMeshdnsState
-	if err := stateMap.Lookup(uint32(0), &state); err != nil {
-		return nil, fmt.Errorf("read state map: %w", err)
+	var p redirectMeshdnsProgress
+	if err := progMap.Lookup(uint32(0), &p); err != nil {
+		return nil, fmt.Errorf("read progress map: %w", err)
 	}
-	st.Ready = state.Ready != 0
-	if now := monotonicNow(); state.HeartbeatNs != 0 && now >= state.HeartbeatNs {
-		st.HeartbeatAge = time.Duration(now - state.HeartbeatNs)
+	st.Dequeued = p.Dequeued
+	st.StallAfter = time.Duration(c.StallNs)
+	if now := monotonicNow(); p.WatchSince != 0 && p.WatchCount == p.Dequeued && now >= p.WatchSince {
+		st.WatchAge = time.Duration(now - p.WatchSince)
+		st.Stalled = st.WatchAge > st.StallAfter+st.StallAfter/4
 	}
-	st.Capturing = st.Ready && st.HeartbeatAge <= HeartbeatTimeout
+	var key uint32
+	var cookie uint64
+	it := sockMap.Iterate()
+	for it.Next(&key, &cookie) {
+		st.ResolverSockets++
+	}
+	if err := it.Err(); err != nil {
+		return nil, fmt.Errorf("read resolver_socks map: %w", err)
+	}
+	st.Capturing = st.ResolverSockets > 0 && !st.Stalled
 	if c.Flags&flagTarget4 != 0 {
 		var b [4]byte
 		binary.NativeEndian.PutUint32(b[:], c.Target4)
@@ -276,16 +360,16 @@ func ReadStatus(pinDir string) (*Status, error) {
 		st.SlotPorts = append(st.SlotPorts, c.BasePort+uint16(i))
 	}
 	var (
-		key  redirectNsKey
-		slot uint32
+		nsKey redirectNsKey
+		slot  uint32
 	)
-	it := nsMap.Iterate()
-	for it.Next(&key, &slot) {
+	nit := nsMap.Iterate()
+	for nit.Next(&nsKey, &slot) {
 		st.Nameservers = append(st.Nameservers, NameserverSlot{
-			Address: wordsAddr(key.Addr).Unmap(), Slot: int(slot), Port: c.BasePort + uint16(slot),
+			Address: wordsAddr(nsKey.Addr).Unmap(), Slot: int(slot), Port: c.BasePort + uint16(slot),
 		})
 	}
-	if err := it.Err(); err != nil {
+	if err := nit.Err(); err != nil {
 		return nil, fmt.Errorf("read nameservers map: %w", err)
 	}
 	sort.Slice(st.Nameservers, func(i, j int) bool { return st.Nameservers[i].Slot < st.Nameservers[j].Slot })
@@ -337,7 +421,7 @@ func pinnedPrograms(pinDir string) ([]ProgramInfo, error) {
 		}
 		out = append(out, pi)
 	}
-	paths := cgroupPaths(cgIDs)
+	paths := cgroup2.Walk(cgIDs)
 	for _, r := range resolve {
 		if p, ok := paths[r.cgID]; ok {
 			out[r.idx].Cgroup = p
@@ -360,9 +444,14 @@ func wordsAddr(w [4]uint32) netip.Addr {
 func (s *Status) WriteText(w io.Writer) error {
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
 	fmt.Fprintf(tw, "pin dir:\t%s\n", s.PinDir)
-	fmt.Fprintf(tw, "ready:\t%v\n", s.Ready)
-	fmt.Fprintf(tw, "heartbeat age:\t%s\n", s.HeartbeatAge.Round(time.Millisecond))
 	fmt.Fprintf(tw, "capturing:\t%v\n", s.Capturing)
+	fmt.Fprintf(tw, "resolver sockets:\t%d\n", s.ResolverSockets)
+	fmt.Fprintf(tw, "resolver dequeued:\t%d\n", s.Dequeued)
+	stall := "no"
+	if s.Stalled {
+		stall = fmt.Sprintf("yes: nothing dequeued for %s (limit %s)", s.WatchAge.Round(time.Millisecond), s.StallAfter)
+	}
+	fmt.Fprintf(tw, "stalled:\t%s\n", stall)
 	if s.Target4.IsValid() {
 		fmt.Fprintf(tw, "target4:\t%s\n", s.Target4)
 	}

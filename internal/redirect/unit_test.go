@@ -1,11 +1,12 @@
 package redirect
 
 import (
+	"encoding/json"
 	"errors"
 	"net/netip"
 	"os"
+	"os/exec"
 	"reflect"
-	"regexp"
 	"strings"
 	"testing"
 
@@ -13,66 +14,46 @@ import (
 	"github.com/meshdns/meshdns-ebpf/internal/testenv"
 )
 
-// The Go tables mirror the C enums (stats map rows and columns) name by name.
-func TestNamesMatchBPFSource(t *testing.T) {
-	src, err := os.ReadFile("../../bpf/redirect.c")
+// The hook table names every program of the object, in enum hook order, and
+// the counter names come from the C enums (BTF), so nothing is mirrored by hand.
+func TestNamesMatchBPFObject(t *testing.T) {
+	spec, err := loadRedirect()
 	if err != nil {
 		t.Fatal(err)
 	}
-	enum := func(name, prefix string) []string {
-		re := regexp.MustCompile(`(?s)enum ` + name + ` \{(.*?)\};`)
-		m := re.FindSubmatch(src)
-		if m == nil {
-			t.Fatalf("enum %s not found in bpf/redirect.c", name)
-		}
-		var out []string
-		for _, f := range strings.Split(string(m[1]), ",") {
-			f = strings.TrimSpace(f)
-			if f == "" || strings.HasPrefix(f, "NUM_") {
-				continue
-			}
-			out = append(out, strings.ToLower(strings.TrimPrefix(f, prefix)))
-		}
-		return out
+	if len(hooks) != int(redirectHookNUM_HOOKS) || len(spec.Programs) != len(hooks) {
+		t.Errorf("%d hooks in Go, NUM_HOOKS = %d, %d programs in the object", len(hooks), redirectHookNUM_HOOKS, len(spec.Programs))
 	}
-	var hookNames []string
-	for _, h := range hooks {
-		hookNames = append(hookNames, h.name)
-		if !strings.Contains(string(src), `SEC("`+h.section+`")`) {
-			t.Errorf("no program in section %s", h.section)
+	for i, h := range hooks {
+		p := spec.Programs[h.name]
+		if p == nil {
+			t.Errorf("no program %s in the object", h.name)
+			continue
+		}
+		if p.SectionName != h.section || p.AttachType != h.attach {
+			t.Errorf("program %s: section %s attach %v, Go says %s %v", h.name, p.SectionName, p.AttachType, h.section, h.attach)
+		}
+		if int(h.row) != i {
+			t.Errorf("hook %s has row %d at index %d", h.name, h.row, i)
 		}
 	}
-	for _, c := range []struct {
-		enum, prefix string
-		goNames      []string
-	}{
-		{"hook", "HOOK_", hookNames},
-		{"counter", "COUNTER_", counterNames},
-		{"cgroup_counter", "CGROUP_", cgroupCounterNames},
-	} {
-		if got := enum(c.enum, c.prefix); !reflect.DeepEqual(got, c.goNames) {
-			t.Errorf("enum %s = %v, Go has %v", c.enum, got, c.goNames)
-		}
+	want := []string{"redirected_udp", "redirected_tcp", "reply_rewritten", "skip_proxy", "skip_resolver",
+		"skip_no_resolver", "skip_stalled", "skip_not_captured", "skip_loopback", "skip_other_netns", "skip_no_state", "map_miss"}
+	if got := CounterNames(); !reflect.DeepEqual(got, want) {
+		t.Errorf("CounterNames() = %v, want %v", got, want)
 	}
-	// Struct sizes the C side uses for the counters.
-	if n := len(redirectHookCounters{}.Counters); n != len(counterNames) {
-		t.Errorf("hook_counters has %d counters, Go names %d", n, len(counterNames))
+	if n := len(redirectHookCounters{}.Counters); n != len(CounterNames()) || n != int(redirectCounterNUM_COUNTERS) {
+		t.Errorf("hook_counters has %d counters, %d names", n, len(CounterNames()))
 	}
-	if n := len(redirectCgroupCounters{}.Counters); n != len(cgroupCounterNames) {
-		t.Errorf("cgroup_counters has %d counters, Go names %d", n, len(cgroupCounterNames))
+	if got := CgroupCounterNames(); !reflect.DeepEqual(got, []string{"redirected_udp", "redirected_tcp", "reply_rewritten", "skipped"}) {
+		t.Errorf("CgroupCounterNames() = %v", got)
 	}
-	var hs HookStats
-	for i := range counterNames {
-		*hs.counter(i) = uint64(i + 1)
+	if n := spec.Maps["nameservers"].MaxEntries; n != uint32(maxNameservers) {
+		t.Errorf("nameservers map has %d entries, MAX_NAMESERVERS = %d", n, maxNameservers)
 	}
-	v := reflect.ValueOf(hs)
-	for i := range counterNames {
-		if v.Field(i+1).Uint() != uint64(i+1) {
-			t.Errorf("HookStats field %s is not counter %s", v.Type().Field(i+1).Name, counterNames[i])
-		}
-		if tag := v.Type().Field(i + 1).Tag.Get("json"); tag != counterNames[i] {
-			t.Errorf("HookStats field %d has json tag %q, want %q", i+1, tag, counterNames[i])
-		}
+	js, err := json.Marshal(HookStats{Hook: "connect4", Counters: []uint64{1, 2}})
+	if err != nil || !strings.HasPrefix(string(js), `{"hook":"connect4","redirected_udp":1,"redirected_tcp":2,"reply_rewritten":0,`) {
+		t.Errorf("HookStats JSON %s %v", js, err)
 	}
 }
 
@@ -89,8 +70,8 @@ func TestSlotPortsAndValidate(t *testing.T) {
 		wantFlags uint32
 	}{
 		{"two nameservers", func(*Config) {}, []uint16{53, 54}, "", flagTarget4},
-		{"capture all adds a slot", func(c *Config) { c.CaptureAll = true }, []uint16{53, 54, 55}, "", flagTarget4 | flagCaptureAll},
-		{"capture all alone", func(c *Config) { c.CaptureAll = true; c.Nameservers = nil }, []uint16{53}, "", flagTarget4 | flagCaptureAll},
+		{"capture all adds its slots", func(c *Config) { c.CaptureAll = true }, []uint16{53, 54, 55, 56, 57, 58}, "", flagTarget4 | flagCaptureAll},
+		{"capture all alone", func(c *Config) { c.CaptureAll = true; c.Nameservers = nil }, []uint16{53, 54, 55, 56}, "", flagTarget4 | flagCaptureAll},
 		{"v6 only", func(c *Config) { c.Target4 = netip.AddrPort{}; c.Target6 = a6 }, []uint16{53, 54}, "", flagTarget6},
 		{"both, loopback v4", func(c *Config) { c.Target4 = netip.MustParseAddrPort("127.0.0.1:53"); c.Target6 = a6 }, []uint16{53, 54}, "", flagTarget4 | flagTarget6 | flagTarget4Loopback},
 		{"loopback capture", func(c *Config) { c.CaptureLoopback = true }, []uint16{53, 54}, "", flagTarget4 | flagCaptureLoopback},
@@ -185,7 +166,28 @@ func TestProbeHookRejectsForbiddenHelper(t *testing.T) {
 	if s := f.String(); !strings.HasPrefix(s, "bpf_bind (in cgroup/sendmsg4): not supported by this kernel: ") {
 		t.Errorf("feature line %q", s)
 	}
-	if err := probeHook(hooks[indexOfHook("connect4")], callCtx(asm.FnGetSocketCookie)); err != nil {
-		t.Errorf("bpf_get_socket_cookie in cgroup/connect4: %v", err)
+	if err := probeHook(hooks[indexOfHook("connect4")], callCtx(asm.FnGetNetnsCookie)); err != nil {
+		t.Errorf("bpf_get_netns_cookie in cgroup/connect4: %v", err)
+	}
+}
+
+const probeEnv = "MESHDNS_REDIRECT_PROBE_PROGRAMS"
+
+// The programs load with CAP_BPF and CAP_NET_ADMIN only: without CAP_PERFMON
+// the verifier applies its Spectre hardening (no variable offsets into map
+// values), and the agent must not need more (issue 13).
+func TestProgramsLoadWithLeastPrivilege(t *testing.T) {
+	testenv.RequirePrivileged(t, "setpriv")
+	for _, caps := range [][]string{{"bpf", "net_admin"}, {"net_admin"}} {
+		argv := append(testenv.OnlyCaps(caps), clientBin)
+		cmd := exec.Command(argv[0], argv[1:]...)
+		cmd.Env = append(os.Environ(), probeEnv+"=1")
+		out, err := cmd.CombinedOutput()
+		if len(caps) == 2 && err != nil {
+			t.Errorf("with %v the programs do not load: %v\n%s", caps, err, out)
+		}
+		if len(caps) == 1 && err == nil {
+			t.Errorf("with %v (no CAP_BPF) the programs loaded: the check proves nothing", caps)
+		}
 	}
 }

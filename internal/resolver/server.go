@@ -72,8 +72,12 @@ type Config struct {
 	// MaxTCPConns bounds open TCP connections (default 1024): at the bound the
 	// connection idle the longest is closed for a new one.
 	MaxTCPConns int
-	Registerer  prometheus.Registerer
-	Logger      *slog.Logger
+	// Inherited are pre-bound sockets from a predecessor, served instead of
+	// binding; OnDequeue is told of every read (see handover.go).
+	Inherited  []InheritedListener
+	OnDequeue  func(n int)
+	Registerer prometheus.Registerer
+	Logger     *slog.Logger
 }
 
 const (
@@ -108,9 +112,12 @@ type Server struct {
 	limits  *pendingLimits
 	outBufs bufPools
 
+	inherited map[string]InheritedListener // by listen address, until Start
+	onDequeue func(n int)
+
 	started  atomic.Bool
 	stopping atomic.Bool
-	progress atomic.Uint64 // messages dequeued from the UDP sockets
+	progress atomic.Uint64 // datagrams and connections dequeued from the listening sockets
 	readers  sync.WaitGroup
 	pending  sync.WaitGroup // queries waiting for the upstream
 	wg       sync.WaitGroup // TCP connections
@@ -150,6 +157,11 @@ func New(cfg Config) (*Server, error) {
 		udpReaders:    runtime.NumCPU(),
 		maxConns:      cfg.MaxTCPConns,
 		limits:        &pendingLimits{max: int32(cfg.MaxPending), perClient: int32(cfg.MaxPendingPerClient), seed: maphash.MakeSeed()},
+		inherited:     map[string]InheritedListener{},
+		onDequeue:     cfg.OnDequeue,
+	}
+	for _, in := range cfg.Inherited {
+		s.inherited[in.Addr] = in
 	}
 	if s.log == nil {
 		s.log = slog.Default()
@@ -254,6 +266,7 @@ func (s *Server) Start(ctx context.Context) error {
 	if !s.started.CompareAndSwap(false, true) {
 		return errors.New("resolver: already started")
 	}
+	defer s.closeInherited() // what no listen address took
 	for _, la := range s.listen {
 		if err := ctx.Err(); err != nil {
 			s.closeSockets()
@@ -282,6 +295,9 @@ func (s *Server) Start(ctx context.Context) error {
 }
 
 func (s *Server) bind(la listenAddr) error {
+	if ok, err := s.adopt(la); ok {
+		return err
+	}
 	attempts := 1
 	if la.port == 0 {
 		attempts = 20 // UDP picks the port; TCP may find it taken
@@ -348,8 +364,9 @@ func (s *Server) Addrs() []string {
 	return append([]string(nil), s.addrs...)
 }
 
-// Progress counts the messages the UDP readers have taken off their sockets (one
-// atomic add per batch): a liveness signal that costs no syscall.
+// Progress counts the datagrams the UDP readers and the connections the TCP
+// listeners have taken off their sockets (one atomic add per batch): a liveness
+// signal that costs no syscall.
 func (s *Server) Progress() uint64 { return s.progress.Load() }
 
 // Ready returns nil once the listeners are up and the first name table

@@ -41,6 +41,7 @@ func (s *Server) serveTCP(l net.Listener) {
 			time.Sleep(5 * time.Millisecond) // e.g. EMFILE: do not spin
 			continue
 		}
+		s.dequeued(1)
 		tc := &tcpConn{s: s, c: c}
 		tc.lastUsed.Store(time.Now().UnixNano())
 		if !s.admit(tc) {
@@ -97,8 +98,9 @@ func (tc *tcpConn) serve() {
 	in := make([]byte, 512)
 	var hdr [2]byte
 	for {
-		_ = tc.c.SetReadDeadline(time.Now().Add(tcpIdleTimeout))
+		_ = tc.c.SetReadDeadline(time.Now().Add(s.tcpIdle()))
 		if _, err := io.ReadFull(tc.c, hdr[:]); err != nil {
+			tc.drained()
 			return
 		}
 		n := int(binary.BigEndian.Uint16(hdr[:]))

@@ -162,6 +162,7 @@ func listenTCP(addr string) (net.Listener, error) {
 		}
 		return serr
 	}}
+	lc.SetMultipathTCP(false) // plain TCP: see handover.go
 	return lc.Listen(context.Background(), "tcp", addr)
 }
 
@@ -250,10 +251,10 @@ func (s *Server) readUDP(u *udpSock) {
 		// scheduler never hands the P over, and the runtime's monitor thread (sysmon)
 		// has no idle P to wake up for on every packet. The receive timeout bounds the
 		// block; any signal (the runtime's preemption, a stop-the-world) interrupts it
-		// with EINTR, and Gosched then gives the runtime its safe point.
+		// with EINTR, and safePoint then gives the runtime its safe point.
 		n, _, errno := unix.RawSyscall6(unix.SYS_RECVMMSG, uintptr(u.fd), uintptr(unsafe.Pointer(&r.in[0])), udpBatch, unix.MSG_WAITFORONE, 0, 0)
 		if errno != 0 {
-			runtime.Gosched()
+			safePoint()
 			switch errno {
 			case unix.EAGAIN, unix.EINTR:
 				continue // receive timeout or a signal: look at the stop flag
@@ -263,10 +264,13 @@ func (s *Server) readUDP(u *udpSock) {
 			s.log.Debug("udp receive", "err", errno)
 			continue
 		}
-		s.progress.Add(uint64(n))
+		s.dequeued(int(n))
 		start := time.Now()
 		k := 0
 		for i := range int(n) {
+			if r.in[i].n == 0 {
+				continue // a liveness probe (handover.go): counted, not answered
+			}
 			h := &r.in[i].hdr
 			c := &r.clients[i]
 			*c = client{proto: protoUDP}
@@ -308,6 +312,18 @@ func (s *Server) readUDP(u *udpSock) {
 		}
 	}
 }
+
+// safePoint yields to the runtime after an interrupted or timed-out receive.
+// It is a call, not runtime.Gosched alone: Gosched (like the raw system call
+// and the loop around it) is nosplit and never checks for a pending preemption,
+// so a collection waiting to scan this goroutine's stack (which stops one
+// goroutine at a time and signals it) never caught an idle reader that went
+// straight back into the kernel: collections took seconds with idle readers,
+// and everything that allocates waited for them. This function's prologue
+// checks, and parks the goroutine for the scan. It must not be inlined.
+//
+//go:noinline
+func safePoint() { runtime.Gosched() }
 
 // rawAddr returns the unmapped address of a received sockaddr.
 func rawAddr(sa *unix.RawSockaddrInet6) netip.Addr {

@@ -69,7 +69,10 @@ func (s *Server) readUDP(u *udpSock) {
 			}
 			continue
 		}
-		s.progress.Add(1)
+		s.dequeued(1)
+		if n == 0 {
+			continue // a liveness probe (handover.go): counted, not answered
+		}
 		*c = client{proto: protoUDP, addr: from.Addr().Unmap()}
 		c.reply.sock, c.reply.to = u, from
 		if b := w.serve(in[:n], out, c, time.Now()); b != nil {

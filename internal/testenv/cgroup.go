@@ -9,6 +9,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/meshdns/meshdns-ebpf/internal/cgroup2"
 )
 
 // Cgroup is a cgroup v2 directory created for one test.
@@ -21,7 +23,7 @@ type Cgroup struct {
 // kills every process left in it and removes it.
 func NewCgroup(t testing.TB) *Cgroup {
 	t.Helper()
-	root, err := Cgroup2Mount()
+	root, err := cgroup2.FindMount()
 	if err != nil {
 		Skip(t, "needs cgroup2: %v", err)
 	}

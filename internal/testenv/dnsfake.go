@@ -2,6 +2,7 @@ package testenv
 
 import (
 	"net/netip"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -12,15 +13,17 @@ import (
 )
 
 // FakeDNS is a fake nameserver for tests (internal/dnsfake) that answers the names in
-// its records (A or AAAA by the address family) and NXDOMAIN with an SOA for everything
-// else, over UDP and TCP, and records every query it sees. It stands for "the original
-// nameserver" or an upstream; it never forwards anywhere.
+// its records (A or AAAA by the address family; "*.zone" answers every name one label
+// below zone) and NXDOMAIN with an SOA for everything else, over UDP and TCP, and
+// records every query it sees. It stands for "the original nameserver" or an upstream;
+// it never forwards anywhere.
 type FakeDNS struct {
 	*dnsfake.Server
 	Addr string // host:port it serves on
 
 	mu      sync.Mutex
 	records map[string][]netip.Addr
+	delays  map[string]time.Duration
 }
 
 // Query is one query a FakeDNS saw.
@@ -30,7 +33,7 @@ type Query = dnsfake.Query
 // TCP) inside ns (nil: the test's own namespace) until the test ends.
 func StartFakeDNS(t testing.TB, ns *Netns, addr string, records map[string][]netip.Addr) *FakeDNS {
 	t.Helper()
-	f := &FakeDNS{records: map[string][]netip.Addr{}}
+	f := &FakeDNS{records: map[string][]netip.Addr{}, delays: map[string]time.Duration{}}
 	for name, ips := range records {
 		f.records[dns.CanonicalName(name)] = ips
 	}
@@ -56,10 +59,23 @@ func StartFakeDNS(t testing.TB, ns *Netns, addr string, records map[string][]net
 	return f
 }
 
+// lookup runs in the query's own goroutine: a name's delay holds up only its
+// answer.
 func (f *FakeDNS) lookup(name string) ([]netip.Addr, bool) {
 	f.mu.Lock()
-	defer f.mu.Unlock()
 	ips, ok := f.records[name]
+	delay := f.delays[name]
+	if !ok {
+		// "*.zone" records answer every name under zone.
+		if _, zone, found := strings.Cut(name, "."); found {
+			ips, ok = f.records["*."+zone]
+			delay = f.delays["*."+zone]
+		}
+	}
+	f.mu.Unlock()
+	if delay > 0 {
+		time.Sleep(delay) // the upstream is slow for this name
+	}
 	return ips, ok
 }
 
@@ -68,6 +84,14 @@ func (f *FakeDNS) Set(name string, ips ...netip.Addr) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	f.records[dns.CanonicalName(name)] = ips
+}
+
+// SetNameDelay makes the server wait d before answering name ("*.zone": every
+// name under zone; 0: answer at once).
+func (f *FakeDNS) SetNameDelay(name string, d time.Duration) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.delays[dns.CanonicalName(name)] = d
 }
 
 // Count returns how many queries for name (any type) were seen.

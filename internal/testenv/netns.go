@@ -9,6 +9,7 @@ import (
 	"path/filepath"
 	"runtime"
 	"strconv"
+	"strings"
 	"syscall"
 	"testing"
 
@@ -143,16 +144,24 @@ type Proc struct {
 	// (an agent needs it), but it is what gives a process the namespace's
 	// resolv.conf (clients need that).
 	NetOnly bool
+	// Caps, when not nil, is the only capabilities the process keeps (setpriv
+	// --bounding-set; as root it then has exactly these), e.g. "bpf",
+	// "net_admin".
+	Caps []string
 }
 
 // Command builds a command that starts inside p.Cgroup (CLONE_INTO_CGROUP, before it
 // runs a single instruction), in p.Netns (via `ip netns exec`, which also bind-mounts
-// the namespace's resolv.conf, or nsenter with NetOnly), as p.UID/p.GID (via setpriv).
+// the namespace's resolv.conf, or nsenter with NetOnly), as p.UID/p.GID (via setpriv),
+// with only p.Caps (via setpriv).
 func Command(ctx context.Context, p Proc, name string, args ...string) *exec.Cmd {
 	argv := []string{name}
 	argv = append(argv, args...)
 	if p.UID != 0 || p.GID != 0 {
 		argv = append([]string{"setpriv", "--reuid=" + strconv.Itoa(p.UID), "--regid=" + strconv.Itoa(p.GID), "--clear-groups", "--"}, argv...)
+	}
+	if p.Caps != nil {
+		argv = append(OnlyCaps(p.Caps), argv...)
 	}
 	switch {
 	case p.Netns != nil && p.NetOnly:
@@ -167,4 +176,35 @@ func Command(ctx context.Context, p Proc, name string, args ...string) *exec.Cmd
 		cmd.SysProcAttr.CgroupFD = p.Cgroup.FD()
 	}
 	return cmd
+}
+
+// OnlyCaps is the setpriv command line that runs the rest with only caps
+// (bounding set; as root the process then has exactly these).
+func OnlyCaps(caps []string) []string {
+	set := "-all"
+	for _, c := range caps {
+		set += ",+" + c
+	}
+	return []string{"setpriv", "--bounding-set=" + set, "--inh-caps=-all", "--"}
+}
+
+// Children returns the pids of pid's child processes.
+func Children(pid int) ([]int, error) {
+	tasks, err := os.ReadDir(fmt.Sprintf("/proc/%d/task", pid))
+	if err != nil {
+		return nil, err
+	}
+	var out []int
+	for _, task := range tasks {
+		b, err := os.ReadFile(fmt.Sprintf("/proc/%d/task/%s/children", pid, task.Name()))
+		if err != nil {
+			continue
+		}
+		for _, f := range strings.Fields(string(b)) {
+			if c, err := strconv.Atoi(f); err == nil {
+				out = append(out, c)
+			}
+		}
+	}
+	return out, nil
 }

@@ -7,7 +7,6 @@
 package testenv
 
 import (
-	"bufio"
 	"crypto/rand"
 	"encoding/hex"
 	"fmt"
@@ -15,6 +14,8 @@ import (
 	"os/exec"
 	"strings"
 	"testing"
+
+	"github.com/meshdns/meshdns-ebpf/internal/cgroup2"
 )
 
 // InCI reports whether the tests run under CI (CI=true), where the kernel has every
@@ -47,7 +48,7 @@ func RequirePrivileged(t testing.TB, tools ...string) {
 			Skip(t, "needs %s on PATH (make test installs it): %v", tool, err)
 		}
 	}
-	if _, err := Cgroup2Mount(); err != nil {
+	if _, err := cgroup2.FindMount(); err != nil {
 		Skip(t, "needs a cgroup2 mount: %v", err)
 	}
 }
@@ -60,28 +61,6 @@ func RandSuffix(n int) string {
 		panic(err)
 	}
 	return hex.EncodeToString(b)[:n]
-}
-
-// Cgroup2Mount returns the mount point of the cgroup v2 hierarchy, read from
-// /proc/self/mounts (it is /sys/fs/cgroup on pure v2 hosts and
-// /sys/fs/cgroup/unified on hybrid ones).
-func Cgroup2Mount() (string, error) {
-	f, err := os.Open("/proc/self/mounts")
-	if err != nil {
-		return "", fmt.Errorf("read mounts: %w", err)
-	}
-	defer f.Close()
-	sc := bufio.NewScanner(f)
-	for sc.Scan() {
-		fields := strings.Fields(sc.Text())
-		if len(fields) >= 3 && fields[2] == "cgroup2" {
-			return fields[1], nil
-		}
-	}
-	if err := sc.Err(); err != nil {
-		return "", fmt.Errorf("read mounts: %w", err)
-	}
-	return "", fmt.Errorf("no cgroup2 filesystem is mounted")
 }
 
 // Run runs a command and fails the test with its output when it fails.

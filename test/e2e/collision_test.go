@@ -3,6 +3,8 @@ package e2e
 import (
 	"context"
 	"net/netip"
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -22,42 +24,50 @@ import (
 func TestCollisionEBPF(t *testing.T) {
 	testenv.RequirePrivileged(t, "ip", "setpriv", "iptables")
 	const mesh = 10000
+	var proxyPins string
 	r := ctzonetest.Run(t, ctzonetest.Scenario{
 		Capture: func(t *testing.T, tp *ctzonetest.Topology) {
 			// Make conntrack track every flow of the pod (no NAT, no zone), so
 			// "no NAT entry" below is a statement about real entries.
 			tp.Pod.Exec(t, "iptables", "-A", "OUTPUT", "-m", "conntrack", "--ctstate", "INVALID", "-j", "DROP")
 			pins := testenv.NewBPFFS(t)
-			var dp *redirect.Datapath
-			err := tp.Pod.Do(func() (err error) {
-				// Installed from inside the pod's namespace: the loopback
-				// target (the sidecar proxy's 127.0.0.1:15053) is valid there.
-				dp, err = redirect.Install(redirect.Config{
-					Cgroup:       tp.Cgroup.Path,
-					PinDir:       pins + "/meshdns",
-					Target4:      ctzonetest.ProxyListen,
-					Nameservers:  []netip.Addr{tp.Nameserver},
-					ProxyUIDs:    []uint32{ctzonetest.ProxyUID},
-					UpstreamMark: ctzone.DefaultUpstreamMark,
-				})
-				return err
+			dp, err := redirect.New(redirect.Config{
+				Cgroup:       tp.Cgroup.Path,
+				PinDir:       pins + "/meshdns",
+				Target4:      ctzonetest.ProxyListen,
+				Nameservers:  []netip.Addr{tp.Nameserver},
+				ProxyUIDs:    []uint32{ctzonetest.ProxyUID},
+				UpstreamMark: ctzone.DefaultUpstreamMark,
+				Detach:       true,
 			})
 			if err != nil {
-				t.Fatalf("install datapath: %v", err)
-			}
-			ctx, cancel := context.WithCancel(context.Background())
-			go dp.Run(ctx)
-			if err := dp.SetReady(true); err != nil {
 				t.Fatal(err)
 			}
+			// Started from inside the pod's namespace: the loopback target (the
+			// sidecar proxy's 127.0.0.1:15053) is valid there.
+			if err := tp.Pod.Do(func() error { return dp.Start(context.Background()) }); err != nil {
+				t.Fatalf("start datapath: %v", err)
+			}
 			t.Cleanup(func() {
-				cancel()
-				if err := dp.Close(false); err != nil {
+				if err := dp.Close(); err != nil {
 					t.Errorf("close datapath: %v", err)
 				}
 			})
+			// The proxy (uid 1337) registers its own sockets as the resolver and
+			// reports its reads: let it open the two maps that takes.
+			for _, p := range []string{filepath.Dir(pins), pins, pins + "/meshdns", pins + "/meshdns/maps"} {
+				if err := os.Chmod(p, 0o755); err != nil {
+					t.Fatal(err)
+				}
+			}
+			for _, m := range []string{"config", "resolver_socks", "progress"} {
+				if err := os.Chown(pins+"/meshdns/maps/"+m, ctzonetest.ProxyUID, ctzonetest.ProxyUID); err != nil {
+					t.Fatal(err)
+				}
+			}
+			proxyPins = pins + "/meshdns"
 		},
-		Proxy: ctzonetest.ProxyOptions{UID: ctzonetest.ProxyUID, GID: ctzonetest.ProxyUID},
+		Proxy: ctzonetest.ProxyOptions{UID: ctzonetest.ProxyUID, GID: ctzonetest.ProxyUID, Register: func() string { return proxyPins }},
 		App:   ctzonetest.AppOptions{Mesh: mesh, Timeout: 2 * time.Second},
 		After: func(t *testing.T, tp *ctzonetest.Topology, r ctzonetest.Result) {
 			var st *ctzone.ConntrackStatus

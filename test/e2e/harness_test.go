@@ -38,6 +38,8 @@ var bins struct {
 	err                              error
 	dir                              string
 	agent, goresolve, dnsblast, musl string
+	// Load generators (testdata/dnsload, testdata/goload): glibc, musl, Go.
+	loadGlibc, loadMusl, loadGo string
 }
 
 func buildBinaries(t *testing.T) {
@@ -56,11 +58,17 @@ func buildBinaries(t *testing.T) {
 		bins.goresolve = filepath.Join(dir, "goresolve")
 		bins.dnsblast = filepath.Join(dir, "dnsblast")
 		bins.musl = filepath.Join(dir, "muslresolve")
+		bins.loadGlibc = filepath.Join(dir, "dnsload-glibc")
+		bins.loadMusl = filepath.Join(dir, "dnsload-musl")
+		bins.loadGo = filepath.Join(dir, "goload")
 		steps := [][]string{
 			{"go", "build", "-o", bins.agent, "./cmd/meshdns-ebpf"},
 			{"go", "build", "-o", bins.goresolve, "./test/e2e/testdata/goresolve"},
 			{"go", "build", "-o", bins.dnsblast, "./test/e2e/testdata/dnsblast"},
+			{"go", "build", "-o", bins.loadGo, "./test/e2e/testdata/goload"},
 			{"musl-gcc", "-static", "-O2", "-o", bins.musl, "test/e2e/testdata/muslresolve.c"},
+			{"musl-gcc", "-static", "-O2", "-pthread", "-o", bins.loadMusl, "test/e2e/testdata/dnsload/dnsload.c"},
+			{"gcc", "-O2", "-pthread", "-o", bins.loadGlibc, "test/e2e/testdata/dnsload/dnsload.c"},
 		}
 		for _, s := range steps {
 			cmd := exec.Command(s[0], s[1:]...)
@@ -101,6 +109,14 @@ const (
 	meshIP6   = "2001:2::14"
 	extName   = "ext.test"
 	extIP     = "169.254.77.7"
+
+	// Forwarded names no cache holds (load tests ask q<n>.<zone>), answered by the
+	// upstream (the original nameserver) at once, or after slowDelay.
+	fwdZone   = "fwd.test"
+	fwdIP     = "169.254.77.9"
+	slowZone  = "slow.test"
+	slowIP    = "169.254.77.8"
+	slowDelay = 300 * time.Millisecond
 )
 
 const namesYAML = `table:
@@ -131,9 +147,47 @@ type node struct {
 	orig6    *testenv.FakeDNS
 	other    *testenv.FakeDNS
 
-	agent  *exec.Cmd
+	agent  *agentProc // the current agent
 	stderr *syncBuffer
-	done   chan error
+}
+
+// agentProc is one agent process.
+type agentProc struct {
+	cmd  *exec.Cmd
+	done chan error // receives the exit once; re-sent by whoever reads it first
+}
+
+func (p *agentProc) pid() int { return p.cmd.Process.Pid }
+
+// exited reports whether the process has exited (without consuming that).
+func (p *agentProc) exited() bool {
+	select {
+	case err := <-p.done:
+		p.done <- err
+		return true
+	default:
+		return false
+	}
+}
+
+// wait waits up to d for the process to exit.
+func (p *agentProc) wait(d time.Duration) (error, bool) {
+	select {
+	case err := <-p.done:
+		p.done <- err
+		return err, true
+	case <-time.After(d):
+		return nil, false
+	}
+}
+
+// modeCaps are the only capabilities the test agents get in each mode: what
+// docs and the error messages promise is enough (issue 13).
+var modeCaps = map[string][]string{
+	"ebpf":     {"bpf", "net_admin", "net_bind_service"},
+	"iptables": {"net_admin", "net_raw", "net_bind_service"},
+	"auto":     {"bpf", "net_admin", "net_raw", "net_bind_service"},
+	"off":      {"net_bind_service"},
 }
 
 func newNode(t *testing.T) *node {
@@ -166,8 +220,13 @@ func newNode(t *testing.T) *node {
 		p.SetResolvConf(t, spec.conf+"options timeout:1 attempts:2\n")
 	}
 
-	records := map[string][]netip.Addr{extName: {netip.MustParseAddr(extIP)}}
+	records := map[string][]netip.Addr{
+		extName:         {netip.MustParseAddr(extIP)},
+		"*." + fwdZone:  {netip.MustParseAddr(fwdIP)},
+		"*." + slowZone: {netip.MustParseAddr(slowIP)},
+	}
 	n.orig = testenv.StartFakeDNS(t, n.ns, origNS+":53", records)
+	n.orig.SetNameDelay("*."+slowZone, slowDelay)
 	n.orig6 = testenv.StartFakeDNS(t, n.ns, "["+origNS6+"]:53", records)
 	n.other = testenv.StartFakeDNS(t, n.ns, otherNS+":53", records)
 
@@ -196,29 +255,13 @@ func (n *node) agentArgs(mode string, extra ...string) []string {
 	return append(args, extra...)
 }
 
-// start runs the agent in the node namespace, inside the test cgroup, and waits until
-// a captured client resolves a mesh name.
+// start runs the agent in the node namespace, inside the test cgroup, with only
+// the capabilities of its mode, and waits until a captured client resolves a
+// mesh name.
 func (n *node) start(mode string, extra ...string) {
 	n.t.Helper()
 	n.startNoWait(mode, extra...)
-	exited := false
-	if !testenv.WaitFor(15*time.Second, func() bool {
-		select {
-		case err := <-n.done:
-			n.done <- err
-			exited = true
-			return true
-		default:
-		}
-		out, _ := n.client(n.ns, 1000, "dig", "+short", "+time=1", "+tries=1", meshName)
-		return strings.TrimSpace(out) == meshIP
-	}) {
-		n.t.Fatalf("agent never answered %s through capture; agent log:\n%s", meshName, n.stderr.String())
-	}
-	if exited {
-		n.agent = nil
-		n.t.Fatalf("agent exited during start; log:\n%s", n.stderr.String())
-	}
+	n.waitAnswering(n.agent)
 	// Probes sent before the agent was ready went, fail-open, to the original
 	// nameservers: forget them, so tests count only their own queries.
 	n.orig.Reset()
@@ -226,46 +269,131 @@ func (n *node) start(mode string, extra ...string) {
 	n.other.Reset()
 }
 
+// waitAnswering waits until a captured client resolves a mesh name (through p
+// or whichever agent serves), and fails if p exits meanwhile.
+func (n *node) waitAnswering(p *agentProc) {
+	n.t.Helper()
+	exited := false
+	if !testenv.WaitFor(15*time.Second, func() bool {
+		if p.exited() {
+			exited = true
+			return true
+		}
+		out, _ := n.client(n.ns, 1000, "dig", "+short", "+time=1", "+tries=1", meshName)
+		return strings.TrimSpace(out) == meshIP
+	}) {
+		n.t.Fatalf("agent never answered %s through capture; agent log:\n%s", meshName, n.stderr.String())
+	}
+	if exited {
+		err, _ := p.wait(0)
+		n.t.Fatalf("agent exited during start (%v); log:\n%s", err, n.stderr.String())
+	}
+}
+
 func (n *node) startNoWait(mode string, extra ...string) {
+	n.t.Helper()
+	n.agent = n.spawn(mode, extra...)
+}
+
+// spawn starts an agent process (it does not replace n.agent).
+func (n *node) spawn(mode string, extra ...string) *agentProc {
+	n.t.Helper()
+	return n.spawnWrapped(mode, nil, extra...)
+}
+
+// spawnWrapped starts an agent process run by wrapper (e.g. unshare ... --).
+func (n *node) spawnWrapped(mode string, wrapper []string, extra ...string) *agentProc {
 	n.t.Helper()
 	if n.stderr == nil {
 		n.stderr = &syncBuffer{}
 	}
-	fmt.Fprintf(n.stderr, "--- agent start: %v\n", extra)
-	n.agent = testenv.Command(context.Background(), testenv.Proc{Netns: n.ns, Cgroup: n.cg, NetOnly: true}, bins.agent, n.agentArgs(mode, extra...)...)
-	n.agent.Stdout = n.stderr
-	n.agent.Stderr = n.stderr
-	if err := n.agent.Start(); err != nil {
+	fmt.Fprintf(n.stderr, "--- agent start: %v %v\n", wrapper, extra)
+	// The wrapper runs as root; the agent gets only its mode's capabilities.
+	caps := modeCaps[mode]
+	argv := append([]string{}, wrapper...)
+	if len(wrapper) > 0 {
+		argv = append(argv, testenv.OnlyCaps(caps)...)
+		caps = nil
+	}
+	argv = append(append(argv, bins.agent), n.agentArgs(mode, extra...)...)
+	cmd := testenv.Command(context.Background(), testenv.Proc{Netns: n.ns, Cgroup: n.cg, NetOnly: true, Caps: caps},
+		argv[0], argv[1:]...)
+	cmd.Stdout = n.stderr
+	cmd.Stderr = n.stderr
+	if err := cmd.Start(); err != nil {
 		n.t.Fatalf("start agent: %v", err)
 	}
-	n.done = make(chan error, 1)
-	go func() { n.done <- n.agent.Wait() }()
+	p := &agentProc{cmd: cmd, done: make(chan error, 1)}
+	go func() { p.done <- cmd.Wait() }()
+	return p
+}
+
+// waitRedirected waits until the datapath redirected k more queries.
+func (n *node) waitRedirected(k uint64) {
+	n.t.Helper()
+	base := hookCounter(n.t, n, "total", "redirected_udp")
+	if !testenv.WaitFor(30*time.Second, func() bool { return hookCounter(n.t, n, "total", "redirected_udp") >= base+k }) {
+		n.t.Fatalf("fewer than %d queries redirected in 30 s", k)
+	}
+}
+
+// upgrade starts a successor beside the running agent and waits until it has
+// taken over (its state file names it), then SIGTERMs the old one, as a surge
+// rollout or an operator does.
+func (n *node) upgrade(mode string, extra ...string) {
+	n.t.Helper()
+	old := n.agent
+	next := n.spawn(mode, extra...)
+	if !testenv.WaitFor(20*time.Second, func() bool {
+		st, err := n.state()
+		return next.exited() || (err == nil && st.PID == next.pid())
+	}) || next.exited() {
+		n.t.Fatalf("the successor (pid %d) did not take over; log:\n%s", next.pid(), n.stderr.String())
+	}
+	n.agent = next
+	if err := old.cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		n.t.Fatalf("SIGTERM the old agent: %v", err)
+	}
+	if err, ok := old.wait(10 * time.Second); !ok || err != nil {
+		n.t.Fatalf("the old agent (pid %d) did not exit cleanly after the handover (%v); log:\n%s", old.pid(), err, n.stderr.String())
+	}
+}
+
+// state reads the agent's state file.
+func (n *node) state() (*agentState, error) {
+	b, err := os.ReadFile(filepath.Join(n.stateDir, "agent.json"))
+	if err != nil {
+		return nil, err
+	}
+	var st agentState
+	return &st, json.Unmarshal(b, &st)
+}
+
+type agentState struct {
+	PID         int `json:"pid"`
+	Predecessor int `json:"predecessor"`
 }
 
 // signal sends sig to the agent and, for SIGTERM, waits for it to exit.
 func (n *node) signal(sig syscall.Signal) error {
 	n.t.Helper()
-	if err := n.agent.Process.Signal(sig); err != nil {
+	if err := n.agent.cmd.Process.Signal(sig); err != nil {
 		return err
 	}
-	select {
-	case err := <-n.done:
-		n.agent = nil
-		return err
-	case <-time.After(10 * time.Second):
+	err, ok := n.agent.wait(10 * time.Second)
+	if !ok {
 		n.t.Fatalf("agent did not exit after %v; log:\n%s", sig, n.stderr.String())
-		return nil
 	}
+	n.agent = nil
+	return err
 }
 
 func (n *node) stop() {
 	if n.agent != nil {
-		_ = n.agent.Process.Signal(syscall.SIGTERM)
-		select {
-		case <-n.done:
-		case <-time.After(10 * time.Second):
-			_ = n.agent.Process.Kill()
-			<-n.done
+		_ = n.agent.cmd.Process.Signal(syscall.SIGTERM)
+		if _, ok := n.agent.wait(10 * time.Second); !ok {
+			_ = n.agent.cmd.Process.Kill()
+			n.agent.wait(10 * time.Second)
 		}
 		n.agent = nil
 	}
@@ -347,6 +475,39 @@ func (n *node) pins() []string {
 		return nil
 	})
 	return out
+}
+
+// assertStopped checks what a stop leaves: the programs attached and pinned
+// for the next agent but inert (no resolver socket registered: nothing is
+// redirected), and no state file, lock holder or node address.
+func (n *node) assertStopped() {
+	n.t.Helper()
+	if a := n.attached(); len(a) == 0 {
+		n.t.Errorf("no program attached to %s after a stop: the next agent cannot adopt them", n.cg.Path)
+	}
+	out, err := n.cli("status", "--bpffs", n.bpffs, "--state-dir", n.stateDir, "-o", "json")
+	if err != nil {
+		n.t.Fatalf("status: %v\n%s", err, out)
+	}
+	var st struct {
+		Running  bool `json:"running"`
+		Datapath *struct {
+			Capturing       bool `json:"capturing"`
+			ResolverSockets int  `json:"resolver_sockets"`
+		} `json:"datapath"`
+	}
+	if err := json.Unmarshal([]byte(out), &st); err != nil {
+		n.t.Fatalf("status -o json: %v\n%s", err, out)
+	}
+	if st.Running || st.Datapath == nil || st.Datapath.Capturing || st.Datapath.ResolverSockets != 0 {
+		n.t.Errorf("status after a stop: running=%v datapath=%+v, want not running, attached but not capturing", st.Running, st.Datapath)
+	}
+	if _, err := os.Stat(filepath.Join(n.stateDir, "agent.json")); err == nil {
+		n.t.Errorf("state file left in %s", n.stateDir)
+	}
+	if out := n.ns.IP(n.t, "addr", "show"); strings.Contains(out, listen4) {
+		n.t.Errorf("node address %s left:\n%s", listen4, out)
+	}
 }
 
 // assertClean checks that nothing of the agent is left: programs, pins, state,

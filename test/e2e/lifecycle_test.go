@@ -11,20 +11,24 @@ import (
 	"testing"
 	"time"
 
-	"github.com/meshdns/meshdns-ebpf/internal/redirect"
+	"github.com/meshdns/meshdns-ebpf/internal/cgroup2"
 	"github.com/meshdns/meshdns-ebpf/internal/testenv"
 )
 
 const sigterm = syscall.SIGTERM
 
 // hookCounter reads one counter of one hook from `stats -o json`.
+// hook "total" is the sum over the hooks.
 func hookCounter(t *testing.T, n *node, hook, counter string) uint64 {
 	t.Helper()
 	s := n.statsJSON()
 	hooks, _ := s["hooks"].([]any)
+	if hook == "total" {
+		hooks = []any{s["total"]}
+	}
 	for _, h := range hooks {
 		m, _ := h.(map[string]any)
-		if m["hook"] == hook {
+		if m["hook"] == hook || hook == "total" {
 			v, ok := m[counter].(float64)
 			if !ok {
 				t.Fatalf("stats -o json: hook %s has no counter %q: %v", hook, counter, m)
@@ -53,8 +57,9 @@ func timeToOriginal(t *testing.T, n *node, start time.Time) time.Duration {
 	return 0
 }
 
-// TestFailOpen: issue 2 test 6. After SIGTERM and after kill -9, clients resolve
-// through the original nameserver within 1 s; SIGTERM leaves nothing; cleanup
+// TestFailOpen: issue 2 test 6, issue 13. After SIGTERM and after kill -9, clients
+// resolve through the original nameserver at once; SIGTERM leaves the programs
+// attached but inert for the next agent (nothing with --persist=false); cleanup
 // removes what kill -9 left; a new agent starts on top of those leftovers.
 func TestFailOpen(t *testing.T) {
 	n := newNode(t)
@@ -69,7 +74,7 @@ func TestFailOpen(t *testing.T) {
 	} else {
 		t.Logf("after SIGTERM: original nameserver answers after %v", d)
 	}
-	n.assertClean()
+	n.assertStopped()
 
 	n.start("ebpf")
 	start = time.Now()
@@ -83,8 +88,9 @@ func TestFailOpen(t *testing.T) {
 	if len(n.attached()) == 0 || len(n.pins()) == 0 {
 		t.Fatalf("kill -9 left nothing pinned; the cleanup check below would prove nothing")
 	}
-	// A new agent starts on top of the leftovers, then stops cleanly.
-	n.start("ebpf")
+	// A new agent starts on top of the leftovers, then stops cleanly and
+	// completely with --persist=false.
+	n.start("ebpf", "--persist=false")
 	if err := n.signal(syscall.SIGTERM); err != nil {
 		t.Fatalf("agent exit: %v\n%s", err, n.stderr.String())
 	}
@@ -204,34 +210,31 @@ func TestBadInput(t *testing.T) {
 			break
 		}
 	}
-	cases := []struct {
+	type badCase struct {
 		name string
 		uid  int
 		args []string
 		want string
-	}{
-		{"not-root", 1000, nil, "must run as root"},
-		{"cgroup-missing", 0, []string{"--cgroup", "/sys/fs/cgroup/no-such-meshdns-group"}, "cgroup directory /sys/fs/cgroup/no-such-meshdns-group does not exist"},
-		{"names-unreadable", 0, []string{"--names", badTable}, "not-an-ip"},
-		{"listen-in-use", 0, nil, "address already in use"},
-		{"kernel-lacks-hook", 0, []string{"--x-force-no-ebpf", "cgroup/recvmsg4 not supported"}, "cannot work here"},
-		{"bad-mode", 0, []string{"--mode", "magic"}, "--mode"},
-		{"bad-listen", 0, []string{"--listen", "169.254.20.53"}, "ADDR:PORT"},
+		caps []string // nil: the mode's (modeCaps)
+	}
+	cases := []badCase{
+		{"not-root", 1000, nil, "needs CAP_BPF (load the eBPF programs and create their maps) and CAP_NET_ADMIN", nil},
+		// The capability errors the DaemonSet docs quote (issue 13).
+		{"no-cap-bpf", 0, nil, "meshdns-ebpf run --mode ebpf needs CAP_BPF (load the eBPF programs and create their maps); it runs as uid 0 with CAP_NET_ADMIN, CAP_NET_BIND_SERVICE", []string{"net_admin", "net_bind_service"}},
+		{"no-cap-net-admin", 0, nil, "needs CAP_NET_ADMIN (attach to cgroups, register the resolver's sockets, SO_MARK, the dummy link and its address)", []string{"bpf", "net_bind_service"}},
+		{"no-cap-net-bind-service", 0, nil, "needs CAP_NET_BIND_SERVICE (listen on a port below 1024)", []string{"bpf", "net_admin"}},
+		{"iptables-no-cap-net-raw", 0, []string{"--mode", "iptables"}, "meshdns-ebpf run --mode iptables needs CAP_NET_RAW (the legacy iptables backend (its tools open a raw socket); not needed with --iptables-backend nft)", []string{"net_admin", "net_bind_service"}},
+		{"cgroup-missing", 0, []string{"--cgroup", "/sys/fs/cgroup/no-such-meshdns-group"}, "cgroup directory /sys/fs/cgroup/no-such-meshdns-group does not exist", nil},
+		{"names-unreadable", 0, []string{"--names", badTable}, "not-an-ip", nil},
+		{"listen-in-use", 0, nil, "address already in use", nil},
+		{"kernel-lacks-hook", 0, []string{"--x-force-no-ebpf", "cgroup/recvmsg4 not supported"}, "cannot work here", nil},
+		{"bad-mode", 0, []string{"--mode", "magic"}, "--mode", nil},
+		{"bad-listen", 0, []string{"--listen", "169.254.20.53"}, "ADDR:PORT", nil},
 	}
 	if v1dir != "" {
-		cases = append(cases, struct {
-			name string
-			uid  int
-			args []string
-			want string
-		}{"cgroup-v1", 0, []string{"--cgroup", v1dir}, "not on a cgroup2 filesystem"})
+		cases = append(cases, badCase{"cgroup-v1", 0, []string{"--cgroup", v1dir}, "not on a cgroup2 filesystem", nil})
 	}
-	cases = append(cases, struct {
-		name string
-		uid  int
-		args []string
-		want string
-	}{"no-cgroup2-mount", 0, nil, "no cgroup2 filesystem is mounted"})
+	cases = append(cases, badCase{"no-cgroup2-mount", 0, nil, "no cgroup2 filesystem is mounted", nil})
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
 			if c.name == "listen-in-use" {
@@ -245,19 +248,24 @@ func TestBadInput(t *testing.T) {
 				defer l.Close()
 			}
 			args := n.agentArgs("ebpf", c.args...) // a repeated flag overrides the earlier one
-			cmd := testenv.Command(t.Context(), testenv.Proc{Netns: n.ns, Cgroup: n.cg, UID: c.uid, GID: c.uid, NetOnly: true}, bins.agent, args...)
+			caps := c.caps
+			if caps == nil && c.uid == 0 {
+				caps = modeCaps["ebpf"]
+			}
+			cmd := testenv.Command(t.Context(), testenv.Proc{Netns: n.ns, Cgroup: n.cg, UID: c.uid, GID: c.uid, NetOnly: true, Caps: caps}, bins.agent, args...)
 			if c.name == "no-cgroup2-mount" {
 				// No --cgroup, in a private mount namespace without the cgroup2
 				// mount. The guard refuses to start the agent if the mount is
 				// still visible: it would then attach to the machine's root cgroup.
-				mnt, err := redirect.FindCgroup2Mount()
+				mnt, err := cgroup2.FindMount()
 				if err != nil {
 					t.Fatal(err)
 				}
 				script := `umount -l "$1" && ! grep -q ' cgroup2 ' /proc/self/mounts || exit 99; shift; exec "$@"`
 				noCg := withoutFlag(args, "--cgroup")
+				inner := append(append(testenv.OnlyCaps(modeCaps["ebpf"]), bins.agent), noCg...)
 				cmd = testenv.Command(t.Context(), testenv.Proc{Netns: n.ns, Cgroup: n.cg, NetOnly: true},
-					"unshare", append([]string{"--mount", "--propagation", "private", "sh", "-c", script, "sh", mnt, bins.agent}, noCg...)...)
+					"unshare", append([]string{"--mount", "--propagation", "private", "sh", "-c", script, "sh", mnt}, inner...)...)
 			}
 			done := make(chan struct{})
 			var out []byte

@@ -50,7 +50,7 @@ func TestAutoMode(t *testing.T) {
 	if err := n.signal(syscall.SIGTERM); err != nil {
 		t.Fatalf("agent exit: %v", err)
 	}
-	n.assertClean()
+	n.assertStopped()
 
 	n.stderr = nil
 	n.start("auto", "--x-force-no-ebpf", "cgroup/recvmsg4 unsupported (test)")

@@ -18,7 +18,7 @@ import (
 
 	"github.com/meshdns/meshdns-ebpf/bench/internal/dnsperf"
 	"github.com/meshdns/meshdns-ebpf/bench/internal/meshdata"
-	"github.com/meshdns/meshdns-ebpf/internal/redirect"
+	"github.com/meshdns/meshdns-ebpf/internal/cgroup2"
 )
 
 // ---------------------------------------------------------------------------
@@ -175,7 +175,7 @@ func newDPEnv(work string) (*dpEnv, error) {
 	}
 	e.undo = append(e.undo, func() error { return os.RemoveAll(e.dir) })
 
-	mnt, err := redirect.FindCgroup2Mount()
+	mnt, err := cgroup2.FindMount()
 	if err != nil {
 		return fail(err)
 	}

@@ -2,6 +2,7 @@ package ctzonetest
 
 import (
 	"bufio"
+	"context"
 	"encoding/json"
 	"errors"
 	"flag"
@@ -15,6 +16,8 @@ import (
 
 	"github.com/miekg/dns"
 	"golang.org/x/sys/unix"
+
+	"github.com/meshdns/meshdns-ebpf/internal/redirect"
 )
 
 // HelperEnv selects a helper main in a re-executed test binary: "proxy" or "app".
@@ -53,6 +56,7 @@ func proxyMain(args []string) error {
 	mark := fs.Uint("mark", 0, "SO_MARK of upstream sockets")
 	suffix := fs.String("suffix", "mesh.test.", "names answered locally")
 	answer := fs.String("answer", "240.240.0.1", "A record of local names")
+	register := fs.String("register", "", "pin directory of an eBPF datapath to register the listening sockets with")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
@@ -98,11 +102,24 @@ func proxyMain(args []string) error {
 	if err != nil {
 		return err
 	}
-	ln, err := net.Listen("tcp", *listen)
+	var lc net.ListenConfig
+	lc.SetMultipathTCP(false) // plain TCP: a datapath can register it
+	ln, err := lc.Listen(context.Background(), "tcp", *listen)
 	if err != nil {
 		return err
 	}
-	for _, s := range []*dns.Server{{PacketConn: pc, Handler: handler}, {Listener: ln, Handler: handler}} {
+	var decorate dns.DecorateReader
+	if *register != "" {
+		addr := netip.MustParseAddrPort(*listen)
+		reg, err := redirect.Register(*register, []redirect.Socket{
+			{Addr: addr, Conn: pc.(*net.UDPConn)}, {Addr: addr, TCP: true, Conn: ln.(*net.TCPListener)}})
+		if err != nil {
+			return err
+		}
+		defer reg.Close()
+		decorate = func(r dns.Reader) dns.Reader { return countingReader{r, reg.Dequeued} }
+	}
+	for _, s := range []*dns.Server{{PacketConn: pc, Handler: handler, DecorateReader: decorate}, {Listener: ln, Handler: handler, DecorateReader: decorate}} {
 		go func() { _ = s.ActivateAndServe() }()
 	}
 	fmt.Println("ready")
@@ -110,6 +127,29 @@ func proxyMain(args []string) error {
 	signal.Notify(sig, syscall.SIGTERM, syscall.SIGINT)
 	<-sig
 	return nil
+}
+
+// countingReader tells count about every message read: the proxy's progress
+// for the datapath it registered with.
+type countingReader struct {
+	dns.Reader
+	count func(n int)
+}
+
+func (c countingReader) ReadUDP(conn *net.UDPConn, timeout time.Duration) ([]byte, *dns.SessionUDP, error) {
+	b, s, err := c.Reader.ReadUDP(conn, timeout)
+	if err == nil {
+		c.count(1)
+	}
+	return b, s, err
+}
+
+func (c countingReader) ReadTCP(conn net.Conn, timeout time.Duration) ([]byte, error) {
+	b, err := c.Reader.ReadTCP(conn, timeout)
+	if err == nil {
+		c.count(1)
+	}
+	return b, err
 }
 
 // AppResult is what the app helper saw.

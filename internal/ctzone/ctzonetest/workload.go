@@ -130,6 +130,10 @@ type ProxyOptions struct {
 	UID, GID int    // 0: root
 	Mark     uint32 // SO_MARK of its upstream sockets (needs root); 0: none
 	Listen   netip.AddrPort
+	// Register returns the pin directory of an eBPF datapath the proxy registers
+	// its sockets with (as a resolver), once the scenario's capture is set up;
+	// nil or "": none.
+	Register func() string
 }
 
 // StartProxy starts the proxy in the pod namespace and waits until it listens.
@@ -139,10 +143,14 @@ func (tp *Topology) StartProxy(t *testing.T, o ProxyOptions) {
 	if !o.Listen.IsValid() {
 		o.Listen = ProxyListen
 	}
+	register := ""
+	if o.Register != nil {
+		register = o.Register()
+	}
 	ctx, cancel := context.WithCancel(context.Background())
 	cmd := tp.helper(ctx, "proxy", o.UID, o.GID, "-listen", o.Listen.String(),
 		"-upstream", netip.AddrPortFrom(tp.Nameserver, 53).String(), "-mark", strconv.FormatUint(uint64(o.Mark), 10),
-		"-suffix", MeshSuffix, "-answer", MeshAnswer.String())
+		"-suffix", MeshSuffix, "-answer", MeshAnswer.String(), "-register", register)
 	var stderr strings.Builder
 	cmd.Stderr = &stderr
 	stdout, err := cmd.StdoutPipe()

@@ -1,0 +1,295 @@
+package agent
+
+// The handover between an agent and its successor on the same state directory
+// (docs/design.md, "Upgrades, restarts and crashes"). The running agent (A)
+// listens on <state dir>/handover.sock (SOCK_SEQPACKET). A successor (B) that
+// finds the state lock held connects and:
+//
+//	B -> A  hello {pid}
+//	A -> B  offer {state, listeners, admin} + descriptors (SCM_RIGHTS, in chunks):
+//	        the state lock, the admin listener, every resolver socket
+//	B       starts on them: serves the same sockets (both read them for a moment),
+//	        adopts the pinned datapath (links get B's programs in place), writes state
+//	B -> A  serving {pid}
+//	A       stops reading, answers what it read, releases its descriptors only
+//
+// A serves throughout; B is serving before A stops, and they share the very
+// sockets, so no query meets a closed or unserved socket. If B fails before
+// "serving", A sees the connection end, puts its own programs and state back
+// and goes on serving. If A dies mid-way, B either has the descriptors (it goes
+// on alone; A's in-flight queries are lost like in any crash) or it has not (the
+// lock is free with A gone: B starts cold).
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/meshdns/meshdns-ebpf/internal/resolver"
+)
+
+// maxFDsPerMessage stays below the kernel's SCM_MAX_FD (253).
+const maxFDsPerMessage = 200
+
+// handoverTimeout bounds the handover conversation on both sides.
+const handoverTimeout = 30 * time.Second
+
+type handoverMsg struct {
+	Op        string             `json:"op"` // hello, offer, serving, error
+	PID       int                `json:"pid,omitempty"`
+	Error     string             `json:"error,omitempty"`
+	State     *State             `json:"state,omitempty"`
+	Listeners []handoverListener `json:"listeners,omitempty"`
+	Admin     bool               `json:"admin,omitempty"` // the admin listener follows the lock
+	FDs       int                `json:"fds,omitempty"`   // descriptors that follow the offer
+}
+
+type handoverListener struct {
+	Addr string `json:"addr"`
+	UDP  int    `json:"udp"` // UDP sockets; then one TCP listener
+}
+
+// inheritance is what a successor received.
+type inheritance struct {
+	from      int // the predecessor's pid
+	state     *State
+	lock      *stateLock
+	admin     *os.File
+	listeners []resolver.InheritedListener
+	conn      *net.UnixConn // to tell the predecessor we serve
+}
+
+// closeUnused closes what nobody took.
+func (in *inheritance) closeUnused() {
+	if in.admin != nil {
+		in.admin.Close()
+	}
+	for _, l := range in.listeners {
+		for _, f := range l.UDP {
+			f.Close()
+		}
+		if l.TCP != nil {
+			l.TCP.Close()
+		}
+	}
+}
+
+func writeMsg(c *net.UnixConn, m handoverMsg, fds []int) error {
+	b, err := json.Marshal(m)
+	if err != nil {
+		return err
+	}
+	var oob []byte
+	if len(fds) > 0 {
+		oob = unix.UnixRights(fds...)
+	}
+	_, _, err = c.WriteMsgUnix(b, oob, nil)
+	return err
+}
+
+// readMsg reads one message and the descriptors that came with it.
+func readMsg(c *net.UnixConn) (handoverMsg, []*os.File, error) {
+	var m handoverMsg
+	buf := make([]byte, 1<<20)
+	oob := make([]byte, unix.CmsgSpace(4*maxFDsPerMessage))
+	n, oobn, _, _, err := c.ReadMsgUnix(buf, oob)
+	if err != nil {
+		return m, nil, err
+	}
+	files, err := parseRights(oob[:oobn])
+	if err != nil {
+		return m, nil, err
+	}
+	if n == 0 {
+		for _, f := range files {
+			f.Close()
+		}
+		return m, nil, errors.New("connection closed")
+	}
+	if err := json.Unmarshal(buf[:n], &m); err != nil {
+		for _, f := range files {
+			f.Close()
+		}
+		return m, nil, fmt.Errorf("handover message: %w", err)
+	}
+	return m, files, nil
+}
+
+func parseRights(oob []byte) ([]*os.File, error) {
+	msgs, err := unix.ParseSocketControlMessage(oob)
+	if err != nil {
+		return nil, fmt.Errorf("handover descriptors: %w", err)
+	}
+	var files []*os.File
+	for _, cm := range msgs {
+		fds, err := unix.ParseUnixRights(&cm)
+		if err != nil {
+			continue
+		}
+		for _, fd := range fds {
+			unix.CloseOnExec(fd)
+			files = append(files, os.NewFile(uintptr(fd), "handover"))
+		}
+	}
+	return files, nil
+}
+
+// requestHandover asks the agent holding the lock of stateDir to hand over. It
+// returns errRetry when that agent cannot hand over now (not listening yet,
+// starting, stopping) or is gone.
+func requestHandover(ctx context.Context, stateDir string) (*inheritance, error) {
+	d := net.Dialer{}
+	c, err := d.DialContext(ctx, "unixpacket", handoverPath(stateDir))
+	if err != nil {
+		return nil, fmt.Errorf("%w: connect %s: %v", errRetry, handoverPath(stateDir), err)
+	}
+	uc := c.(*net.UnixConn)
+	ok := false
+	defer func() {
+		if !ok {
+			uc.Close()
+		}
+	}()
+	if dl, has := ctx.Deadline(); has {
+		_ = uc.SetDeadline(dl)
+	} else {
+		_ = uc.SetDeadline(time.Now().Add(handoverTimeout))
+	}
+	if err := writeMsg(uc, handoverMsg{Op: "hello", PID: os.Getpid()}, nil); err != nil {
+		return nil, fmt.Errorf("%w: %v", errRetry, err)
+	}
+	offer, files, err := readMsg(uc)
+	if err != nil {
+		return nil, fmt.Errorf("%w: read the offer: %v", errRetry, err)
+	}
+	if offer.Op != "offer" {
+		for _, f := range files {
+			f.Close()
+		}
+		return nil, fmt.Errorf("%w: the running agent declined: %s", errRetry, offer.Error)
+	}
+	for len(files) < offer.FDs {
+		_, more, err := readMsg(uc)
+		if err != nil {
+			for _, f := range files {
+				f.Close()
+			}
+			return nil, fmt.Errorf("%w: read descriptors: %v", errRetry, err)
+		}
+		files = append(files, more...)
+	}
+	in, err := unpackOffer(offer, files)
+	if err != nil {
+		for _, f := range files {
+			f.Close()
+		}
+		return nil, err
+	}
+	_ = uc.SetDeadline(time.Time{})
+	in.conn = uc
+	ok = true
+	return in, nil
+}
+
+// errRetry marks a handover that may work when tried again.
+var errRetry = errors.New("handover not possible now")
+
+func unpackOffer(offer handoverMsg, files []*os.File) (*inheritance, error) {
+	if len(files) != offer.FDs || offer.State == nil || len(files) == 0 {
+		return nil, fmt.Errorf("handover offer: %d descriptors, %d announced", len(files), offer.FDs)
+	}
+	in := &inheritance{from: offer.PID, state: offer.State, lock: adoptLock(files[0])}
+	files = files[1:]
+	if offer.Admin {
+		in.admin, files = files[0], files[1:]
+	}
+	for _, l := range offer.Listeners {
+		if len(files) < l.UDP+1 {
+			return nil, fmt.Errorf("handover offer: descriptors of %s missing", l.Addr)
+		}
+		il := resolver.InheritedListener{Addr: l.Addr, UDP: files[:l.UDP], TCP: files[l.UDP]}
+		files = files[l.UDP+1:]
+		in.listeners = append(in.listeners, il)
+	}
+	return in, nil
+}
+
+// serving tells the predecessor that we serve: it may stop.
+func (in *inheritance) serving() error {
+	defer in.conn.Close()
+	_ = in.conn.SetDeadline(time.Now().Add(5 * time.Second))
+	return writeMsg(in.conn, handoverMsg{Op: "serving", PID: os.Getpid()}, nil)
+}
+
+// offer is what the running agent hands over; files are closed by the caller.
+type offer struct {
+	state     *State
+	lock      *os.File
+	admin     *os.File
+	listeners []resolver.InheritedListener
+
+	dieAfterSend bool // fault injection (tests): SIGKILL ourselves once sent
+}
+
+// sendOffer sends the offer and its descriptors, then waits for "serving".
+func sendOffer(c *net.UnixConn, o offer) (successor int, err error) {
+	fds := []int{int(o.lock.Fd())}
+	m := handoverMsg{Op: "offer", PID: os.Getpid(), State: o.state}
+	if o.admin != nil {
+		m.Admin = true
+		fds = append(fds, int(o.admin.Fd()))
+	}
+	for _, l := range o.listeners {
+		m.Listeners = append(m.Listeners, handoverListener{Addr: l.Addr, UDP: len(l.UDP)})
+		for _, f := range l.UDP {
+			fds = append(fds, int(f.Fd()))
+		}
+		fds = append(fds, int(l.TCP.Fd()))
+	}
+	m.FDs = len(fds)
+	first := min(len(fds), maxFDsPerMessage)
+	if err := writeMsg(c, m, fds[:first]); err != nil {
+		return 0, fmt.Errorf("send the offer: %w", err)
+	}
+	for i := first; i < len(fds); i += maxFDsPerMessage {
+		if err := writeMsg(c, handoverMsg{Op: "fds"}, fds[i:min(i+maxFDsPerMessage, len(fds))]); err != nil {
+			return 0, fmt.Errorf("send descriptors: %w", err)
+		}
+	}
+	if o.dieAfterSend {
+		_ = unix.Kill(os.Getpid(), unix.SIGKILL)
+	}
+	reply, files, err := readMsg(c)
+	for _, f := range files {
+		f.Close()
+	}
+	if err != nil {
+		return 0, fmt.Errorf("the successor did not start: %w", err)
+	}
+	if reply.Op != "serving" {
+		return 0, fmt.Errorf("the successor did not start: %s %s", reply.Op, reply.Error)
+	}
+	return reply.PID, nil
+}
+
+// listenHandover binds the handover socket, replacing a stale one (ours to
+// replace: we hold the lock).
+func listenHandover(stateDir string) (*net.UnixListener, error) {
+	p := handoverPath(stateDir)
+	if err := os.Remove(p); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return nil, fmt.Errorf("replace %s: %w", p, err)
+	}
+	l, err := net.ListenUnix("unixpacket", &net.UnixAddr{Name: p, Net: "unixpacket"})
+	if err != nil {
+		return nil, fmt.Errorf("listen on %s: %w", p, err)
+	}
+	_ = os.Chmod(p, 0o600)
+	l.SetUnlinkOnClose(false) // a successor may have bound the path again
+	return l, nil
+}

@@ -1,0 +1,227 @@
+package agent
+
+import (
+	"errors"
+	"fmt"
+	"log/slog"
+	"net/netip"
+	"slices"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"k8s.io/client-go/rest"
+
+	"github.com/meshdns/meshdns-ebpf/internal/ctzone"
+	"github.com/meshdns/meshdns-ebpf/internal/kubesource"
+	"github.com/meshdns/meshdns-ebpf/internal/names"
+	"github.com/meshdns/meshdns-ebpf/internal/names/filesource"
+	"github.com/meshdns/meshdns-ebpf/internal/redirect"
+	"github.com/meshdns/meshdns-ebpf/internal/resolver/nametable"
+	"github.com/meshdns/meshdns-ebpf/internal/resolver/upstream"
+)
+
+// fillFromResolvConf fills nameservers and upstreams that were not given as flags.
+func (c *Config) fillFromResolvConf(log *slog.Logger) error {
+	needNS := c.Nameservers == nil && c.Mode != ModeOff
+	needUp := len(c.Upstreams) == 0
+	if needNS || needUp {
+		servers, _, err := upstream.ParseResolvConf(c.ResolvConf)
+		if err != nil {
+			return fmt.Errorf("read nameservers: %w", err)
+		}
+		if needNS {
+			for _, s := range servers {
+				c.Nameservers = append(c.Nameservers, s.Addr())
+			}
+		}
+		if needUp {
+			c.Upstreams = servers
+		}
+	}
+	// Never forward to ourselves: our listen addresses on any slot port (the listen
+	// port, one per nameserver, the capture-all ones). Another port on the same
+	// address is someone else's server and fine.
+	slots := len(c.Nameservers)
+	if c.CaptureAll {
+		slots += redirect.CaptureAllSlots
+	}
+	ours := func(a netip.Addr, port uint16, checkPort bool) bool {
+		for _, l := range c.Listen {
+			if a != l.Addr() {
+				continue
+			}
+			if !checkPort || (port >= l.Port() && int(port) < int(l.Port())+max(slots, 1)) {
+				return true
+			}
+		}
+		return false
+	}
+	c.Upstreams = slices.DeleteFunc(c.Upstreams, func(u netip.AddrPort) bool {
+		if ours(u.Addr(), u.Port(), true) {
+			log.Warn("ignoring upstream that is our own listen address", "upstream", u)
+			return true
+		}
+		return false
+	})
+	c.Nameservers = slices.DeleteFunc(c.Nameservers, func(n netip.Addr) bool { return ours(n, 0, false) })
+	if len(c.Upstreams) == 0 {
+		return fmt.Errorf("no upstream nameserver: give --upstream or a nameserver in %s", c.ResolvConf)
+	}
+	if c.Mode != ModeOff && len(c.Nameservers) == 0 && !c.CaptureAll {
+		return fmt.Errorf("nothing to capture: no nameserver in %s and no --nameservers (or use --capture-all)", c.ResolvConf)
+	}
+	if !c.CaptureLoopback && !c.CaptureAll {
+		for _, n := range c.Nameservers {
+			if n.IsLoopback() {
+				log.Warn("nameserver is a loopback address and is not captured without --capture-loopback", "nameserver", n)
+			}
+		}
+	}
+	return nil
+}
+
+// pickMode resolves auto into ebpf or iptables and checks a forced mode can work.
+func (c *Config) pickMode(log *slog.Logger) (mode, reason string, err error) {
+	switch c.Mode {
+	case ModeOff:
+		return ModeOff, "requested: resolver only, no capture", nil
+	case ModeIptables:
+		if err := ctzone.Probe(c.IptablesBackend); err != nil {
+			return "", "", fmt.Errorf("--mode iptables cannot work here: %w", err)
+		}
+		return ModeIptables, "requested", nil
+	}
+	probeErr := c.probeEBPF()
+	if probeErr == nil && !hasCap(capBPF) {
+		probeErr = errors.New("CAP_BPF is missing")
+	}
+	if c.Mode == ModeEBPF {
+		// A forced mode that cannot work fails here, before anything is installed.
+		if probeErr != nil {
+			return "", "", fmt.Errorf("--mode ebpf cannot work here: %w", probeErr)
+		}
+		return ModeEBPF, "requested", nil
+	}
+	if probeErr == nil {
+		return ModeEBPF, "auto: the kernel has every eBPF hook the datapath needs", nil
+	}
+	log.Warn("eBPF capture unavailable, falling back to iptables with conntrack zones", "reason", probeErr)
+	if err := ctzone.Probe(c.IptablesBackend); err != nil {
+		return "", "", fmt.Errorf("auto mode: eBPF unavailable (%v) and iptables unavailable: %w", probeErr, err)
+	}
+	return ModeIptables, "auto: eBPF unavailable: " + probeErr.Error(), nil
+}
+
+func (c *Config) probeEBPF() error {
+	if c.forceNoEBPF != "" {
+		return fmt.Errorf("forced probe failure: %s", c.forceNoEBPF)
+	}
+	f, err := redirect.Probe()
+	if err != nil {
+		return err
+	}
+	if missing := f.Missing(); len(missing) > 0 {
+		return fmt.Errorf("kernel lacks %v", missing)
+	}
+	return nil
+}
+
+func (c *Config) redirectConfig(log *slog.Logger) redirect.Config {
+	rc := redirect.Config{
+		Cgroup:          c.Cgroup,
+		PinDir:          c.BPFFS,
+		Nameservers:     c.Nameservers,
+		CaptureAll:      c.CaptureAll,
+		CaptureLoopback: c.CaptureLoopback,
+		ProxyUIDs:       c.ProxyUIDs,
+		UpstreamMark:    c.UpstreamMark,
+		Logger:          log.With("component", "redirect"),
+	}
+	rc.Target4, rc.Target6 = c.targets()
+	return rc
+}
+
+// targets splits the listen addresses by family (Validate allows one of each).
+func (c *Config) targets() (v4, v6 netip.AddrPort) {
+	for _, l := range c.Listen {
+		if l.Addr().Is4() {
+			v4 = l
+		} else {
+			v6 = l
+		}
+	}
+	return v4, v6
+}
+
+func (c *Config) ctzoneConfig(log *slog.Logger) ctzone.Config {
+	cc := ctzone.Config{
+		Nameservers:  c.Nameservers,
+		CaptureAll:   c.CaptureAll,
+		ProxyUIDs:    c.ProxyUIDs,
+		ProxyGIDs:    c.ProxyGIDs,
+		UpstreamMark: c.UpstreamMark,
+		Backend:      c.IptablesBackend,
+		Logger:       log.With("component", "ctzone"),
+	}
+	cc.ListenAddr, cc.ListenAddr6 = c.targets()
+	return cc
+}
+
+// newNameStore creates the name store with the configured sources: the
+// names file, the Kubernetes API server, or the embedded demo table when
+// no other source is given.
+func (c *Config) newNameStore(reg prometheus.Registerer, kubeRest *rest.Config, log *slog.Logger) (*names.Store, error) {
+	m, err := names.NewMetrics(reg)
+	if err != nil {
+		return nil, err
+	}
+	store, err := names.New(names.Config{
+		Table:   nametable.Options{ClusterDomain: c.ClusterDomain, TTL: c.TTL},
+		Logger:  log.With("component", "names"),
+		Metrics: m,
+	})
+	if err != nil {
+		return nil, fmt.Errorf("name store: %w", err)
+	}
+	if c.NamesFile != "" {
+		f, err := filesource.NewFile(c.NamesFile, filesource.Options{Domain: store.Domain(), Logger: log.With("component", "names")})
+		if err != nil {
+			return nil, err
+		}
+		// The first load must succeed: a bad file at start is bad input, not
+		// something to serve around. Later bad files keep the last good
+		// table serving.
+		if err := f.Check(); err != nil {
+			return nil, err
+		}
+		if err := store.Add(f, names.SourceOptions{Priority: names.PriorityFile}); err != nil {
+			return nil, err
+		}
+	}
+	if kubeRest != nil {
+		ks, err := kubesource.New(kubesource.Config{
+			Name: "kubernetes", Rest: kubeRest, Domain: c.ClusterDomain, NodeName: c.NodeName,
+			Logger: log.With("component", "names"),
+		})
+		if err != nil {
+			return nil, err
+		}
+		if err := store.Add(ks, names.SourceOptions{Priority: names.PriorityKubernetes}); err != nil {
+			return nil, err
+		}
+		c.Mesh.local = ks
+	}
+	if err := c.addMeshSources(store, kubeRest, log); err != nil {
+		return nil, err
+	}
+	if c.NamesFile == "" && kubeRest == nil && !c.meshSources() {
+		demo, err := filesource.NewStatic("demo", defaultNames, store.Domain())
+		if err != nil {
+			return nil, err
+		}
+		if err := store.Add(demo, names.SourceOptions{Priority: names.PriorityDemo}); err != nil {
+			return nil, err
+		}
+		log.Info("using the embedded demo name table (give --names FILE for your own)")
+	}
+	return store, nil
+}

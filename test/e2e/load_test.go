@@ -1,0 +1,248 @@
+package e2e
+
+import (
+	"bufio"
+	"context"
+	"fmt"
+	"os/exec"
+	"sort"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/meshdns/meshdns-ebpf/internal/testenv"
+)
+
+// The load of the fault tests: real resolvers (glibc's and musl's getaddrinfo,
+// Go's resolver) in a pod of the node, each lookup one A query on a fresh
+// socket with one attempt (a lost query is a failed lookup, not hidden by a
+// retry), mixing names from the table and forwarded names no cache holds, some
+// of them answered by the upstream only after 300 ms.
+
+// loadTargets are name=address pairs; %d makes every lookup a new name.
+var loadTargets = []string{
+	meshName + "=" + meshIP,
+	"ratings.default.svc.cluster.local=240.240.0.14",
+	"q%d." + fwdZone + "=" + fwdIP,
+	"q%d." + slowZone + "=" + slowIP,
+}
+
+// isMesh says whether name is answered by the name table (NXDOMAIN at the
+// original nameserver).
+func isMesh(name string) bool { return strings.HasSuffix(name, ".svc.cluster.local") }
+
+// addLoadPod adds a pod whose resolv.conf names the original nameserver with
+// one attempt of 2 s.
+func (n *node) addLoadPod() *testenv.Netns {
+	n.t.Helper()
+	p := testenv.NewNetns(n.t, "mde-load")
+	testenv.Veth(n.t, n.ns, "vload", "169.254.110.1/30", p, "eth0", "169.254.110.2/30")
+	p.IP(n.t, "route", "add", "default", "via", "169.254.110.1")
+	p.SetResolvConf(n.t, "nameserver "+origNS+"\noptions timeout:2 attempts:1\n")
+	return p
+}
+
+type loadClient struct {
+	name string
+	cmd  *exec.Cmd
+	out  *syncBuffer
+	done chan error
+}
+
+type load struct {
+	t       *testing.T
+	clients []*loadClient
+}
+
+// loadFail is one lookup that did not return the expected address.
+type loadFail struct {
+	client     string
+	start, end int64 // CLOCK_MONOTONIC ns
+	name, what string
+}
+
+type loadResult struct {
+	sent, ok, wrong, nx, failed int
+	servfail, lost              int               // -raw clients only
+	perClient                   map[string]string // client -> its summary line
+	fails                       []loadFail
+}
+
+func monotonic() int64 {
+	var ts unix.Timespec
+	_ = unix.ClockGettime(unix.CLOCK_MONOTONIC, &ts)
+	return ts.Nano()
+}
+
+// loadClientSpec is one load client: its binary, share of the rate, extra
+// flags and targets (nil: loadTargets).
+type loadClientSpec struct {
+	name    string
+	bin     string
+	share   float64
+	flags   []string
+	targets []string
+}
+
+// startLoad runs the three clients in pod, inside the test cgroup (captured),
+// as uid 1000, sharing rate lookups per second: glibc 40%, musl 30%, Go 30%.
+func (n *node) startLoad(pod *testenv.Netns, rate float64) *load {
+	n.t.Helper()
+	return n.startLoadClients(pod, rate, []loadClientSpec{
+		{name: "glibc", bin: bins.loadGlibc, share: 0.4},
+		{name: "musl", bin: bins.loadMusl, share: 0.3},
+		{name: "go", bin: bins.loadGo, share: 0.3},
+	})
+}
+
+func (n *node) startLoadClients(pod *testenv.Netns, rate float64, specs []loadClientSpec) *load {
+	n.t.Helper()
+	l := &load{t: n.t}
+	for _, c := range specs {
+		targets := c.targets
+		if targets == nil {
+			targets = loadTargets
+		}
+		args := append(append([]string{"-r", fmt.Sprint(rate * c.share), "-t", "64"}, c.flags...), targets...)
+		cmd := testenv.Command(context.Background(), testenv.Proc{Netns: pod, Cgroup: n.cg, UID: 1000, GID: 1000}, c.bin, args...)
+		lc := &loadClient{name: c.name, cmd: cmd, out: &syncBuffer{}, done: make(chan error, 1)}
+		cmd.Stdout = lc.out
+		cmd.Stderr = lc.out
+		if err := cmd.Start(); err != nil {
+			n.t.Fatalf("start %s load: %v", c.name, err)
+		}
+		go func() { lc.done <- cmd.Wait() }()
+		l.clients = append(l.clients, lc)
+		n.t.Cleanup(func() {
+			_ = cmd.Process.Kill()
+			<-lc.done
+			lc.done <- nil
+		})
+	}
+	for _, c := range l.clients {
+		if !testenv.WaitFor(10*time.Second, func() bool { return strings.Contains(c.out.String(), "START") }) {
+			n.t.Fatalf("%s load did not start:\n%s", c.name, c.out.String())
+		}
+	}
+	return l
+}
+
+// stop ends the load (lookups in flight finish) and collects what it saw.
+func (l *load) stop() loadResult {
+	l.t.Helper()
+	for _, c := range l.clients {
+		_ = c.cmd.Process.Signal(syscall.SIGTERM)
+	}
+	r := loadResult{perClient: map[string]string{}}
+	for _, c := range l.clients {
+		select {
+		case err := <-c.done:
+			c.done <- err
+			if err != nil {
+				l.t.Fatalf("%s load: %v\n%s", c.name, err, c.out.String())
+			}
+		case <-time.After(30 * time.Second):
+			l.t.Fatalf("%s load did not stop", c.name)
+		}
+		sc := bufio.NewScanner(strings.NewReader(c.out.String()))
+		for sc.Scan() {
+			f := strings.Fields(sc.Text())
+			switch {
+			case len(f) == 5 && f[0] == "FAIL":
+				start, _ := strconv.ParseInt(f[1], 10, 64)
+				end, _ := strconv.ParseInt(f[2], 10, 64)
+				r.fails = append(r.fails, loadFail{c.name, start, end, f[3], f[4]})
+			case len(f) > 0 && f[0] == "SUMMARY":
+				r.perClient[c.name] = strings.Join(f[1:], " ")
+				for _, kv := range f[1:] {
+					k, v, _ := strings.Cut(kv, "=")
+					x, _ := strconv.Atoi(v)
+					switch k {
+					case "sent":
+						r.sent += x
+					case "ok":
+						r.ok += x
+					case "wrong":
+						r.wrong += x
+					case "nxdomain":
+						r.nx += x
+					case "failed":
+						r.failed += x
+					case "servfail":
+						r.servfail += x
+					case "lost":
+						r.lost += x
+					}
+				}
+			}
+		}
+		if _, ok := r.perClient[c.name]; !ok {
+			l.t.Fatalf("%s load printed no summary:\n%s", c.name, c.out.String())
+		}
+	}
+	return r
+}
+
+// between returns the failures of lookups started in [from, to).
+func (r loadResult) between(from, to int64) []loadFail {
+	var out []loadFail
+	for _, f := range r.fails {
+		if f.start >= from && f.start < to {
+			out = append(out, f)
+		}
+	}
+	return out
+}
+
+// split sorts failures into mesh names answered NXDOMAIN (the original
+// nameserver answered: fell through) and everything else (lost or wrong).
+func split(fails []loadFail) (fellThrough, bad []loadFail) {
+	for _, f := range fails {
+		if f.what == "nxdomain" && isMesh(f.name) {
+			fellThrough = append(fellThrough, f)
+		} else {
+			bad = append(bad, f)
+		}
+	}
+	return fellThrough, bad
+}
+
+// byName counts failures per name, for printing.
+func byName(fails []loadFail) string {
+	c := map[string]int{}
+	for _, f := range fails {
+		c[f.name]++
+	}
+	var out []string
+	for n, k := range c {
+		out = append(out, fmt.Sprintf("%s: %d", n, k))
+	}
+	sort.Strings(out)
+	return strings.Join(out, ", ")
+}
+
+// describe lists up to 10 failures.
+func describe(fails []loadFail, origin int64) string {
+	var b strings.Builder
+	for i, f := range fails {
+		if i == 10 {
+			fmt.Fprintf(&b, "  ... %d more\n", len(fails)-10)
+			break
+		}
+		fmt.Fprintf(&b, "  %s %s: %s (started %v, took %v)\n", f.client, f.name, f.what,
+			time.Duration(f.start-origin).Round(time.Millisecond), time.Duration(f.end-f.start).Round(time.Millisecond))
+	}
+	return b.String()
+}
+
+// mapMiss is the datapath's count of replies from a resolver slot to a socket
+// with no state for it: a reply the kernel hands over with the wrong source.
+func (n *node) mapMiss() uint64 {
+	n.t.Helper()
+	return hookCounter(n.t, n, "recvmsg4", "map_miss") + hookCounter(n.t, n, "recvmsg6", "map_miss") +
+		hookCounter(n.t, n, "getpeername4", "map_miss") + hookCounter(n.t, n, "getpeername6", "map_miss")
+}

@@ -1,0 +1,183 @@
+// Command goload is dnsload (testdata/dnsload) with Go's own resolver: it
+// resolves name=ip targets in turn at a fixed total rate from several
+// goroutines until SIGTERM or -d, one net.Resolver lookup (A only) per call
+// (a name with "%d" gets a new number each time), and prints every lookup that did not return the expected address as
+//
+//	FAIL <start ns> <end ns> <name> <what>
+//
+// (CLOCK_MONOTONIC), then SUMMARY sent=N ok=N wrong=N nxdomain=N failed=N.
+//
+// With -raw it sends each query itself (a fresh connected UDP socket per
+// query, like glibc), to the nameserver of -server, so that an answer with an
+// error code (servfail) is told apart from no answer at all (lost): the
+// summary then also has servfail=N and lost=N.
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"net"
+	"net/netip"
+	"os"
+	"os/signal"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
+
+	"github.com/miekg/dns"
+	"golang.org/x/sys/unix"
+)
+
+func monotonic() int64 {
+	var ts unix.Timespec
+	_ = unix.ClockGettime(unix.CLOCK_MONOTONIC, &ts)
+	return ts.Nano()
+}
+
+type target struct {
+	name string
+	want netip.Addr
+}
+
+func main() {
+	rate := flag.Float64("r", 100, "lookups per second, in total")
+	workers := flag.Int("t", 8, "goroutines")
+	dur := flag.Duration("d", time.Hour, "how long")
+	raw := flag.Bool("raw", false, "send the queries directly to -server and count servfail and lost apart")
+	server := flag.String("server", "", "with -raw: nameserver ip:port")
+	timeout := flag.Duration("timeout", 3*time.Second, "with -raw: how long to wait for an answer")
+	flag.Parse()
+	var targets []target
+	for _, a := range flag.Args() {
+		name, ip, ok := strings.Cut(a, "=")
+		want, err := netip.ParseAddr(ip)
+		if !ok || err != nil {
+			fmt.Fprintf(os.Stderr, "goload: bad target %s\n", a)
+			os.Exit(2)
+		}
+		targets = append(targets, target{name, want})
+	}
+	if len(targets) == 0 {
+		fmt.Fprintln(os.Stderr, "goload: need name=ip arguments")
+		os.Exit(2)
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
+	defer stop()
+	ctx, cancel := context.WithTimeout(ctx, *dur)
+	defer cancel()
+	var sent, ok, wrong, nx, failed, servfail, lost atomic.Int64
+	var mu sync.Mutex
+	report := func(start, end int64, name, what string) {
+		mu.Lock()
+		fmt.Printf("FAIL %d %d %s %s\n", start, end, name, what)
+		mu.Unlock()
+	}
+	fmt.Printf("START %d\n", monotonic())
+	interval := time.Duration(float64(time.Second) * float64(*workers) / *rate)
+	var wg sync.WaitGroup
+	for w := range *workers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			next := time.Now().Add(interval * time.Duration(w) / time.Duration(*workers))
+			for i := w; ctx.Err() == nil; i++ {
+				time.Sleep(time.Until(next))
+				next = next.Add(interval)
+				t := targets[i%len(targets)]
+				name := t.name
+				if strings.Contains(name, "%d") {
+					name = fmt.Sprintf(name, w*100000000+i)
+				}
+				start := monotonic()
+				if *raw {
+					what := exchange(*server, name, t.want, *timeout)
+					end := monotonic()
+					sent.Add(1)
+					switch what {
+					case "ok":
+						ok.Add(1)
+					case "servfail":
+						servfail.Add(1)
+						report(start, end, name, what)
+					case "nxdomain":
+						nx.Add(1)
+						report(start, end, name, what)
+					case "lost":
+						lost.Add(1)
+						report(start, end, name, what)
+					default:
+						wrong.Add(1)
+						report(start, end, name, what)
+					}
+					continue
+				}
+				// A Resolver per lookup: one Resolver merges concurrent lookups of a
+				// name into one query (singleflight), which would count one lost
+				// query as many failed lookups. Not bound to ctx: a lookup in flight
+				// at the stop finishes.
+				r := &net.Resolver{PreferGo: true}
+				ips, err := r.LookupNetIP(context.Background(), "ip4", name)
+				end := monotonic()
+				sent.Add(1)
+				var dnsErr *net.DNSError
+				switch {
+				case err == nil && len(ips) > 0 && ips[0].Unmap() == t.want:
+					ok.Add(1)
+				case err == nil:
+					wrong.Add(1)
+					report(start, end, name, fmt.Sprintf("wrong:%v", ips))
+				case errors.As(err, &dnsErr) && dnsErr.IsNotFound:
+					nx.Add(1)
+					report(start, end, name, "nxdomain")
+				default:
+					failed.Add(1)
+					report(start, end, name, strings.ReplaceAll(err.Error(), " ", "_"))
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	if *raw {
+		fmt.Printf("SUMMARY sent=%d ok=%d wrong=%d nxdomain=%d failed=%d servfail=%d lost=%d\n",
+			sent.Load(), ok.Load(), wrong.Load(), nx.Load(), servfail.Load()+lost.Load(), servfail.Load(), lost.Load())
+		return
+	}
+	fmt.Printf("SUMMARY sent=%d ok=%d wrong=%d nxdomain=%d failed=%d\n", sent.Load(), ok.Load(), wrong.Load(), nx.Load(), failed.Load())
+}
+
+// exchange sends one A query for name on a fresh connected UDP socket and says
+// what came back: ok, servfail, nxdomain, lost (nothing within timeout),
+// wrong:<what>.
+func exchange(server, name string, want netip.Addr, timeout time.Duration) string {
+	m := new(dns.Msg)
+	m.SetQuestion(dns.Fqdn(name), dns.TypeA)
+	c := &dns.Client{Net: "udp", Timeout: timeout}
+	r, _, err := c.Exchange(m, server)
+	switch {
+	case err != nil:
+		var ne net.Error
+		if errors.As(err, &ne) && ne.Timeout() {
+			return "lost"
+		}
+		return "wrong:" + strings.ReplaceAll(err.Error(), " ", "_")
+	case r.Rcode == dns.RcodeServerFailure:
+		return "servfail"
+	case r.Rcode == dns.RcodeNameError:
+		return "nxdomain"
+	case r.Rcode != dns.RcodeSuccess:
+		return "wrong:" + dns.RcodeToString[r.Rcode]
+	}
+	for _, rr := range r.Answer {
+		if a, ok := rr.(*dns.A); ok {
+			if ip, _ := netip.AddrFromSlice(a.A); ip.Unmap() == want {
+				return "ok"
+			}
+			return "wrong:" + a.A.String()
+		}
+	}
+	return "wrong:no_answer"
+}
