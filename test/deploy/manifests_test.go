@@ -8,6 +8,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/meshdns/meshdns-ebpf/internal/testenv"
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
@@ -408,3 +409,39 @@ func TestPolicyCatchesViolations(t *testing.T) {
 }
 
 func ptr[T any](v T) *T { return &v }
+
+// TestCapabilitiesAreWhatE2EGrants: the DaemonSet's container adds exactly the
+// capabilities the end-to-end suites run the agent with in its --mode
+// (testenv.ModeCaps), for the default install and each component that changes
+// the mode, so every capability it asks for is proven needed and enough.
+func TestCapabilitiesAreWhatE2EGrants(t *testing.T) {
+	for _, tc := range []struct{ name, component string }{{"default", ""}, {"ebpf-only", "ebpf-only"}} {
+		t.Run(tc.name, func(t *testing.T) {
+			var objs []object
+			if tc.component == "" {
+				objs = renderChecked(t)
+			} else {
+				objs = renderChecked(t, tc.component)
+			}
+			c := agent(t, objs)
+			mode := envValue(c, "MESHDNS_MODE")
+			want, ok := testenv.ModeCaps[mode]
+			if !ok {
+				t.Fatalf("MESHDNS_MODE %q: no capability set for it in testenv.ModeCaps", mode)
+			}
+			var got []string
+			for _, cp := range c.SecurityContext.Capabilities.Add {
+				got = append(got, strings.ToLower(string(cp)))
+			}
+			want = slices.Clone(want)
+			slices.Sort(got)
+			slices.Sort(want)
+			if !slices.Equal(got, want) {
+				t.Errorf("--mode %s: DaemonSet adds %v, the e2e suite runs it with %v", mode, got, want)
+			}
+			if d := c.SecurityContext.Capabilities.Drop; !slices.Equal(d, []corev1.Capability{"ALL"}) {
+				t.Errorf("drop %v, want [ALL]", d)
+			}
+		})
+	}
+}

@@ -181,15 +181,6 @@ func (p *agentProc) wait(d time.Duration) (error, bool) {
 	}
 }
 
-// modeCaps are the only capabilities the test agents get in each mode: what
-// docs and the error messages promise is enough (issue 13).
-var modeCaps = map[string][]string{
-	"ebpf":     {"bpf", "net_admin", "net_bind_service"},
-	"iptables": {"net_admin", "net_raw", "net_bind_service"},
-	"auto":     {"bpf", "net_admin", "net_raw", "net_bind_service"},
-	"off":      {"net_bind_service"},
-}
-
 func newNode(t *testing.T) *node {
 	t.Helper()
 	testenv.RequirePrivileged(t, "ip", "nsenter", "setpriv", "dig", "getent", "musl-gcc", "bpftool")
@@ -309,7 +300,7 @@ func (n *node) spawnWrapped(mode string, wrapper []string, extra ...string) *age
 	}
 	fmt.Fprintf(n.stderr, "--- agent start: %v %v\n", wrapper, extra)
 	// The wrapper runs as root; the agent gets only its mode's capabilities.
-	caps := modeCaps[mode]
+	caps := testenv.ModeCaps[mode]
 	argv := append([]string{}, wrapper...)
 	if len(wrapper) > 0 {
 		argv = append(argv, testenv.OnlyCaps(caps)...)

@@ -215,7 +215,7 @@ func TestBadInput(t *testing.T) {
 		uid  int
 		args []string
 		want string
-		caps []string // nil: the mode's (modeCaps)
+		caps []string // nil: the mode's (testenv.ModeCaps)
 	}
 	cases := []badCase{
 		{"not-root", 1000, nil, "needs CAP_BPF (load the eBPF programs and create their maps) and CAP_NET_ADMIN", nil},
@@ -250,7 +250,7 @@ func TestBadInput(t *testing.T) {
 			args := n.agentArgs("ebpf", c.args...) // a repeated flag overrides the earlier one
 			caps := c.caps
 			if caps == nil && c.uid == 0 {
-				caps = modeCaps["ebpf"]
+				caps = testenv.ModeCaps["ebpf"]
 			}
 			cmd := testenv.Command(t.Context(), testenv.Proc{Netns: n.ns, Cgroup: n.cg, UID: c.uid, GID: c.uid, NetOnly: true, Caps: caps}, bins.agent, args...)
 			if c.name == "no-cgroup2-mount" {
@@ -263,7 +263,7 @@ func TestBadInput(t *testing.T) {
 				}
 				script := `umount -l "$1" && ! grep -q ' cgroup2 ' /proc/self/mounts || exit 99; shift; exec "$@"`
 				noCg := withoutFlag(args, "--cgroup")
-				inner := append(append(testenv.OnlyCaps(modeCaps["ebpf"]), bins.agent), noCg...)
+				inner := append(append(testenv.OnlyCaps(testenv.ModeCaps["ebpf"]), bins.agent), noCg...)
 				cmd = testenv.Command(t.Context(), testenv.Proc{Netns: n.ns, Cgroup: n.cg, NetOnly: true},
 					"unshare", append([]string{"--mount", "--propagation", "private", "sh", "-c", script, "sh", mnt}, inner...)...)
 			}
