@@ -8,6 +8,7 @@ package agent
 import (
 	"flag"
 	"fmt"
+	"net"
 	"net/netip"
 	"os"
 	"strconv"
@@ -214,6 +215,13 @@ func (c *Config) Validate() error {
 	if c.CacheBytes < 0 || c.MaxPending < 0 || c.MaxTCPConns < 0 {
 		return fmt.Errorf("--cache-bytes, --max-pending and --max-tcp-conns must not be negative")
 	}
+	if c.Admin != "" {
+		a, err := normalizeAdmin(c.Admin)
+		if err != nil {
+			return err
+		}
+		c.Admin = a
+	}
 	if c.Kubeconfig != "" && c.InCluster {
 		return fmt.Errorf("--kubeconfig and --kubernetes: give one (--kubernetes uses the in-cluster service account)")
 	}
@@ -224,6 +232,31 @@ func (c *Config) Validate() error {
 		c.Authoritative = true
 	}
 	return nil
+}
+
+// normalizeAdmin checks --admin and writes it as HOST:PORT. An unbracketed
+// IPv6 address with a port ("fd00::7:9153", what --admin=$(NODE_IP):9153
+// gives on an IPv6 node) means that address and the port after the last colon.
+func normalizeAdmin(s string) (string, error) {
+	host, port, err := net.SplitHostPort(s)
+	if err != nil {
+		i := strings.LastIndexByte(s, ':')
+		ip, perr := netip.ParseAddr(s[:max(i, 0)])
+		if i < 0 || perr != nil || !ip.Is6() {
+			return "", fmt.Errorf("--admin %q: want HOST:PORT, [IPv6]:PORT or :PORT", s)
+		}
+		host, port = ip.String(), s[i+1:]
+	}
+	if p, err := strconv.ParseUint(port, 10, 16); err != nil || p == 0 {
+		return "", fmt.Errorf("--admin %q: %q is not a port number", s, port)
+	}
+	hostChar := func(r rune) bool {
+		return r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r >= '0' && r <= '9' || strings.ContainsRune(".-:%", r)
+	}
+	if strings.ContainsFunc(host, func(r rune) bool { return !hostChar(r) }) {
+		return "", fmt.Errorf("--admin %q: %q is neither an IP address nor a host name (an unset variable in the DaemonSet?)", s, host)
+	}
+	return net.JoinHostPort(host, port), nil
 }
 
 // Kubernetes reports whether the Kubernetes source is on.

@@ -59,6 +59,16 @@ func TestFlags(t *testing.T) {
 		{"bad uid", []string{"--proxy-uid", "istio"}, nil, "numeric id"},
 		{"zero mark", []string{"--upstream-mark", "0"}, nil, "non-zero"},
 		{"bad log format", []string{"--log-format", "xml"}, nil, "--log-format"},
+		// The DaemonSet passes --admin=$(NODE_IP):9153: on an IPv6 node that is
+		// "fd00::7:9153", which must mean [fd00::7]:9153, not a failed start.
+		{"admin node ipv6", []string{"--admin", "fd00::7:9153"}, func(c *Config) bool { return c.Admin == "[fd00::7]:9153" }, ""},
+		{"admin bracketed", []string{"--admin", "[fd00::7]:9153"}, func(c *Config) bool { return c.Admin == "[fd00::7]:9153" }, ""},
+		{"admin v4", []string{"--admin", "10.1.2.3:9153"}, func(c *Config) bool { return c.Admin == "10.1.2.3:9153" }, ""},
+		{"admin any", []string{"--admin", ":9153"}, func(c *Config) bool { return c.Admin == ":9153" }, ""},
+		{"admin off", []string{"--admin", ""}, func(c *Config) bool { return c.Admin == "" }, ""},
+		{"admin without port", []string{"--admin", "10.1.2.3"}, nil, "--admin"},
+		{"admin bad port", []string{"--admin", "10.1.2.3:http"}, nil, "--admin"},
+		{"admin empty NODE_IP", []string{"--admin", "$(NODE_IP):9153"}, nil, "--admin"},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
