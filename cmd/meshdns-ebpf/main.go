@@ -145,9 +145,15 @@ func render(w io.Writer, format string, v tabler) error {
 	return v.WriteTable(w)
 }
 
+// bpffsFlag is --bpffs of stats, status and cleanup: empty means where the
+// agent's state file says it pinned, else the default (agent.PinDir).
+func bpffsFlag(fs *flag.FlagSet) *string {
+	return fs.String("bpffs", "", "directory where the agent pinned its links and maps (default: the one its state file records, else "+agent.DefaultBPFFS+")")
+}
+
 func runStats(args []string, stdout, stderr io.Writer) error {
 	fs := newFlagSet("stats", stderr)
-	bpffs := fs.String("bpffs", agent.DefaultBPFFS, "directory where the agent pinned its maps")
+	bpffs := bpffsFlag(fs)
 	stateDir, admin := agentFlags(fs)
 	out := outputFlag(fs)
 	if err := parse(fs, args); err != nil {
@@ -156,7 +162,7 @@ func runStats(args []string, stdout, stderr io.Writer) error {
 	if err := checkOutput(*out); err != nil {
 		return err
 	}
-	s, err := redirect.ReadStats(*bpffs)
+	s, err := redirect.ReadStats(agent.PinDir(*stateDir, *bpffs))
 	if err != nil {
 		return err
 	}
@@ -166,7 +172,7 @@ func runStats(args []string, stdout, stderr io.Writer) error {
 
 func runStatus(args []string, stdout, stderr io.Writer) error {
 	fs := newFlagSet("status", stderr)
-	bpffs := fs.String("bpffs", agent.DefaultBPFFS, "directory where the agent pinned its links and maps")
+	bpffs := bpffsFlag(fs)
 	stateDir, admin := agentFlags(fs)
 	out := outputFlag(fs)
 	if err := parse(fs, args); err != nil {
@@ -180,7 +186,7 @@ func runStatus(args []string, stdout, stderr io.Writer) error {
 
 func runCleanup(args []string, stdout, stderr io.Writer) error {
 	fs := newFlagSet("cleanup", stderr)
-	bpffs := fs.String("bpffs", agent.DefaultBPFFS, "directory where the agent pinned its links and maps")
+	bpffs := bpffsFlag(fs)
 	stateDir := fs.String("state-dir", agent.DefaultStateDir, "the agent's state directory")
 	if err := parse(fs, args); err != nil {
 		return err

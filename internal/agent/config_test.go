@@ -227,3 +227,23 @@ func TestStateLock(t *testing.T) {
 	}
 	again.release()
 }
+
+// TestPinDir: the CLI's --bpffs wins when given, else the agent's state file
+// says where it pinned, else the default; stats, status and cleanup share it.
+func TestPinDir(t *testing.T) {
+	withState := filepath.Join(t.TempDir(), "state")
+	if err := writeState(withState, &State{PID: 1, BPFFS: "/sys/fs/bpf/from-state"}); err != nil {
+		t.Fatal(err)
+	}
+	noState := filepath.Join(t.TempDir(), "none")
+	for _, tc := range []struct{ stateDir, flag, want string }{
+		{withState, "", "/sys/fs/bpf/from-state"},
+		{withState, "/sys/fs/bpf/given", "/sys/fs/bpf/given"},
+		{noState, "", DefaultBPFFS},
+		{noState, "/sys/fs/bpf/given", "/sys/fs/bpf/given"},
+	} {
+		if got := PinDir(tc.stateDir, tc.flag); got != tc.want {
+			t.Errorf("PinDir(%s, %q) = %s, want %s", tc.stateDir, tc.flag, got, tc.want)
+		}
+	}
+}

@@ -28,7 +28,21 @@ type Status struct {
 	Sources []names.SourceStatus `json:"sources,omitempty"`
 }
 
+// PinDir is where the CLI looks for the agent's pins: flag (--bpffs) when
+// given, else the directory the agent's state file in stateDir records, else
+// DefaultBPFFS.
+func PinDir(stateDir, flag string) string {
+	if flag != "" {
+		return flag
+	}
+	if st, err := ReadState(stateDir); err == nil && st.BPFFS != "" {
+		return st.BPFFS
+	}
+	return DefaultBPFFS
+}
+
 // ReadStatus gathers the status; what cannot be read is reported in Errors.
+// pinDir "" means PinDir's choice.
 func ReadStatus(stateDir, pinDir string) *Status {
 	s := &Status{Ready: "no agent state"}
 	st, err := ReadState(stateDir)
@@ -41,15 +55,12 @@ func ReadStatus(stateDir, pinDir string) *Status {
 	case err == nil:
 		s.Agent = st
 		s.Ready = probeReady(st, running)
-		if st.BPFFS != "" {
-			pinDir = st.BPFFS
-		}
 	case errors.Is(err, os.ErrNotExist):
 		s.Errors = append(s.Errors, fmt.Sprintf("no agent state in %s: the agent is not running (or stopped cleanly)", stateDir))
 	default:
 		s.Errors = append(s.Errors, err.Error())
 	}
-	if ds, err := redirect.ReadStatus(pinDir); err == nil {
+	if ds, err := redirect.ReadStatus(PinDir(stateDir, pinDir)); err == nil {
 		s.Datapath = ds
 	} else if s.Agent == nil || s.Agent.Mode == ModeEBPF {
 		s.Errors = append(s.Errors, err.Error())
@@ -139,11 +150,8 @@ func Cleanup(stateDir, pinDir string, log *slog.Logger) ([]string, error) {
 		return nil, err
 	}
 	defer lock.release()
-	st, err := ReadState(stateDir)
-	if err == nil && st.BPFFS != "" {
-		pinDir = st.BPFFS
-	}
-	r, err := redirect.Cleanup(pinDir)
+	st, _ := ReadState(stateDir)
+	r, err := redirect.Cleanup(PinDir(stateDir, pinDir))
 	removed = append(removed, r...)
 	if err != nil {
 		errs = append(errs, err)
