@@ -14,8 +14,6 @@ import (
 	"strings"
 	"sync"
 	"syscall"
-
-	"golang.org/x/sys/unix"
 )
 
 // FindMount returns the mount point of the cgroup v2 hierarchy (the first
@@ -101,16 +99,16 @@ func CheckDir(dir string) error {
 	if !fi.IsDir() {
 		return fmt.Errorf("cgroup path %s is not a directory", dir)
 	}
-	var st unix.Statfs_t
-	if err := unix.Statfs(dir, &st); err != nil {
+	fsType, ok, err := onCgroup2(dir)
+	if err != nil {
 		return fmt.Errorf("statfs cgroup directory %s: %w", dir, err)
 	}
-	if st.Type != unix.CGROUP2_SUPER_MAGIC {
+	if !ok {
 		hint := ""
 		if m, err := FindMount(); err == nil {
 			hint = fmt.Sprintf("; the cgroup2 hierarchy is mounted at %s", m)
 		}
-		return fmt.Errorf("cgroup directory %s is not on a cgroup2 filesystem (filesystem type %#x)%s", dir, st.Type, hint)
+		return fmt.Errorf("cgroup directory %s is not on a cgroup2 filesystem (filesystem type %#x)%s", dir, fsType, hint)
 	}
 	return nil
 }

@@ -24,6 +24,12 @@ import (
 	"time"
 )
 
+// Backends.
+const (
+	BackendLegacy = "legacy"
+	BackendNFT    = "nft"
+)
+
 // Defaults.
 const (
 	DefaultUpstreamMark  = 0x3f53

@@ -1,3 +1,5 @@
+//go:build linux
+
 package ctzone
 
 import (
@@ -10,12 +12,6 @@ import (
 	"os/exec"
 	"strings"
 	"time"
-)
-
-// Backends.
-const (
-	BackendLegacy = "legacy"
-	BackendNFT    = "nft"
 )
 
 // commandTimeout bounds one iptables invocation.
