@@ -6,8 +6,6 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
-
-	"golang.org/x/sys/unix"
 )
 
 // capability is one Linux capability the agent may need, with why.
@@ -28,15 +26,6 @@ var (
 
 // capSet is the process's effective capability set.
 type capSet [2]uint32
-
-func effectiveCaps() (capSet, error) {
-	hdr := unix.CapUserHeader{Version: unix.LINUX_CAPABILITY_VERSION_3}
-	var data [2]unix.CapUserData
-	if err := unix.Capget(&hdr, &data[0]); err != nil {
-		return capSet{}, fmt.Errorf("read capabilities: %w", err)
-	}
-	return capSet{data[0].Effective, data[1].Effective}, nil
-}
 
 func (c capSet) has(cp capability) bool { return c[cp.bit/32]&(1<<(cp.bit%32)) != 0 }
 
@@ -137,16 +126,8 @@ func ensureBPFFS(pinDir string) (mounted bool, err error) {
 	if err := os.MkdirAll(parent, 0o755); err != nil {
 		return false, fmt.Errorf("create %s: %w", parent, err)
 	}
-	if err := unix.Mount("bpf", parent, "bpf", 0, "mode=0700"); err != nil {
+	if err := mountBPFFS(parent); err != nil {
 		return false, fmt.Errorf("mount bpffs on %s: %w", parent, err)
 	}
 	return true, nil
-}
-
-func isBPFFS(dir string) bool {
-	var st unix.Statfs_t
-	if err := unix.Statfs(dir, &st); err != nil {
-		return false
-	}
-	return st.Type == unix.BPF_FS_MAGIC
 }

@@ -159,7 +159,7 @@ func ensureNodeAddrs(addrs []netip.Addr, linkName string, adopt []NodeAddr, log 
 			return nil, fmt.Errorf("parse listen address %s: %w", prefix, err)
 		}
 		if a.Is6() {
-			nlAddr.Flags = unix.IFA_F_NODAD
+			nlAddr.Flags = ifaNoDAD
 		}
 		if err := netlink.AddrAdd(link, nlAddr); err != nil {
 			undo()

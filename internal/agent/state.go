@@ -116,19 +116,15 @@ func openLockFile(dir string) (*os.File, error) {
 	return f, nil
 }
 
-func ofdLock(typ int16) *unix.Flock_t {
-	return &unix.Flock_t{Type: typ, Whence: 0, Start: 0, Len: 0}
-}
-
 // tryLock takes the lock without waiting: errLocked when another agent holds it.
 func tryLock(dir string) (*stateLock, error) {
 	f, err := openLockFile(dir)
 	if err != nil {
 		return nil, err
 	}
-	if err := unix.FcntlFlock(f.Fd(), unix.F_OFD_SETLK, ofdLock(unix.F_WRLCK)); err != nil {
+	if err := setLock(f); err != nil {
 		f.Close()
-		if errors.Is(err, unix.EAGAIN) || errors.Is(err, unix.EACCES) {
+		if errors.Is(err, errLocked) {
 			return nil, errLocked
 		}
 		return nil, fmt.Errorf("lock %s: %w", lockPath(dir), err)
@@ -154,7 +150,7 @@ func (l *stateLock) release() error {
 // Locked reports whether an agent holds the state lock of dir, without taking
 // it (F_OFD_GETLK), so asking never gets in the way of an agent starting.
 func Locked(dir string) (bool, error) {
-	f, err := os.OpenFile(lockPath(dir), os.O_RDONLY|unix.O_CLOEXEC, 0)
+	f, err := os.OpenFile(lockPath(dir), os.O_RDONLY|syscall.O_CLOEXEC, 0)
 	if errors.Is(err, os.ErrNotExist) {
 		return false, nil
 	}
@@ -162,9 +158,9 @@ func Locked(dir string) (bool, error) {
 		return false, fmt.Errorf("open state lock: %w", err)
 	}
 	defer f.Close()
-	lk := ofdLock(unix.F_WRLCK)
-	if err := unix.FcntlFlock(f.Fd(), unix.F_OFD_GETLK, lk); err != nil {
+	held, err := lockHeld(f)
+	if err != nil {
 		return false, fmt.Errorf("query state lock: %w", err)
 	}
-	return lk.Type != unix.F_UNLCK, nil
+	return held, nil
 }

@@ -9,7 +9,6 @@ import (
 	"runtime"
 	"strings"
 	"sync"
-	"syscall"
 	"testing"
 	"time"
 )
@@ -52,7 +51,7 @@ func (p *process) start(args []string) error {
 	fmt.Fprintf(f, "=== kubetest: %s start %s\n%s %s\n", p.name, time.Now().Format(time.RFC3339Nano), p.path, strings.Join(args, " "))
 	cmd := exec.Command(p.path, args...)
 	cmd.Stdout, cmd.Stderr = f, f
-	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	cmd.SysProcAttr = dieWithParent()
 	if err := spawn(cmd); err != nil {
 		f.Close()
 		return fmt.Errorf("start %s: %w", p.name, err)

@@ -7,7 +7,6 @@ import (
 	"path/filepath"
 
 	"github.com/cilium/ebpf/link"
-	"golang.org/x/sys/unix"
 )
 
 // checkPinDir reports a clear error unless dir is, or would be created, on a bpffs.
@@ -30,12 +29,12 @@ func checkPinDir(dir string) error {
 		}
 		p = parent
 	}
-	var st unix.Statfs_t
-	if err := unix.Statfs(p, &st); err != nil {
+	fsType, ok, err := onBPFFS(p)
+	if err != nil {
 		return fmt.Errorf("statfs pin directory %s: %w", p, err)
 	}
-	if st.Type != unix.BPF_FS_MAGIC {
-		return fmt.Errorf("pin directory %s is not on a bpffs (%s has filesystem type %#x); mount one first, e.g. mount -t bpf bpf /sys/fs/bpf", dir, p, st.Type)
+	if !ok {
+		return fmt.Errorf("pin directory %s is not on a bpffs (%s has filesystem type %#x); mount one first, e.g. mount -t bpf bpf /sys/fs/bpf", dir, p, fsType)
 	}
 	return nil
 }

@@ -176,7 +176,7 @@ func sockmapLookup() (asm.Instructions, func(), error) {
 // skStorageGet reads the socket-local storage of ctx->sk without creating it.
 func skStorageGet() (asm.Instructions, func(), error) {
 	m, err := ebpf.NewMap(&ebpf.MapSpec{
-		Type: ebpf.SkStorage, KeySize: 4, ValueSize: 8, Flags: unix.BPF_F_NO_PREALLOC,
+		Type: ebpf.SkStorage, KeySize: 4, ValueSize: 8, Flags: bpfNoPrealloc,
 		Key: &btf.Int{Name: "int", Size: 4, Encoding: btf.Signed}, Value: &btf.Int{Name: "long long unsigned int", Size: 8},
 	})
 	if err != nil {
@@ -217,8 +217,8 @@ func callCtx(fn asm.BuiltinFunc) asm.Instructions {
 func getsockoptMark() asm.Instructions {
 	return append(asm.Instructions{
 		asm.StoreImm(asm.R10, -4, 0, asm.Word),
-		asm.Mov.Imm(asm.R2, unix.SOL_SOCKET),
-		asm.Mov.Imm(asm.R3, unix.SO_MARK),
+		asm.Mov.Imm(asm.R2, solSocket),
+		asm.Mov.Imm(asm.R3, soMark),
 		asm.Mov.Reg(asm.R4, asm.R10),
 		asm.Add.Imm(asm.R4, -4),
 		asm.Mov.Imm(asm.R5, 4),

@@ -425,23 +425,6 @@ func sortedNames(m map[string]*ebpf.Map) []string {
 	return names
 }
 
-// ownNetnsCookie is the cookie of the calling thread's network namespace.
-func ownNetnsCookie() (uint64, error) {
-	fd, err := unix.Socket(unix.AF_INET, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
-	if err != nil {
-		fd, err = unix.Socket(unix.AF_INET6, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
-		if err != nil {
-			return 0, fmt.Errorf("open socket: %w", err)
-		}
-	}
-	defer unix.Close(fd)
-	c, err := unix.GetsockoptUint64(fd, unix.SOL_SOCKET, unix.SO_NETNS_COOKIE)
-	if err != nil {
-		return 0, fmt.Errorf("getsockopt SO_NETNS_COOKIE (needs Linux 5.14): %w", err)
-	}
-	return c, nil
-}
-
 func addrWords(a netip.Addr) [4]uint32 {
 	b := a.As16()
 	var w [4]uint32

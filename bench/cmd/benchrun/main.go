@@ -1,3 +1,5 @@
+//go:build linux
+
 // Command benchrun is the benchmark harness behind `make bench` (see
 // bench/run.sh): it generates one mesh table for every peer, starts each peer
 // (our resolver, CoreDNS with a production-style chain and with hosts only, a
