@@ -2,10 +2,12 @@ package testenv
 
 import (
 	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
 	"strconv"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -15,7 +17,7 @@ import (
 
 // Cgroup is a cgroup v2 directory created for one test.
 type Cgroup struct {
-	Path string   // absolute directory, e.g. /sys/fs/cgroup/unified/meshdns-test-1a2b3c
+	Path string   // absolute directory, e.g. /sys/fs/cgroup/unified/meshdns-test-t4242-1a2b3c4d
 	dir  *os.File // open directory, for CLONE_INTO_CGROUP
 }
 
@@ -27,7 +29,8 @@ func NewCgroup(t testing.TB) *Cgroup {
 	if err != nil {
 		Skip(t, "needs cgroup2: %v", err)
 	}
-	path := filepath.Join(root, "meshdns-test-"+RandSuffix(8))
+	sweepCgroupsOnce.Do(func() { sweepStaleCgroups(t, root) })
+	path := filepath.Join(root, OwnedName("meshdns-test", 8))
 	if err := os.Mkdir(path, 0o755); err != nil {
 		t.Fatalf("create cgroup %s: %v", path, err)
 	}
@@ -64,19 +67,46 @@ func (c *Cgroup) Procs() []int {
 	return pids
 }
 
-func (c *Cgroup) remove() error {
+func (c *Cgroup) remove() error { return removeCgroupDir(c.Path) }
+
+// removeCgroupDir kills the processes in the cgroup directory path (v1 or v2) and
+// removes it, retrying for up to 5 s while they exit.
+func removeCgroupDir(path string) error {
 	deadline := time.Now().Add(5 * time.Second)
 	for {
-		for _, pid := range c.Procs() {
-			_ = syscall.Kill(pid, syscall.SIGKILL)
+		b, _ := os.ReadFile(filepath.Join(path, "cgroup.procs"))
+		pids := strings.Fields(string(b))
+		for _, p := range pids {
+			if pid, err := strconv.Atoi(p); err == nil {
+				_ = syscall.Kill(pid, syscall.SIGKILL)
+			}
 		}
-		err := os.Remove(c.Path)
+		err := os.Remove(path)
 		if err == nil || errors.Is(err, os.ErrNotExist) {
 			return nil
 		}
 		if time.Now().After(deadline) {
-			return err
+			return fmt.Errorf("%w (processes %v)", err, pids)
 		}
 		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+var sweepCgroupsOnce sync.Once
+
+// sweepStaleCgroups removes the test cgroups under root that test processes killed
+// before their cleanup left behind.
+func sweepStaleCgroups(t testing.TB, root string) {
+	entries, _ := os.ReadDir(root)
+	for _, e := range entries {
+		if !e.IsDir() || !strings.HasPrefix(e.Name(), "meshdns-test-") || !StaleOwner(e.Name()) {
+			continue
+		}
+		path := filepath.Join(root, e.Name())
+		if err := removeCgroupDir(path); err != nil {
+			t.Logf("remove stale cgroup %s: %v", path, err)
+			continue
+		}
+		t.Logf("removed cgroup %s, left by a test process that is gone", path)
 	}
 }

@@ -5,14 +5,13 @@ package testenv
 import (
 	"bufio"
 	"errors"
-	"fmt"
 	"os"
 	"path/filepath"
 	"strconv"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
-	"time"
 )
 
 // MemCgroup is a cgroup v1 memory group created for one test, with a memory limit.
@@ -41,7 +40,8 @@ func NewMemCgroup(t testing.TB, limit int64) *MemCgroup {
 		t.Cleanup(func() { _ = syscall.Unmount(dir, syscall.MNT_DETACH) })
 		root = dir
 	}
-	cg := &MemCgroup{Path: filepath.Join(root, "meshdns-test-"+RandSuffix(8)), Limit: limit}
+	sweepMemCgroupsOnce.Do(func() { sweepStaleCgroups(t, root) })
+	cg := &MemCgroup{Path: filepath.Join(root, OwnedName("meshdns-test", 8)), Limit: limit}
 	if err := os.Mkdir(cg.Path, 0o755); err != nil {
 		t.Fatalf("create memory cgroup: %v", err)
 	}
@@ -124,23 +124,6 @@ func (c *MemCgroup) JoinCommand(argv ...string) []string {
 	return append([]string{"/bin/sh", "-c", `echo $$ > "$0/cgroup.procs" && shift && exec "$@"`, c.Path, "--"}, argv...)
 }
 
-func (c *MemCgroup) remove() error {
-	deadline := time.Now().Add(5 * time.Second)
-	for {
-		b, _ := os.ReadFile(filepath.Join(c.Path, "cgroup.procs"))
-		pids := strings.Fields(string(b))
-		for _, p := range pids {
-			if pid, err := strconv.Atoi(p); err == nil {
-				_ = syscall.Kill(pid, syscall.SIGKILL)
-			}
-		}
-		err := os.Remove(c.Path)
-		if err == nil || errors.Is(err, os.ErrNotExist) {
-			return nil
-		}
-		if time.Now().After(deadline) {
-			return fmt.Errorf("%w (processes %v)", err, pids)
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
-}
+func (c *MemCgroup) remove() error { return removeCgroupDir(c.Path) }
+
+var sweepMemCgroupsOnce sync.Once

@@ -12,6 +12,7 @@ import (
 	"runtime"
 	"strconv"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 
@@ -29,7 +30,8 @@ type Netns struct {
 // /etc/netns entry) at cleanup.
 func NewNetns(t testing.TB, prefix string) *Netns {
 	t.Helper()
-	n := &Netns{Name: prefix + "-" + RandSuffix(6)}
+	sweepNetnsOnce.Do(func() { sweepStaleNetns(t) })
+	n := &Netns{Name: OwnedName(prefix, 6)}
 	Run(t, "ip", "netns", "add", n.Name)
 	t.Cleanup(func() {
 		if out, err := exec.Command("ip", "netns", "del", n.Name).CombinedOutput(); err != nil {
@@ -62,6 +64,25 @@ func (n *Netns) SetResolvConf(t testing.TB, content string) {
 	}
 	if err := os.WriteFile(filepath.Join(dir, "resolv.conf"), []byte(content), 0o644); err != nil {
 		t.Fatalf("write resolv.conf for %s: %v", n.Name, err)
+	}
+}
+
+var sweepNetnsOnce sync.Once
+
+// sweepStaleNetns removes the namespaces (and their /etc/netns entries) that test
+// processes killed before their cleanup left behind.
+func sweepStaleNetns(t testing.TB) {
+	entries, _ := os.ReadDir("/run/netns")
+	for _, e := range entries {
+		if !StaleOwner(e.Name()) {
+			continue
+		}
+		if out, err := exec.Command("ip", "netns", "del", e.Name()).CombinedOutput(); err != nil {
+			t.Logf("remove stale netns %s: %v: %s", e.Name(), err, out)
+			continue
+		}
+		removeEtcNetns(t, e.Name())
+		t.Logf("removed netns %s, left by a test process that is gone", e.Name())
 	}
 }
 

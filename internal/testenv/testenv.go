@@ -9,10 +9,14 @@ package testenv
 import (
 	"crypto/rand"
 	"encoding/hex"
+	"errors"
 	"fmt"
 	"os"
 	"os/exec"
+	"regexp"
+	"strconv"
 	"strings"
+	"syscall"
 	"testing"
 
 	"github.com/meshdns/meshdns-ebpf/internal/cgroup2"
@@ -61,6 +65,29 @@ func RandSuffix(n int) string {
 		panic(err)
 	}
 	return hex.EncodeToString(b)[:n]
+}
+
+// OwnedName is base-t<pid>-<n random hex characters>: the name of a test object that
+// records which test process made it, so that a later run can remove what a process
+// killed before its cleanup ran (SIGKILL, a timeout) left behind (StaleOwner).
+func OwnedName(base string, n int) string {
+	return fmt.Sprintf("%s-t%d-%s", base, os.Getpid(), RandSuffix(n))
+}
+
+var ownedNameRE = regexp.MustCompile(`-t([0-9]+)-[0-9a-f]+$`)
+
+// StaleOwner reports whether name came from OwnedName in a process that no longer
+// exists. A pid reused since is taken as alive: the object stays for a later sweep.
+func StaleOwner(name string) bool {
+	m := ownedNameRE.FindStringSubmatch(name)
+	if m == nil {
+		return false
+	}
+	pid, err := strconv.Atoi(m[1])
+	if err != nil || pid == os.Getpid() {
+		return false
+	}
+	return errors.Is(syscall.Kill(pid, 0), syscall.ESRCH)
 }
 
 // Run runs a command and fails the test with its output when it fails.
