@@ -6,6 +6,8 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+
+	"github.com/meshdns/meshdns-ebpf/internal/redirect"
 )
 
 // capability is one Linux capability the agent may need, with why.
@@ -114,7 +116,7 @@ func hasCap(c capability) bool {
 // CAP_SYS_ADMIN; any other location must already be a bpffs.
 func ensureBPFFS(pinDir string) (mounted bool, err error) {
 	parent := filepath.Dir(filepath.Clean(pinDir))
-	if isBPFFS(parent) {
+	if _, ok, _ := redirect.OnBPFFS(parent); ok {
 		return false, nil
 	}
 	if parent != "/sys/fs/bpf" {

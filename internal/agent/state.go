@@ -8,8 +8,6 @@ import (
 	"path/filepath"
 	"syscall"
 	"time"
-
-	"golang.org/x/sys/unix"
 )
 
 // DefaultStateDir holds the running agent's lock, state file and handover socket,
@@ -109,7 +107,7 @@ func openLockFile(dir string) (*os.File, error) {
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		return nil, fmt.Errorf("create state dir %s: %w", dir, err)
 	}
-	f, err := os.OpenFile(lockPath(dir), os.O_RDWR|os.O_CREATE|unix.O_CLOEXEC, 0o644)
+	f, err := os.OpenFile(lockPath(dir), os.O_RDWR|os.O_CREATE, 0o644)
 	if err != nil {
 		return nil, fmt.Errorf("open state lock: %w", err)
 	}
@@ -150,7 +148,7 @@ func (l *stateLock) release() error {
 // Locked reports whether an agent holds the state lock of dir, without taking
 // it (F_OFD_GETLK), so asking never gets in the way of an agent starting.
 func Locked(dir string) (bool, error) {
-	f, err := os.OpenFile(lockPath(dir), os.O_RDONLY|syscall.O_CLOEXEC, 0)
+	f, err := os.OpenFile(lockPath(dir), os.O_RDONLY, 0)
 	if errors.Is(err, os.ErrNotExist) {
 		return false, nil
 	}

@@ -25,14 +25,6 @@ func mountBPFFS(dir string) error {
 	return unix.Mount("bpf", dir, "bpf", 0, "mode=0700")
 }
 
-func isBPFFS(dir string) bool {
-	var st unix.Statfs_t
-	if err := unix.Statfs(dir, &st); err != nil {
-		return false
-	}
-	return st.Type == unix.BPF_FS_MAGIC
-}
-
 func ofdLock(typ int16) *unix.Flock_t {
 	return &unix.Flock_t{Type: typ, Whence: 0, Start: 0, Len: 0}
 }

@@ -15,6 +15,5 @@ const ifaNoDAD = 0
 
 func effectiveCaps() (capSet, error)  { return capSet{}, errNotLinux }
 func mountBPFFS(string) error         { return errNotLinux }
-func isBPFFS(string) bool             { return false }
 func setLock(*os.File) error          { return errNotLinux }
 func lockHeld(*os.File) (bool, error) { return false, errNotLinux }

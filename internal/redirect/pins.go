@@ -29,7 +29,7 @@ func checkPinDir(dir string) error {
 		}
 		p = parent
 	}
-	fsType, ok, err := onBPFFS(p)
+	fsType, ok, err := OnBPFFS(p)
 	if err != nil {
 		return fmt.Errorf("statfs pin directory %s: %w", p, err)
 	}

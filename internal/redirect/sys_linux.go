@@ -13,8 +13,8 @@ const (
 	bpfNoPrealloc = unix.BPF_F_NO_PREALLOC
 )
 
-// onBPFFS reports p's filesystem type and whether it is a bpffs.
-func onBPFFS(p string) (fsType int64, ok bool, err error) {
+// OnBPFFS reports p's filesystem type and whether it is a bpffs.
+func OnBPFFS(p string) (fsType int64, ok bool, err error) {
 	var st unix.Statfs_t
 	if err := unix.Statfs(p, &st); err != nil {
 		return 0, false, err

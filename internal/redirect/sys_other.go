@@ -15,8 +15,8 @@ const (
 	bpfNoPrealloc = 1
 )
 
-// onBPFFS fails: bpffs is Linux's.
-func onBPFFS(string) (int64, bool, error) { return 0, false, errNotLinux }
+// OnBPFFS fails: bpffs is Linux's.
+func OnBPFFS(string) (int64, bool, error) { return 0, false, errNotLinux }
 
 // ownNetnsCookie fails: network namespace cookies are Linux's.
 func ownNetnsCookie() (uint64, error) { return 0, errNotLinux }
