@@ -53,11 +53,17 @@ func serviceHosts(domain string, svc *service, eps []*endpointSlice) []nametable
 				continue
 			}
 			var fresh []netip.Addr
+			shared := true
 			for _, a := range ep.addrs {
-				if !seen[a] {
-					seen[a] = true
-					fresh = append(fresh, a)
+				if seen[a] {
+					shared = false
+					continue
 				}
+				seen[a] = true
+				fresh = append(fresh, a)
+			}
+			if shared {
+				fresh = ep.addrs // the informer's object's: the table keeps one copy
 			}
 			if len(fresh) == 0 {
 				continue // the same endpoint in two slices during an update
@@ -108,7 +114,27 @@ func hostPorts(ps []port) []nametable.HostPort {
 	return hp
 }
 
+// splitAddrs adds addrs to h's V4 and V6. A host that has none yet shares
+// addrs when they are all of one family (the common endpoint: one address;
+// the table never changes them, and the capacity is cut so that a later
+// append copies).
 func splitAddrs(h *nametable.Host, addrs []netip.Addr) {
+	if len(h.V4)+len(h.V6) == 0 && len(addrs) > 0 {
+		v4 := 0
+		for _, a := range addrs {
+			if a.Is4() {
+				v4++
+			}
+		}
+		switch v4 {
+		case len(addrs):
+			h.V4 = addrs[:len(addrs):len(addrs)]
+			return
+		case 0:
+			h.V6 = addrs[:len(addrs):len(addrs)]
+			return
+		}
+	}
 	for _, a := range addrs {
 		if a.Is4() {
 			h.V4 = append(h.V4, a)

@@ -137,9 +137,24 @@ func TestServiceHosts(t *testing.T) {
 			for _, s := range tt.slices {
 				eps = append(eps, mustSlice(t, s))
 			}
-			got := render(serviceHosts("cluster.local.", mustService(t, tt.svc), eps))
+			objects := func() string { // the informer's objects, which the hosts share addresses with
+				var b strings.Builder
+				for _, es := range eps {
+					fmt.Fprintf(&b, "%+v\n", es.endpoints)
+				}
+				return b.String()
+			}
+			before := objects()
+			svc := mustService(t, tt.svc)
+			got := render(serviceHosts("cluster.local.", svc, eps))
 			if got != tt.want {
 				t.Fatalf("hosts\n--- got\n%s--- want\n%s", got, tt.want)
+			}
+			if again := render(serviceHosts("cluster.local.", svc, eps)); again != got {
+				t.Fatalf("a second computation differs:\n%s", again)
+			}
+			if after := objects(); after != before {
+				t.Fatalf("the informer's objects changed:\n%s\nwas\n%s", after, before)
 			}
 		})
 	}

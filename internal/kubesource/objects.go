@@ -191,6 +191,10 @@ func transformSlice(obj any) (any, error) {
 		meta:    meta{name: s.Name, namespace: internStr(s.Namespace)},
 		service: s.Labels[discoveryv1.LabelServiceName],
 	}
+	if strings.HasPrefix(out.name, out.service) {
+		// The controller names slices <service>-<suffix>: share the name's bytes.
+		out.service = out.name[:len(out.service)]
+	}
 	if s.AddressType != discoveryv1.AddressTypeIPv4 && s.AddressType != discoveryv1.AddressTypeIPv6 {
 		return out, nil // FQDN slices have no addresses DNS can serve
 	}

@@ -435,3 +435,35 @@ func TestParseReverse(t *testing.T) {
 		}
 	}
 }
+
+// TestPTRSharedAddress: several hosts with one address all answer its PTR,
+// sorted, as hosts come and go.
+func TestPTRSharedAddress(t *testing.T) {
+	b, err := NewBuilder(Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	b.AddSource("file", 0)
+	const rev = "9.9.9.10.in-addr.arpa."
+	steps := []struct {
+		set, del string
+		want     []string
+	}{
+		{set: "c.example.com", want: []string{"c.example.com."}},
+		{set: "a.example.com", want: []string{"a.example.com.", "c.example.com."}},
+		{set: "b.example.com", want: []string{"a.example.com.", "b.example.com.", "c.example.com."}},
+		{del: "a.example.com", want: []string{"b.example.com.", "c.example.com."}},
+		{del: "c.example.com", want: []string{"b.example.com."}},
+		{del: "b.example.com", want: nil},
+	}
+	for _, s := range steps {
+		if s.set != "" {
+			set(t, b, "file", s.set, Host{Name: s.set, V4: []netip.Addr{ip("10.9.9.9")}})
+		} else {
+			set(t, b, "file", s.del)
+		}
+		if got := publish(t, b).PTR(rev); !slices.Equal(got, s.want) {
+			t.Fatalf("after %s%s: PTR = %q, want %q", s.set, s.del, got, s.want)
+		}
+	}
+}

@@ -17,11 +17,6 @@ type Host struct {
 	// Name is the canonical FQDN (any case, trailing dot optional);
 	// "*.example.com" is a wildcard host.
 	Name string
-	// Kubernetes marks a Kubernetes Service. A Kubernetes host named
-	// <short>.<ns>.svc.<domain> also answers <short>.<ns>. and
-	// <short>.<ns>.svc., and the bare <short>. (for clients of <ns>, or for
-	// any client when only one namespace has that short name).
-	Kubernetes bool
 	// V4 and V6 are its addresses (v4-mapped v6 counts as v4).
 	V4, V6 []netip.Addr
 	// CNAME makes the host an alias (a Kubernetes ExternalName Service):
@@ -31,43 +26,49 @@ type Host struct {
 	Ports []HostPort
 	// AltNames are extra names that answer like the host.
 	AltNames []string
-	// NeedVIP asks for an auto-allocated VIP pair (240.240.0.0/16 and
-	// 2001:2::/48) when the host has no address and no CNAME: an external
-	// host of resolution DNS.
-	NeedVIP bool
 	// Order sorts the hosts that get a VIP in the same batch (for example
 	// a creation timestamp and UID, so that every node allocates in the
 	// same order); ties and "" sort by name.
 	Order string
+	// Visible lists the client namespaces that see the host; nil means
+	// every client. A client whose namespace is unknown sees only hosts
+	// with a nil Visible.
+	Visible []string
+	// Kubernetes marks a Kubernetes Service. A Kubernetes host named
+	// <short>.<ns>.svc.<domain> also answers <short>.<ns>. and
+	// <short>.<ns>.svc., and the bare <short>. (for clients of <ns>, or for
+	// any client when only one namespace has that short name).
+	Kubernetes bool
+	// NeedVIP asks for an auto-allocated VIP pair (240.240.0.0/16 and
+	// 2001:2::/48) when the host has no address and no CNAME: an external
+	// host of resolution DNS.
+	NeedVIP bool
 	// Merge makes the same name from several sources answer the union of
 	// their addresses and ports when the winning contribution also has
 	// Merge (a headless Service's endpoints across clusters). Without it the
 	// highest-priority source alone answers.
 	Merge bool
-	// Visible lists the client namespaces that see the host; nil means
-	// every client. A client whose namespace is unknown sees only hosts
-	// with a nil Visible.
-	Visible []string
 	// NoPTR leaves the host's addresses out of reverse lookups.
 	NoPTR bool
 
-	// Filled by the Builder.
+	// Filled by the Builder. The flags sit next to the source's flags: a
+	// table holds a Host per name, and padding between the fields would
+	// cost a size class per Host.
 
 	// Wildcard is true for a "*." host.
 	Wildcard bool
 	// AutoVIP is true when V4 and V6 were allocated by the table.
-	AutoVIP bool
+	AutoVIP  bool
+	inDomain bool  // under the cluster domain
+	linked   bool  // has names in the table (false: no data, left out)
+	shortLen uint8 // of a Kubernetes host named <short>.<ns>.svc.<domain>: len(<short>)
+	nsLen    uint8 // and len(<ns>)
 	// Source is the name of the source that contributed the host (of the
 	// winning one, for a merged host).
 	Source string
-
-	key      string // the source's object key
-	soa      *dns.SOA
-	shortLen uint8 // of a Kubernetes host named <short>.<ns>.svc.<domain>: len(<short>)
-	nsLen    uint8 // and len(<ns>)
-	inDomain bool  // under the cluster domain
-	linked   bool  // has names in the table (false: no data, left out)
-	self     Name  // the entry of the canonical name, when it wins alone
+	key    string // the source's object key
+	soa    *dns.SOA
+	self   Name // the entry of the canonical name, when it wins alone
 }
 
 // HostPort is a named port, answered as SRV _<name>._<protocol>.<host>.

@@ -7,12 +7,18 @@ import (
 	"net/netip"
 )
 
-// shardBits sets the number of shards of every table map. An update copies
-// only the shards it touches, so a change to one host of a 100k-host table
-// copies about 1/256 of it.
+// An smap has nShards shards in two levels (nTop groups of nLeaf maps).
+// An update copies only the shards it touches and the groups holding
+// them: a change to one host of a 100k-host table copies a few maps of
+// about 25 entries each and a few 512-byte groups, so the garbage one API
+// event leaves is a few kilobytes, and collecting close to the live heap
+// stays cheap.
 const (
-	shardBits = 8
-	nShards   = 1 << shardBits
+	topBits  = 6
+	leafBits = 6
+	nTop     = 1 << topBits
+	nLeaf    = 1 << leafBits
+	nShards  = nTop * nLeaf
 )
 
 var seed = maphash.MakeSeed()
@@ -29,14 +35,19 @@ func hashAddr(a netip.Addr) uint64 {
 
 // smap is an immutable sharded map: readers look up without locks; a writer
 // (see smapWriter) produces a new smap that shares every untouched shard
-// with the old one.
+// and group with the old one.
 type smap[K string | netip.Addr, V any] struct {
-	shards *[nShards]map[K]V
+	groups *[nTop]*[nLeaf]map[K]V
 	n      int
 }
 
 func newSmap[K string | netip.Addr, V any]() smap[K, V] {
-	return smap[K, V]{shards: new([nShards]map[K]V)}
+	var m smap[K, V]
+	m.groups = new([nTop]*[nLeaf]map[K]V)
+	for i := range m.groups {
+		m.groups[i] = new([nLeaf]map[K]V)
+	}
+	return m
 }
 
 // shard picks the shard of k. A type switch, not a func value: the key
@@ -49,11 +60,12 @@ func (m *smap[K, V]) shard(k K) int {
 	case netip.Addr:
 		h = hashAddr(k)
 	}
-	return int(h >> (64 - shardBits))
+	return int(h >> (64 - topBits - leafBits))
 }
 
 func (m *smap[K, V]) get(k K) (V, bool) {
-	v, ok := m.shards[m.shard(k)][k]
+	i := m.shard(k)
+	v, ok := m.groups[i>>leafBits][i&(nLeaf-1)][k]
 	return v, ok
 }
 
@@ -62,40 +74,51 @@ func (m *smap[K, V]) len() int { return m.n }
 
 // each calls fn for every entry, in no particular order, until it returns false.
 func (m *smap[K, V]) each(fn func(K, V) bool) {
-	for _, s := range m.shards {
-		for k, v := range s {
-			if !fn(k, v) {
-				return
+	for _, g := range m.groups {
+		for _, s := range g {
+			for k, v := range s {
+				if !fn(k, v) {
+					return
+				}
 			}
 		}
 	}
 }
 
 // smapWriter changes a copy of an smap in place: the first write to a shard
-// copies that shard, later writes in the same batch reuse the copy.
+// copies that shard (and its group), later writes in the same batch reuse
+// the copies.
 type smapWriter[K string | netip.Addr, V any] struct {
-	m     smap[K, V]
-	owned [nShards]bool
+	m          smap[K, V]
+	ownedGroup [nTop]bool
+	ownedShard [nShards]bool
 }
 
 // begin starts a batch on top of m (which stays unchanged).
 func (w *smapWriter[K, V]) begin(m smap[K, V]) {
-	shards := *m.shards
-	w.m = smap[K, V]{shards: &shards, n: m.n}
-	w.owned = [nShards]bool{}
+	groups := *m.groups
+	w.m = smap[K, V]{groups: &groups, n: m.n}
+	w.ownedGroup = [nTop]bool{}
+	w.ownedShard = [nShards]bool{}
 }
 
 func (w *smapWriter[K, V]) own(i int) map[K]V {
-	if !w.owned[i] {
-		old := w.m.shards[i]
-		if old == nil {
-			w.m.shards[i] = make(map[K]V)
-		} else {
-			w.m.shards[i] = maps.Clone(old)
-		}
-		w.owned[i] = true
+	g, l := i>>leafBits, i&(nLeaf-1)
+	if !w.ownedGroup[g] {
+		group := *w.m.groups[g]
+		w.m.groups[g] = &group
+		w.ownedGroup[g] = true
 	}
-	return w.m.shards[i]
+	group := w.m.groups[g]
+	if !w.ownedShard[i] {
+		if old := group[l]; old == nil {
+			group[l] = make(map[K]V)
+		} else {
+			group[l] = maps.Clone(old)
+		}
+		w.ownedShard[i] = true
+	}
+	return group[l]
 }
 
 func (w *smapWriter[K, V]) get(k K) (V, bool) { return w.m.get(k) }
@@ -110,7 +133,7 @@ func (w *smapWriter[K, V]) set(k K, v V) {
 
 func (w *smapWriter[K, V]) del(k K) {
 	i := w.m.shard(k)
-	if _, ok := w.m.shards[i][k]; !ok {
+	if _, ok := w.m.groups[i>>leafBits][i&(nLeaf-1)][k]; !ok {
 		return
 	}
 	delete(w.own(i), k)

@@ -111,28 +111,20 @@ func (t *Table) PTR(name string) []string {
 	return v.list()
 }
 
-// ptrNames are the sorted host names of one address: one inline (the
-// common case costs no allocation), more in a slice.
-type ptrNames struct {
-	one  string
-	more []string // all of them, when more than one
-}
+// ptrNames are the sorted host names of one address in one string,
+// separated by ptrSep (a space: NormName rejects it in names): a map value
+// of one string header.
+type ptrNames string
 
-func newPtrNames(names []string) ptrNames {
-	if len(names) == 1 {
-		return ptrNames{one: names[0]}
-	}
-	return ptrNames{more: names}
-}
+const ptrSep = " "
+
+func newPtrNames(names []string) ptrNames { return ptrNames(strings.Join(names, ptrSep)) }
 
 func (p ptrNames) list() []string {
-	if p.more != nil {
-		return p.more
-	}
-	if p.one == "" {
+	if p == "" {
 		return nil
 	}
-	return []string{p.one}
+	return strings.Split(string(p), ptrSep)
 }
 
 // IsEmptyNonTerminal reports whether a lower-case name under the cluster
