@@ -145,6 +145,7 @@ func BenchmarkServe(b *testing.B) {
 		{"table/NODATA", "productpage.ns1.svc.cluster.local.", dns.TypeAAAA, protoUDP},
 		{"table/NXDOMAIN", "nope.ns1.svc.cluster.local.", dns.TypeA, protoUDP},
 		{"cache/A", "www.example.com.", dns.TypeA, protoUDP},
+		{"cache/autopath", "www.example.com.ns1.svc.cluster.local.", dns.TypeA, protoUDP},
 		{"unpacked/SRV", "_http._tcp.reviews.ns2.svc.cluster.local.", dns.TypeSRV, protoUDP},
 	} {
 		b.Run(c.name, func(b *testing.B) {

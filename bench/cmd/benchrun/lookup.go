@@ -3,12 +3,14 @@
 package main
 
 import (
+	"cmp"
 	"context"
 	"encoding/json"
 	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"time"
 
@@ -27,7 +29,11 @@ import (
 // again (cached). CoreDNS's autopath needs its kubernetes plugin with `pods verified`,
 // i.e. a Kubernetes API server, which this benchmark does not run.
 
-const lookupNames = 300
+const (
+	lookupNames  = 300
+	lookupRounds = 5 // warm rounds, the variants alternating
+	lookupPasses = 2 // passes over the names per warm round
+)
 
 type lookupResult struct {
 	Lookups, Failed, Queries int
@@ -37,8 +43,19 @@ type lookupResult struct {
 
 type lookupRow struct {
 	label      string
-	cold, warm lookupResult
+	cold, warm lookupResult   // warm: the round with the median p50
+	rounds     []lookupResult // every warm round, in order
 	err        string
+}
+
+// medianByP50 is the run with the median p50 (the lower middle one of an even count).
+func medianByP50(rs []lookupResult) lookupResult {
+	if len(rs) == 0 {
+		return lookupResult{}
+	}
+	s := slices.Clone(rs)
+	slices.SortFunc(s, func(a, b lookupResult) int { return cmp.Compare(a.P50US, b.P50US) })
+	return s[(len(s)-1)/2]
 }
 
 type lookupReport struct {
@@ -100,53 +117,97 @@ func (b *bench) runLookups(ctx context.Context, env *dpEnv, port, fakePort int, 
 		{label: fmt.Sprintf("no autopath (search path unknown: %s.svc...)", other)},
 	}}
 	searches := []string{strings.Join(meshdata.SearchList(own), ","), strings.Join(meshdata.SearchList(other), ",")}
+	files := make([]string, len(rep.rows))
+	run := func(i, passes int) (lookupResult, error) {
+		argv := append(env.clientPrefix(), b.cfg.lookupBin, "-server", dpNameserver+":53", "-names", files[i],
+			"-search", searches[i], "-ndots", "5", "-passes", fmt.Sprint(passes))
+		cmd := exec.CommandContext(ctx, "taskset", append([]string{"-c", fmt.Sprint(b.cfg.genCPU)}, argv...)...)
+		out, err := cmd.Output()
+		var r lookupResult
+		if err == nil {
+			err = json.Unmarshal(out, &r)
+		}
+		if err == nil && r.Failed > 0 {
+			err = fmt.Errorf("%d of %d lookups failed", r.Failed, r.Lookups)
+		}
+		return r, err
+	}
 	for i := range rep.rows {
 		// Disjoint names per variant, so each cold pass really misses.
 		var list strings.Builder
 		for j := range lookupNames {
 			fmt.Fprintf(&list, "l%d-%s\n", j, strings.TrimSuffix(meshdata.ExternalName(j+i*lookupNames), "."))
 		}
-		file := b.path(fmt.Sprintf("lookup-names-%d.txt", i))
-		if err := os.WriteFile(file, []byte(list.String()), 0o644); err != nil {
+		files[i] = b.path(fmt.Sprintf("lookup-names-%d.txt", i))
+		if err := os.WriteFile(files[i], []byte(list.String()), 0o644); err != nil {
 			rep.rows[i].err = err.Error()
 			continue
 		}
-		run := func(passes int) (lookupResult, error) {
-			argv := append(env.clientPrefix(), b.cfg.lookupBin, "-server", dpNameserver+":53", "-names", file,
-				"-search", searches[i], "-ndots", "5", "-passes", fmt.Sprint(passes))
-			cmd := exec.CommandContext(ctx, "taskset", append([]string{"-c", fmt.Sprint(b.cfg.genCPU)}, argv...)...)
-			out, err := cmd.Output()
-			var r lookupResult
-			if err == nil {
-				err = json.Unmarshal(out, &r)
-			}
-			if err == nil && r.Failed > 0 {
-				err = fmt.Errorf("%d of %d lookups failed", r.Failed, r.Lookups)
-			}
-			return r, err
-		}
-		if rep.rows[i].cold, err = run(1); err != nil {
+		if rep.rows[i].cold, err = run(i, 1); err != nil {
 			rep.rows[i].err = "cold: " + err.Error()
+		}
+	}
+	// Warm: the two variants take turns, so a slow stretch of the machine lands on
+	// both; each round's ratio pairs the variants' runs of that round.
+	for range lookupRounds {
+		for i := range rep.rows {
+			if rep.rows[i].err != "" {
+				continue
+			}
+			r, err := run(i, lookupPasses)
+			if err != nil {
+				rep.rows[i].err = "warm: " + err.Error()
+				continue
+			}
+			rep.rows[i].rounds = append(rep.rows[i].rounds, r)
+		}
+	}
+	for i := range rep.rows {
+		r := &rep.rows[i]
+		if r.err != "" {
 			continue
 		}
-		if rep.rows[i].warm, err = run(3); err != nil {
-			rep.rows[i].err = "warm: " + err.Error()
-		}
-		r := &rep.rows[i]
-		fmt.Fprintf(os.Stderr, "  lookup %-50s cold mean %.0f µs (%.1f queries)  warm mean %.0f µs p99 %.0f µs (%.1f queries)\n",
-			r.label, r.cold.MeanUS, r.cold.QueriesPerLookup, r.warm.MeanUS, r.warm.P99US, r.warm.QueriesPerLookup)
+		r.warm = medianByP50(r.rounds)
+		fmt.Fprintf(os.Stderr, "  lookup %-50s cold mean %.0f µs (%.1f queries)  warm median round: mean %.0f µs p50 %.0f µs p99 %.0f µs (%.1f queries)\n",
+			r.label, r.cold.MeanUS, r.cold.QueriesPerLookup, r.warm.MeanUS, r.warm.P50US, r.warm.P99US, r.warm.QueriesPerLookup)
 	}
 	return rep
 }
 
-// ratio is the autopath lookup's median (and mean) time over the one without (warm),
-// or 0. The median decides: a busy machine's stalls land in the mean of either side.
+// roundRatios are the autopath lookup's p50 and mean over the one without, warm, for
+// each round (the two runs of a round ran back to back).
+func (l lookupReport) roundRatios() (p50s, means []float64) {
+	if l.skipped != "" || len(l.rows) != 2 || l.rows[0].err != "" || l.rows[1].err != "" {
+		return nil, nil
+	}
+	a, b := l.rows[0].rounds, l.rows[1].rounds
+	for i := range min(len(a), len(b)) {
+		if b[i].P50US > 0 && b[i].MeanUS > 0 {
+			p50s = append(p50s, a[i].P50US/b[i].P50US)
+			means = append(means, a[i].MeanUS/b[i].MeanUS)
+		}
+	}
+	return p50s, means
+}
+
+// ratio is the median over rounds of the autopath lookup's p50 (and mean) time over
+// the one without (warm), or 0. The p50 decides: a busy machine's stalls land in the
+// mean of either side.
 func (l lookupReport) ratio() (median, mean float64) {
-	if l.skipped != "" || len(l.rows) != 2 || l.rows[0].err != "" || l.rows[1].err != "" || l.rows[1].warm.P50US == 0 {
+	p50s, means := l.roundRatios()
+	if len(p50s) == 0 {
 		return 0, 0
 	}
-	a, b := l.rows[0].warm, l.rows[1].warm
-	return a.P50US / b.P50US, a.MeanUS / b.MeanUS
+	return medianOf(p50s), medianOf(means)
+}
+
+func medianOf(xs []float64) float64 {
+	s := slices.Clone(xs)
+	slices.Sort(s)
+	if n := len(s); n%2 == 0 {
+		return (s[n/2-1] + s[n/2]) / 2
+	}
+	return s[len(s)/2]
 }
 
 func (l lookupReport) verdict() string {
@@ -158,7 +219,12 @@ func (l lookupReport) verdict() string {
 	if med <= 0.3 {
 		v = "PASS"
 	}
-	return fmt.Sprintf("%s (median %.2fx, mean %.2fx)", v, med, mean)
+	p50s, _ := l.roundRatios()
+	each := make([]string, len(p50s))
+	for i, r := range p50s {
+		each[i] = fmt.Sprintf("%.2f", r)
+	}
+	return fmt.Sprintf("%s (median %.2fx, mean %.2fx; p50 ratio of each round %s)", v, med, mean, strings.Join(each, ", "))
 }
 
 func (b *bench) renderLookups(w *strings.Builder) {
@@ -173,8 +239,9 @@ func (b *bench) renderLookups(w *strings.Builder) {
 		return
 	}
 	p("bench/lookup in the captured cgroup, to %s:53 (redirected to the agent, `--mode ebpf`): %d external names, each lookup tries the three search suffixes, then the name, with A and AAAA in parallel per try, "+
-		"stopping at the first try with addresses. Cold = each name for the first time (upstream miss, fake upstream in the namespace); warm = the same names again (3 passes, cached). "+
-		"CoreDNS (autopath needs its kubernetes plugin with `pods verified`, so a Kubernetes API server) is not run here.\n\n", dpNameserver, lookupNames)
+		"stopping at the first try with addresses. Cold = each name for the first time (upstream miss, fake upstream in the namespace); warm = the same names again (cached), "+
+		"%[3]d rounds of %[4]d passes with the two clients taking turns; the warm columns are each client's round with the median p50, the ratio the median of the rounds' ratios. "+
+		"CoreDNS (autopath needs its kubernetes plugin with `pods verified`, so a Kubernetes API server) is not run here.\n\n", dpNameserver, lookupNames, lookupRounds, lookupPasses)
 	p("| client | cold mean µs | cold queries/lookup | warm mean / p50 / p99 µs | warm queries/lookup |\n|---|---:|---:|---|---:|\n")
 	for _, r := range b.lookups.rows {
 		if r.err != "" {
