@@ -73,9 +73,9 @@ func (b *bench) dnsperfRunIn(ctx context.Context, prefix []string, o dnsperf.Opt
 	argv = append(argv, o.Args()...)
 	cmd := exec.CommandContext(ctx, argv[0], argv[1:]...)
 	// dnsperf prints a line per query (-v). Into a pipe, the harness would
-	// wake up to drain it all through the run on the generator's core and
-	// delay dnsperf's own receive loop (its latencies grew for every
-	// server); into a file it costs dnsperf a write and nobody a wake-up.
+	// wake up to drain it all through the run on the generator's core,
+	// competing with dnsperf's own receive loop; into a file it costs
+	// dnsperf a write and nobody a wake-up.
 	stdout, err := os.CreateTemp(b.logDir, "dnsperf-*.out")
 	if err != nil {
 		return out, err
