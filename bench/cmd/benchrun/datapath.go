@@ -66,7 +66,7 @@ type datapathRow struct {
 
 // medianRun returns the run whose key is the median (the lower middle for an
 // even count); nil for none.
-func medianRun(runs []run, key func(*run) float64) *run {
+func medianRun[R any](runs []R, key func(*R) float64) *R {
 	if len(runs) == 0 {
 		return nil
 	}

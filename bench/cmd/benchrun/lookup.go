@@ -3,14 +3,12 @@
 package main
 
 import (
-	"cmp"
 	"context"
 	"encoding/json"
 	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
-	"slices"
 	"strings"
 	"time"
 
@@ -43,19 +41,9 @@ type lookupResult struct {
 
 type lookupRow struct {
 	label      string
-	cold, warm lookupResult   // warm: the round with the median p50
+	cold, warm lookupResult   // warm: the round with the median p50 (medianRun)
 	rounds     []lookupResult // every warm round, in order
 	err        string
-}
-
-// medianByP50 is the run with the median p50 (the lower middle one of an even count).
-func medianByP50(rs []lookupResult) lookupResult {
-	if len(rs) == 0 {
-		return lookupResult{}
-	}
-	s := slices.Clone(rs)
-	slices.SortFunc(s, func(a, b lookupResult) int { return cmp.Compare(a.P50US, b.P50US) })
-	return s[(len(s)-1)/2]
 }
 
 type lookupReport struct {
@@ -167,7 +155,7 @@ func (b *bench) runLookups(ctx context.Context, env *dpEnv, port, fakePort int, 
 		if r.err != "" {
 			continue
 		}
-		r.warm = medianByP50(r.rounds)
+		r.warm = *medianRun(r.rounds, func(x *lookupResult) float64 { return x.P50US })
 		fmt.Fprintf(os.Stderr, "  lookup %-50s cold mean %.0f µs (%.1f queries)  warm median round: mean %.0f µs p50 %.0f µs p99 %.0f µs (%.1f queries)\n",
 			r.label, r.cold.MeanUS, r.cold.QueriesPerLookup, r.warm.MeanUS, r.warm.P50US, r.warm.P99US, r.warm.QueriesPerLookup)
 	}
@@ -190,41 +178,24 @@ func (l lookupReport) roundRatios() (p50s, means []float64) {
 	return p50s, means
 }
 
-// ratio is the median over rounds of the autopath lookup's p50 (and mean) time over
-// the one without (warm), or 0. The p50 decides: a busy machine's stalls land in the
-// mean of either side.
-func (l lookupReport) ratio() (median, mean float64) {
+// verdict judges the median over rounds of the autopath lookup's p50 time over the
+// one without (warm); the mean's median is shown beside it. The p50 decides: a busy
+// machine's stalls land in the mean of either side.
+func (l lookupReport) verdict() string {
 	p50s, means := l.roundRatios()
 	if len(p50s) == 0 {
-		return 0, 0
-	}
-	return medianOf(p50s), medianOf(means)
-}
-
-func medianOf(xs []float64) float64 {
-	s := slices.Clone(xs)
-	slices.Sort(s)
-	if n := len(s); n%2 == 0 {
-		return (s[n/2-1] + s[n/2]) / 2
-	}
-	return s[len(s)/2]
-}
-
-func (l lookupReport) verdict() string {
-	med, mean := l.ratio()
-	if med == 0 {
 		return "NOT MEASURED"
 	}
+	med := median(p50s)
 	v := "FAIL"
 	if med <= 0.3 {
 		v = "PASS"
 	}
-	p50s, _ := l.roundRatios()
 	each := make([]string, len(p50s))
 	for i, r := range p50s {
 		each[i] = fmt.Sprintf("%.2f", r)
 	}
-	return fmt.Sprintf("%s (median %.2fx, mean %.2fx; p50 ratio of each round %s)", v, med, mean, strings.Join(each, ", "))
+	return fmt.Sprintf("%s (median %.2fx, mean %.2fx; p50 ratio of each round %s)", v, med, median(means), strings.Join(each, ", "))
 }
 
 func (b *bench) renderLookups(w *strings.Builder) {

@@ -24,10 +24,10 @@ func TestLookupRatio(t *testing.T) {
 		{rounds: res(240, 264, 360, 250, 250)},
 	}}
 	for i := range rep.rows {
-		rep.rows[i].warm = medianByP50(rep.rows[i].rounds)
+		rep.rows[i].warm = *medianRun(rep.rows[i].rounds, func(x *lookupResult) float64 { return x.P50US })
 	}
-	med, mean := rep.ratio()
-	if med != 0.25 || mean != 0.25 {
+	p50s, means := rep.roundRatios()
+	if med, mean := median(p50s), median(means); med != 0.25 || mean != 0.25 {
 		t.Fatalf("ratio = %v, %v; want the median of 0.25, 0.25, 0.25, 0.248, 0.56 = 0.25", med, mean)
 	}
 	if got := rep.rows[0].warm.P50US; got != 66 {
