@@ -52,18 +52,23 @@ func serviceHosts(domain string, svc *service, eps []*endpointSlice) []nametable
 			if !ep.ready && !svc.publishNotReady {
 				continue
 			}
-			var fresh []netip.Addr
-			shared := true
+			// The addresses not seen before: the informer's object's own
+			// slice up to the first repeat (the table keeps one copy), a
+			// copy only when an address repeats.
+			n := 0
 			for _, a := range ep.addrs {
 				if seen[a] {
-					shared = false
-					continue
+					break
 				}
 				seen[a] = true
-				fresh = append(fresh, a)
+				n++
 			}
-			if shared {
-				fresh = ep.addrs // the informer's object's: the table keeps one copy
+			fresh := ep.addrs[:n:n]
+			for _, a := range ep.addrs[n:] {
+				if !seen[a] {
+					seen[a] = true
+					fresh = append(fresh, a)
+				}
 			}
 			if len(fresh) == 0 {
 				continue // the same endpoint in two slices during an update
