@@ -43,7 +43,7 @@ if [ "$(nproc)" -lt 2 ]; then
 fi
 
 missing=()
-for t in dnsperf unbound dnsmasq taskset; do
+for t in dnsperf unbound dnsmasq taskset "${CC:-cc}"; do
 	command -v "$t" >/dev/null 2>&1 || [ -x "/usr/sbin/$t" ] || missing+=("$t")
 done
 [ -x "$coredns" ] || missing+=("coredns ($coredns)")
@@ -62,6 +62,14 @@ go build -o "$work/bin/benchrun" ./bench/cmd/benchrun
 go build -o "$work/bin/fakeupstream" ./bench/fakeupstream
 go build -o "$work/bin/floor" ./bench/floor
 go build -o "$work/bin/lookup" ./bench/lookup
+# The machine floor (bench/echo): a C server that does nothing, run beside our
+# fixed-rate runs. Without a C compiler the report says it was not measured.
+echo_args=()
+if "${CC:-cc}" -O2 -Wall -o "$work/bin/echo" bench/echo/echo.c; then
+	echo_args=(-echo "$work/bin/echo")
+else
+	log "WARNING: ${CC:-cc} could not build bench/echo/echo.c; the machine floor is skipped"
+fi
 
 meshdns="$repo/bin/meshdns-ebpf"
 skip=""
@@ -79,7 +87,7 @@ if [ "${BENCH_NO_BUILD:-0}" != 1 ]; then
 fi
 
 args=(-repo "$repo" -work "$work" -fakeupstream "$work/bin/fakeupstream" -floor "$work/bin/floor" -lookup "$work/bin/lookup"
-	-coredns "$coredns" -meshdns "$meshdns" -out "$repo/bench/RESULTS.md")
+	-coredns "$coredns" -meshdns "$meshdns" -out "$repo/bench/RESULTS.md" "${echo_args[@]}")
 [ -n "$skip" ] && args+=(-meshdns-skip "$skip")
 [ "${BENCH_QUICK:-0}" = 1 ] && args+=(-quick)
 [ -n "${BENCH_PEERS:-}" ] && args+=(-peers "$BENCH_PEERS")

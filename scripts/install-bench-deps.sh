@@ -3,7 +3,7 @@
 # installs what is missing.
 #
 #   - Debian packages: dnsperf, unbound, dnsmasq-base, bind9-dnsutils (dig), util-linux (taskset,
-#     nsenter); for the datapath comparison also iproute2, iptables, conntrack
+#     nsenter), gcc (bench/echo); for the datapath comparison also iproute2, iptables, conntrack
 #   - CoreDNS v1.14.7 built with `go install` into a cache directory outside the repository
 #     (never vendored or committed): ${MESHDNS_BENCH_BIN:-${XDG_CACHE_HOME:-$HOME/.cache}/meshdns-bench/bin}
 #
@@ -33,6 +33,7 @@ check dnsmasq dnsmasq-base
 check dig bind9-dnsutils
 check taskset util-linux
 check nsenter util-linux
+check cc gcc # builds bench/echo, the machine floor
 # datapath comparison (netns client, iptables mode, conntrack entries)
 check ip iproute2
 check iptables iptables

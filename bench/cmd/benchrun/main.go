@@ -37,7 +37,7 @@ type config struct {
 	meshBin, coreDNS     string
 	meshSkip, meshArgs   string
 	fakeBin, floorBin    string
-	lookupBin            string
+	lookupBin, echoBin   string
 	unboundBin, dnsmasq  string
 	peers, scenarios     []string
 	reps                 int
@@ -73,6 +73,7 @@ func parseConfig() (config, error) {
 	flag.StringVar(&c.fakeBin, "fakeupstream", "", "fake upstream binary (built by run.sh)")
 	flag.StringVar(&c.floorBin, "floor", "", "floor server binary (built by run.sh)")
 	flag.StringVar(&c.lookupBin, "lookup", "", "getaddrinfo-style lookup timer (built by run.sh; empty skips the lookup-latency table)")
+	flag.StringVar(&c.echoBin, "echo", "", "machine-floor echo server (bench/echo, built by run.sh; empty skips the machine floor)")
 	flag.StringVar(&c.unboundBin, "unbound", "unbound", "unbound binary")
 	flag.StringVar(&c.dnsmasq, "dnsmasq", "dnsmasq", "dnsmasq binary")
 	flag.StringVar(&peers, "peers", strings.Join(allPeers, ","), "servers to run, in order")
@@ -170,6 +171,7 @@ const (
 	offProdHealth    = 81
 	offProdReady     = 82
 	offProdProm      = 83
+	offEcho          = 40
 )
 
 var allPeers = []string{"meshdns", "coredns-prod", "coredns-hosts", "floor", "unbound", "dnsmasq"}
@@ -182,6 +184,7 @@ type bench struct {
 	tab      meshdata.Table
 	files    map[string]string // scenario -> query file
 	upstream *proc
+	echo     *proc // the machine floor (nil without -echo)
 	results  []peerResult
 	scale    []scaleResult
 	scaleErr string
@@ -189,6 +192,25 @@ type bench struct {
 	lookups  lookupReport
 	started  time.Time
 	notes    []string
+}
+
+func (b *bench) echoPort() int { return b.cfg.basePort + offEcho }
+
+// startEcho starts the machine-floor echo server on the server's core and
+// waits until it answers.
+func (b *bench) startEcho(ctx context.Context) (*proc, error) {
+	p, err := start("echo", b.cfg.serverCPU, []string{b.cfg.echoBin, "127.0.0.1", strconv.Itoa(b.echoPort())}, nil, b.logDir)
+	if err != nil {
+		return nil, err
+	}
+	wctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	if err := waitReply(wctx, p, fmt.Sprintf("127.0.0.1:%d", b.echoPort())); err != nil {
+		p.stop()
+		return nil, fmt.Errorf("echo server: %w", err)
+	}
+	b.echo = p
+	return p, nil
 }
 
 // upstreamIP is where the fake upstream listens: a loopback address other than
@@ -254,6 +276,13 @@ func runBench(ctx context.Context, cfg config) error {
 	}
 	b.upstream = up
 	defer up.stop()
+	if cfg.echoBin != "" {
+		echo, err := b.startEcho(ctx)
+		if err != nil {
+			return err
+		}
+		defer echo.stop()
+	}
 	wctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	err = waitAnswer(wctx, up, b.upstreamAddr(), meshdata.ExternalName(0), meshdata.ExternalIP(meshdata.ExternalName(0)))
 	cancel()
@@ -388,7 +417,10 @@ type scenarioResult struct {
 	sat       []run // saturation repetitions
 	fixedRuns []run // fixed-rate repetitions
 	fixed     *run  // the fixed-rate run with the median p99
-	errText   string
+	// echoRuns: the machine-floor echo server's fixed-rate run right after
+	// each of fixedRuns (meshdns only, when -echo is given).
+	echoRuns []run
+	errText  string
 }
 
 type peerResult struct {
@@ -470,6 +502,19 @@ func (b *bench) runScenario(ctx context.Context, srv *proc, p peer, sr *scenario
 		sr.fixedRuns = append(sr.fixedRuns, r)
 		fmt.Fprintf(os.Stderr, "  %-13s %-5s @%d run %d: p50 %.0f µs  p99 %.0f µs  %5.1f µs/q  lost %d\n",
 			p.name, sr.name, b.cfg.latQPS, i+1, r.res.Percentile(50)*1e6, r.res.Percentile(99)*1e6, r.usPerQuery(), r.res.Lost)
+		if b.echo != nil && p.name == "meshdns" {
+			// The machine floor, right after: the same load on the same
+			// core a moment later, answered by a server that does nothing.
+			eo := o
+			eo.Port = b.echoPort()
+			er, err := b.dnsperfRun(ctx, eo, b.echo.pid())
+			if err != nil {
+				return fmt.Errorf("echo fixed-rate run %d: %w", i+1, err)
+			}
+			sr.echoRuns = append(sr.echoRuns, er)
+			fmt.Fprintf(os.Stderr, "  %-13s %-5s @%d run %d: p50 %.0f µs  p99 %.0f µs  %5.1f µs/q  lost %d\n",
+				"echo", sr.name, b.cfg.latQPS, i+1, er.res.Percentile(50)*1e6, er.res.Percentile(99)*1e6, er.usPerQuery(), er.res.Lost)
+		}
 	}
 	sr.fixed = medianRun(sr.fixedRuns, p99)
 	return nil

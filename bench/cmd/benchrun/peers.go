@@ -133,6 +133,25 @@ func waitAnswer(ctx context.Context, p *proc, addr, name string, want netip.Addr
 	}
 }
 
+// waitReply waits until the server at addr answers a query at all (any
+// answer with the query's ID: the echo server has no records).
+func waitReply(ctx context.Context, p *proc, addr string) error {
+	var last error
+	for {
+		if _, last = exchange(addr, "echo.example.", dns.TypeA); last == nil {
+			return nil
+		}
+		if p.exited() {
+			return fmt.Errorf("%s exited (%v); see its log", p.name, p.err)
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("not ready: %w (last: %v)", ctx.Err(), last)
+		case <-time.After(50 * time.Millisecond):
+		}
+	}
+}
+
 // check is one correctness probe; every peer must give the same answers.
 type check struct {
 	what  string

@@ -127,11 +127,27 @@ func qpsRatio(sub, peer summary) string {
 	return fmt.Sprintf("%.2fx", r)
 }
 
+// fixedUSQ is the server's CPU per query at the fixed rate: the median over
+// the repeated runs (each run's own noise, not the run picked for its p99).
 func fixedUSQ(sr *scenarioResult) float64 {
-	if sr == nil || sr.fixed == nil {
+	switch {
+	case sr == nil:
 		return math.NaN()
+	case len(sr.fixedRuns) > 0:
+		return runsUSQ(sr.fixedRuns)
+	case sr.fixed != nil:
+		return sr.fixed.usPerQuery()
 	}
-	return sr.fixed.usPerQuery()
+	return math.NaN()
+}
+
+// runsUSQ is the median server CPU per query of runs.
+func runsUSQ(runs []run) float64 {
+	v := make([]float64, len(runs))
+	for i := range runs {
+		v[i] = runs[i].usPerQuery()
+	}
+	return median(v)
 }
 
 func fmtF(v float64, prec int) string {
@@ -166,7 +182,7 @@ func (b *bench) render() string {
 	p("Method: server pinned to CPU %d, dnsperf and the fake upstream to CPU %d (taskset); all on 127.0.0.1. "+
 		"%d-name mesh table (TTL %d) served by every peer, everything else forwarded to the same fake upstream (TTL 300). "+
 		"Warm-up: %d passes over each query file. Saturation: dnsperf -c %d -T 1 -q %d, %d x %s, median. "+
-		"Fixed rate: dnsperf -Q %d for %s, repeated %d times, percentiles from per-query latencies; p50 / p99 and CPU/query are from the run with the median p99 (every run's p99 is listed in the details). "+
+		"Fixed rate: dnsperf -Q %d for %s, repeated %d times, percentiles from per-query latencies; p50 / p99 are from the run with the median p99 (every run's p99 is listed in the details), CPU/query is the median over the runs. "+
 		"CPU = the server's thread run time from /proc/PID/task/*/schedstat; a row is server-bound when the server used >= %.0f%% of its core, "+
 		"generator-bound when dnsperf used >= %.0f%% of its core (then compare CPU/query, not QPS). "+
 		"Loopback charges part of each side's network stack to the other, so treat absolute CPU/query as approximate; ratios come from this run. "+
@@ -260,7 +276,7 @@ func (b *bench) render() string {
 			lat, usq := "-", "-"
 			if sr.fixed != nil {
 				lat = fmt.Sprintf("%.0f / %.0f", sr.fixed.res.Percentile(50)*1e6, sr.fixed.res.Percentile(99)*1e6)
-				usq = fmtF(sr.fixed.usPerQuery(), 1)
+				usq = fmtF(fixedUSQ(sr), 1)
 			}
 			each, fixedLost := eachRun(sr.fixedRuns, p99)
 			lost := ss.lost + fixedLost
@@ -282,6 +298,8 @@ func (b *bench) render() string {
 	}
 	p("\n\"upstream q\" = queries the fake upstream received during the saturation runs (0 = served from the peer's cache/table). "+
 		"\"other work\" = the largest share of either core used by something other than the server or dnsperf during the runs (/proc/stat ticks, +-0.05); in bold above %.2f: that row is disturbed by other work on the machine.\n", noisyAt)
+
+	b.renderFloor(&w)
 
 	p("\n## Correctness probes (same for every peer)\n\n")
 	for _, r := range b.results {
@@ -402,7 +420,96 @@ func (b *bench) renderTargets(w *strings.Builder) {
 		}
 	}
 	p("- datapath targets: %s\n", b.datapath.verdict())
+	b.renderTargets14(w, sub)
+}
+
+// renderFloor is the machine-floor table: meshdns's fixed-rate runs beside
+// the echo server's, run on the same core right after each.
+func (b *bench) renderFloor(w *strings.Builder) {
+	sub := b.result("meshdns")
+	if sub == nil || b.cfg.echoBin == "" {
+		return
+	}
+	p := func(format string, a ...any) { fmt.Fprintf(w, format, a...) }
+	p("\n## Machine floor: meshdns beside a server that does nothing\n\n")
+	p("bench/echo is a C program that blocks in recvfrom(2) and sends each query back as its own answer (no lookup, " +
+		"no allocation, no runtime). It runs on the server core, and one fixed-rate run against it (same query file, " +
+		"same rate, same dnsperf options) follows each of meshdns's: what its tail shows, this machine's wake-ups, " +
+		"scheduler and loopback cost any server.\n\n")
+	p("| scenario | meshdns p50 of each run | meshdns p99 of each run | echo p50 of each run | echo p99 of each run | µs/q @%dk meshdns / echo (medians) |\n", b.cfg.latQPS/1000)
+	p("|---|---|---|---|---|---|\n")
+	p50 := func(r *run) float64 { return r.res.Percentile(50) }
+	for _, s := range b.cfg.scenarios {
+		sr := sub.scen[s]
+		if sr == nil || len(sr.echoRuns) == 0 {
+			continue
+		}
+		m50, _ := eachRun(sr.fixedRuns, p50)
+		m99, _ := eachRun(sr.fixedRuns, p99)
+		e50, _ := eachRun(sr.echoRuns, p50)
+		e99, _ := eachRun(sr.echoRuns, p99)
+		p("| %s | %s | %s | %s | %s | %.1f / %.1f |\n", scenarioTitle[s], m50, m99, e50, e99, runsUSQ(sr.fixedRuns), runsUSQ(sr.echoRuns))
+	}
+}
+
+// renderTargets14 checks issue 14's targets (the resolver core) for meshdns
+// against the C peers of this run.
+func (b *bench) renderTargets14(w *strings.Builder, sub *peerResult) {
+	p := func(format string, a ...any) { fmt.Fprintf(w, format, a...) }
+	p("\n### Targets (issue 14)\n\n")
+	for _, peer := range []string{"unbound", "dnsmasq"} {
+		pr := b.result(peer)
+		if pr == nil {
+			p("- CPU/query @%d QPS <= %s's: NOT MEASURED (%s not run)\n", b.cfg.latQPS, peer, peer)
+			continue
+		}
+		for _, s := range b.cfg.scenarios {
+			ours, theirs := fixedUSQ(sub.scen[s]), fixedUSQ(pr.scen[s])
+			if math.IsNaN(ours) || math.IsNaN(theirs) {
+				p("- %s: CPU/query @%d QPS <= %s's: NOT MEASURED\n", scenarioTitle[s], b.cfg.latQPS, peer)
+				continue
+			}
+			p("- %s: CPU/query @%d QPS <= %s's: %s (%.1f vs %.1f µs, %.2fx)\n", scenarioTitle[s], b.cfg.latQPS, peer,
+				verdict(ours <= theirs), ours, theirs, ours/theirs)
+		}
+	}
+	if pr := b.result("unbound"); pr != nil {
+		for _, s := range b.cfg.scenarios {
+			ms, us := summarize(sub.scen[s]), summarize(pr.scen[s])
+			if !ms.ok || !us.ok {
+				continue
+			}
+			switch {
+			case ms.qps >= us.qps:
+				p("- %s: saturation QPS >= unbound's: PASS (%s vs %s)\n", scenarioTitle[s], fmtQPS(ms.qps), fmtQPS(us.qps))
+			case ms.genBound():
+				// Our QPS is only a lower bound: the generator ran out first.
+				p("- %s: saturation QPS >= unbound's: %s by CPU/query at saturation, meshdns generator-bound (%.1f vs %.1f µs; QPS %s vs %s)\n",
+					scenarioTitle[s], verdict(ms.usq <= us.usq), ms.usq, us.usq, fmtQPS(ms.qps), fmtQPS(us.qps))
+			default:
+				p("- %s: saturation QPS >= unbound's: **FAIL** (%s vs %s)\n", scenarioTitle[s], fmtQPS(ms.qps), fmtQPS(us.qps))
+			}
+		}
+	}
+	for _, s := range []string{"table", "fwd"} {
+		sr := sub.scen[s]
+		if sr == nil || len(sr.fixedRuns) == 0 {
+			continue
+		}
+		worst := 0.0
+		for i := range sr.fixedRuns {
+			worst = max(worst, p99(&sr.fixedRuns[i])*1e6)
+		}
+		each, _ := eachRun(sr.fixedRuns, p99)
+		floor := "the machine floor was not measured (no -echo)"
+		if len(sr.echoRuns) > 0 {
+			e, _ := eachRun(sr.echoRuns, p99)
+			floor = "the do-nothing echo server right after each: " + e + " µs"
+		}
+		p("- %s p99 @%d QPS <= 100 µs in every run: %s (%s µs; %s)\n", scenarioTitle[s], b.cfg.latQPS, verdict(worst <= 100), each, floor)
+	}
 	p("- ndots:5 external lookup time with autopath <= 0.3x without (warm median, through eBPF): %s\n", b.lookups.verdict())
+	p("- 0 allocs/op on the in-table path: a Go benchmark, not measured here (`go test -run X -bench BenchmarkServe -benchmem ./internal/resolver/`)\n")
 }
 
 func verdict(ok bool) string {

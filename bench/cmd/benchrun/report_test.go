@@ -200,3 +200,60 @@ func TestKeepManual(t *testing.T) {
 		}
 	}
 }
+
+// fixedRun fakes a fixed-rate run at 20k QPS for 1 s: its latencies (µs) and
+// the server's µs of CPU per query.
+func fixedRun(usq float64, latUS ...float64) run {
+	r := satRun(20000, usq*20000/1e6, 0.2)
+	for _, l := range latUS {
+		r.res.Latencies = append(r.res.Latencies, l*1e-6)
+	}
+	r.res.RunTime = 1
+	return r
+}
+
+func TestRenderTargets14(t *testing.T) {
+	cfg := config{scenarios: []string{"table", "fwd"}, latQPS: 20000, echoBin: "/bin/echo-server"}
+	b := &bench{cfg: cfg, tab: meshdata.NewTable(10, 0), started: time.Now(), datapath: datapathReport{skipped: "needs the agent"}}
+	mesh := map[string]*scenarioResult{
+		// in-table: cheaper than unbound, faster at saturation, one run over 100 µs.
+		"table": {sat: []run{satRun(150e3, 0.8, 0.99)},
+			// CPU/query is the median over the runs (12), not the median-p99 run's (10).
+			fixedRuns: []run{fixedRun(10, 40, 90), fixedRun(30, 40, 120), fixedRun(12, 40, 80)},
+			echoRuns:  []run{fixedRun(5, 40, 95), fixedRun(5, 40, 110), fixedRun(5, 40, 70)}},
+		// cached forward: dearer than unbound, generator-bound below its QPS
+		// but cheaper per query at saturation; every run under 100 µs.
+		"fwd": {sat: []run{satRun(120e3, 0.6, 0.99)},
+			fixedRuns: []run{fixedRun(16, 40, 90), fixedRun(16, 40, 99), fixedRun(16, 40, 100)}},
+	}
+	for _, sr := range mesh {
+		sr.fixed = medianRun(sr.fixedRuns, p99)
+	}
+	fu := fixedRun(15, 40, 90)
+	unbound := map[string]*scenarioResult{
+		"table": {sat: []run{satRun(130e3, 0.95, 0.95)}, fixed: &fu},
+		"fwd":   {sat: []run{satRun(130e3, 0.95, 0.95)}, fixed: &fu},
+	}
+	b.results = []peerResult{{peer: peer{name: "meshdns"}, scen: mesh}, {peer: peer{name: "unbound"}, scen: unbound}}
+	out := b.render()
+	for _, want := range []string{
+		"### Targets (issue 14)",
+		"- in-table: CPU/query @20000 QPS <= unbound's: PASS (12.0 vs 15.0 µs, 0.80x)",
+		"- cached forward: CPU/query @20000 QPS <= unbound's: **FAIL** (16.0 vs 15.0 µs, 1.07x)",
+		"- CPU/query @20000 QPS <= dnsmasq's: NOT MEASURED (dnsmasq not run)",
+		"- in-table: saturation QPS >= unbound's: PASS (150,000 vs 130,000)",
+		// satRun(120e3, 0.6, ..): 0.6 core / 120k QPS = 5 µs; unbound 0.95 / 130k = 7.3 µs.
+		"- cached forward: saturation QPS >= unbound's: PASS by CPU/query at saturation, meshdns generator-bound (5.0 vs 7.3 µs; QPS 120,000 vs 130,000)",
+		"- in-table p99 @20000 QPS <= 100 µs in every run: **FAIL** (90, 120, 80 µs; the do-nothing echo server right after each: 95, 110, 70 µs)",
+		"- cached forward p99 @20000 QPS <= 100 µs in every run: PASS (90, 99, 100 µs; the machine floor was not measured (no -echo))",
+		"## Machine floor: meshdns beside a server that does nothing",
+		"| in-table | 40, 40, 40 | 90, 120, 80 | 40, 40, 40 | 95, 110, 70 | 12.0 / 5.0 |",
+	} {
+		if !strings.Contains(out, want) {
+			t.Errorf("render lacks %q:\n%s", want, out)
+		}
+	}
+	if strings.Contains(out, "| cached forward | 40, 40, 40 |") {
+		t.Error("machine-floor row for a scenario without echo runs")
+	}
+}
