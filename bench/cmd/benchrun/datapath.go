@@ -78,7 +78,7 @@ func medianRun[R any](runs []R, key func(*R) float64) *R {
 	return &runs[idx[(len(idx)-1)/2]]
 }
 
-func p50(r *run) float64 { return r.res.Percentile(50) }
+func p50(r *run) float64 { return r.res.Percentile(0.5) }
 
 // eachRun lists key (in µs) of every run, comma-separated ("-" for none), and
 // the queries the runs lost.
@@ -93,7 +93,7 @@ func eachRun(runs []run, key func(*run) float64) (list string, lost uint64) {
 	}
 	return strings.Join(vs, ", "), lost
 }
-func p99(r *run) float64 { return r.res.Percentile(99) }
+func p99(r *run) float64 { return r.res.Percentile(0.99) }
 
 type datapathReport struct {
 	skipped string
@@ -116,11 +116,11 @@ func (d datapathReport) verdict() string {
 	direct, ebpf, ipt := d.row("direct"), d.row("ebpf"), d.row("iptables")
 	var parts []string
 	if direct != nil && ebpf != nil && direct.fixed != nil && ebpf.fixed != nil {
-		r := ebpf.fixed.res.Percentile(50) / direct.fixed.res.Percentile(50)
+		r := ebpf.fixed.res.Percentile(0.5) / direct.fixed.res.Percentile(0.5)
 		parts = append(parts, fmt.Sprintf("eBPF round trip within 5%% of direct: %s (p50 ratio %.3f)", verdict(r <= 1.05), r))
 	}
 	if ebpf != nil && ipt != nil && ebpf.fixed != nil && ipt.fixed != nil {
-		e, i := ebpf.fixed.res.Percentile(50), ipt.fixed.res.Percentile(50)
+		e, i := ebpf.fixed.res.Percentile(0.5), ipt.fixed.res.Percentile(0.5)
 		parts = append(parts, fmt.Sprintf("eBPF faster than iptables: %s (p50 %.0f vs %.0f µs)", verdict(e < i), e*1e6, i*1e6))
 	}
 	if len(parts) == 0 {
@@ -470,13 +470,13 @@ func (b *bench) renderDatapath(w *strings.Builder) {
 			}
 		}
 		if r.fixed != nil {
-			lat = fmt.Sprintf("%.0f / %.0f", r.fixed.res.Percentile(50)*1e6, r.fixed.res.Percentile(99)*1e6)
+			lat = fmt.Sprintf("%.0f / %.0f", r.fixed.res.Percentile(0.5)*1e6, r.fixed.res.Percentile(0.99)*1e6)
 			usq = fmtF(r.fixed.usPerQuery(), 1)
 			var fixedLost uint64
 			each, fixedLost = eachRun(r.fixedRuns, p50)
 			lost += fixedLost
 			if direct != nil && direct.fixed != nil {
-				lr = fmt.Sprintf("%.3f", r.fixed.res.Percentile(50)/direct.fixed.res.Percentile(50))
+				lr = fmt.Sprintf("%.3f", r.fixed.res.Percentile(0.5)/direct.fixed.res.Percentile(0.5))
 			}
 		}
 		ct := "?"

@@ -501,7 +501,7 @@ func (b *bench) runScenario(ctx context.Context, srv *proc, p peer, sr *scenario
 		}
 		sr.fixedRuns = append(sr.fixedRuns, r)
 		fmt.Fprintf(os.Stderr, "  %-13s %-5s @%d run %d: p50 %.0f µs  p99 %.0f µs  %5.1f µs/q  lost %d\n",
-			p.name, sr.name, b.cfg.latQPS, i+1, r.res.Percentile(50)*1e6, r.res.Percentile(99)*1e6, r.usPerQuery(), r.res.Lost)
+			p.name, sr.name, b.cfg.latQPS, i+1, r.res.Percentile(0.5)*1e6, r.res.Percentile(0.99)*1e6, r.usPerQuery(), r.res.Lost)
 		if b.echo != nil && p.name == "meshdns" {
 			// The machine floor, right after: the same load on the same
 			// core a moment later, answered by a server that does nothing.
@@ -513,7 +513,7 @@ func (b *bench) runScenario(ctx context.Context, srv *proc, p peer, sr *scenario
 			}
 			sr.echoRuns = append(sr.echoRuns, er)
 			fmt.Fprintf(os.Stderr, "  %-13s %-5s @%d run %d: p50 %.0f µs  p99 %.0f µs  %5.1f µs/q  lost %d\n",
-				"echo", sr.name, b.cfg.latQPS, i+1, er.res.Percentile(50)*1e6, er.res.Percentile(99)*1e6, er.usPerQuery(), er.res.Lost)
+				"echo", sr.name, b.cfg.latQPS, i+1, er.res.Percentile(0.5)*1e6, er.res.Percentile(0.99)*1e6, er.usPerQuery(), er.res.Lost)
 		}
 	}
 	sr.fixed = medianRun(sr.fixedRuns, p99)

@@ -275,7 +275,7 @@ func (b *bench) render() string {
 			}
 			lat, usq := "-", "-"
 			if sr.fixed != nil {
-				lat = fmt.Sprintf("%.0f / %.0f", sr.fixed.res.Percentile(50)*1e6, sr.fixed.res.Percentile(99)*1e6)
+				lat = fmt.Sprintf("%.0f / %.0f", sr.fixed.res.Percentile(0.5)*1e6, sr.fixed.res.Percentile(0.99)*1e6)
 				usq = fmtF(fixedUSQ(sr), 1)
 			}
 			each, fixedLost := eachRun(sr.fixedRuns, p99)
@@ -410,7 +410,7 @@ func (b *bench) renderTargets(w *strings.Builder) {
 		}
 	}
 	if sr := sub.scen["table"]; sr != nil && sr.fixed != nil {
-		p99 := sr.fixed.res.Percentile(99) * 1e6
+		p99 := sr.fixed.res.Percentile(0.99) * 1e6
 		p("- in-table p99 @%d QPS <= 100 µs: %s (%.0f µs, the median of %d runs)\n", b.cfg.latQPS, verdict(p99 <= 100), p99, len(sr.fixedRuns))
 	}
 	for _, sc := range b.scale {
@@ -438,7 +438,7 @@ func (b *bench) renderFloor(w *strings.Builder) {
 		"scheduler and loopback cost any server.\n\n")
 	p("| scenario | meshdns p50 of each run | meshdns p99 of each run | echo p50 of each run | echo p99 of each run | µs/q @%dk meshdns / echo (medians) |\n", b.cfg.latQPS/1000)
 	p("|---|---|---|---|---|---|\n")
-	p50 := func(r *run) float64 { return r.res.Percentile(50) }
+	p50 := func(r *run) float64 { return r.res.Percentile(0.5) }
 	for _, s := range b.cfg.scenarios {
 		sr := sub.scen[s]
 		if sr == nil || len(sr.echoRuns) == 0 {

@@ -295,11 +295,11 @@ func (b *bench) renderScale(w *strings.Builder) {
 		}
 		steady, during, lost := "-", "-", uint64(0)
 		if s.steady != nil {
-			steady = fmt.Sprintf("%.0f / %.0f", s.steady.res.Percentile(50)*1e6, s.steady.res.Percentile(99)*1e6)
+			steady = fmt.Sprintf("%.0f / %.0f", s.steady.res.Percentile(0.5)*1e6, s.steady.res.Percentile(0.99)*1e6)
 			lost += s.steady.res.Lost
 		}
 		if s.reload != nil {
-			during = fmt.Sprintf("%.0f / %.0f / %.0f", s.reload.res.Percentile(50)*1e6, s.reload.res.Percentile(99)*1e6, s.reload.res.Percentile(100)*1e6)
+			during = fmt.Sprintf("%.0f / %.0f / %.0f", s.reload.res.Percentile(0.5)*1e6, s.reload.res.Percentile(0.99)*1e6, s.reload.res.Percentile(1)*1e6)
 			lost += s.reload.res.Lost
 		}
 		var lat []string

@@ -105,14 +105,16 @@ func Parse(r io.Reader) (Result, error) {
 	return res, nil
 }
 
-// Percentile returns the p-th percentile (0-100, nearest rank) of the verbose
-// latencies in seconds, or NaN without samples.
-func (r Result) Percentile(p float64) float64 {
+// Percentile returns the q-quantile (q from 0 to 1, nearest rank: 0.99 is
+// the p99) of the verbose latencies in seconds, the same scale as
+// internal/dnsfake's Probe.Percentile; NaN without samples or for q
+// outside [0, 1] (a p99 written as 99 shows as NaN, not as the maximum).
+func (r Result) Percentile(q float64) float64 {
 	n := len(r.Latencies)
-	if n == 0 {
+	if n == 0 || q < 0 || q > 1 {
 		return math.NaN()
 	}
-	rank := int(math.Ceil(p / 100 * float64(n)))
+	rank := int(math.Ceil(q * float64(n)))
 	rank = min(max(rank, 1), n)
 	return r.Latencies[rank-1]
 }

@@ -80,15 +80,21 @@ func TestParse(t *testing.T) {
 
 func TestPercentile(t *testing.T) {
 	var r Result
-	if !math.IsNaN(r.Percentile(50)) {
+	if !math.IsNaN(r.Percentile(0.5)) {
 		t.Error("no samples: want NaN")
 	}
 	for i := 1; i <= 100; i++ {
 		r.Latencies = append(r.Latencies, float64(i))
 	}
-	for _, tc := range []struct{ p, want float64 }{{50, 50}, {99, 99}, {99.9, 100}, {100, 100}, {0, 1}, {1, 1}} {
-		if got := r.Percentile(tc.p); got != tc.want {
-			t.Errorf("p%v = %v, want %v", tc.p, got, tc.want)
+	for _, tc := range []struct{ q, want float64 }{{0.5, 50}, {0.99, 99}, {0.999, 100}, {1, 100}, {0, 1}, {0.01, 1}} {
+		if got := r.Percentile(tc.q); got != tc.want {
+			t.Errorf("Percentile(%v) = %v, want %v", tc.q, got, tc.want)
+		}
+	}
+	// A percentage where a fraction belongs is not a plausible number.
+	for _, q := range []float64{99, 50, -0.1} {
+		if got := r.Percentile(q); !math.IsNaN(got) {
+			t.Errorf("Percentile(%v) = %v, want NaN", q, got)
 		}
 	}
 }
