@@ -14,6 +14,7 @@
 #   BENCH_MESHDNS_ARGS=".."  extra flags for our resolver (default --authoritative=true)
 #   COREDNS=PATH           CoreDNS binary (default: the install script's cache dir)
 #   BENCH_KUBE=0           skip the Kubernetes node mode benchmark (bench/kube)
+#   BENCH_KUBE_ONLY=1      run only bench/kube; the rest of bench/RESULTS.md is kept
 #   BENCH_KUBE_SCALES=a,b  its Service counts (default 10000,100000)
 #   BENCH_KUBE_DURATION=10s  each of its dnsperf runs
 #   BENCH_KUBE_MESH=N      its mesh run: N ServiceEntries + N Services over two clusters (default 10000; 0 skips)
@@ -95,7 +96,9 @@ args=(-repo "$repo" -work "$work" -fakeupstream "$work/bin/fakeupstream" -floor 
 [ -n "${BENCH_MESHDNS_ARGS+x}" ] && args+=(-meshdns-args "$BENCH_MESHDNS_ARGS")
 
 # The harness itself stays on the generator's core; servers go to core 1.
-taskset -c 0 "$work/bin/benchrun" "${args[@]}" "$@"
+if [ "${BENCH_KUBE_ONLY:-0}" != 1 ]; then
+	taskset -c 0 "$work/bin/benchrun" "${args[@]}" "$@"
+fi
 
 # The Kubernetes node mode against CoreDNS's kubernetes plugin, both on one
 # real API server (bench/kube). Its section goes into RESULTS.md above the
@@ -109,6 +112,7 @@ if [ "${BENCH_KUBE:-1}" != 0 ] && [ -z "$skip" ]; then
 		MESHDNS_BENCH_KUBE_SCALES="${BENCH_KUBE_SCALES:-10000,100000}" \
 		MESHDNS_BENCH_KUBE_DURATION="${BENCH_KUBE_DURATION:-10s}" \
 		MESHDNS_BENCH_KUBE_MESH="${BENCH_KUBE_MESH:-10000}" \
+		MESHDNS_BENCH_ECHO="${echo_args[1]:-}" \
 		go test -count=1 -timeout 120m -run TestKubernetesBench -v ./bench/kube/ >"$work/kube.log" 2>&1 ||
 		{ log "Kubernetes benchmark failed; see $work/kube.log"; tail -30 "$work/kube.log" >&2; exit 1; }
 	grep -E 'kube_test.go|mesh_test.go' "$work/kube.log" >&2 || true
