@@ -63,9 +63,11 @@ func (m *smap[K, V]) shard(k K) int {
 	return int(h >> (64 - topBits - leafBits))
 }
 
+// at is shard i's map (nil when empty).
+func (m *smap[K, V]) at(i int) map[K]V { return m.groups[i>>leafBits][i&(nLeaf-1)] }
+
 func (m *smap[K, V]) get(k K) (V, bool) {
-	i := m.shard(k)
-	v, ok := m.groups[i>>leafBits][i&(nLeaf-1)][k]
+	v, ok := m.at(m.shard(k))[k]
 	return v, ok
 }
 
@@ -133,7 +135,7 @@ func (w *smapWriter[K, V]) set(k K, v V) {
 
 func (w *smapWriter[K, V]) del(k K) {
 	i := w.m.shard(k)
-	if _, ok := w.m.groups[i>>leafBits][i&(nLeaf-1)][k]; !ok {
+	if _, ok := w.m.at(i)[k]; !ok {
 		return
 	}
 	delete(w.own(i), k)
