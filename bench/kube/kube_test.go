@@ -10,7 +10,6 @@ import (
 	"bytes"
 	"context"
 	"fmt"
-	"io"
 	"math"
 	"math/rand/v2"
 	"net"
@@ -525,22 +524,17 @@ func fixedRate(t *testing.T, s settings, port int, queries string, pid int) dnsp
 	o := dnsperf.Options{Server: "127.0.0.1", Port: port, DataFile: queries, Duration: s.duration.Seconds(),
 		Clients: 4, Threads: 1, Outstand: 200, MaxQPS: queryRate, Verbose: true, Timeout: 2}
 	cmd := exec.Command("taskset", append([]string{"-c", genCPU, "dnsperf"}, o.Args()...)...)
-	// Per-query lines (-v) go to a file: a pipe would wake this process to
-	// drain it all through the run.
-	stdout, err := os.CreateTemp(t.TempDir(), "dnsperf-*.out")
+	stdout, err := dnsperf.NewOutput(t.TempDir())
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer stdout.Close()
 	var stderr bytes.Buffer
-	cmd.Stdout, cmd.Stderr = stdout, &stderr
+	cmd.Stdout, cmd.Stderr = stdout.File(), &stderr
 	if err := cmd.Run(); err != nil {
 		t.Fatalf("dnsperf: %v: %s", err, stderr.String())
 	}
-	if _, err := stdout.Seek(0, io.SeekStart); err != nil {
-		t.Fatal(err)
-	}
-	res, err := dnsperf.Parse(stdout)
+	res, err := stdout.Parse()
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -662,7 +656,7 @@ func render(rs []result, s settings) string {
 		"Queries: dnsperf at %d QPS over all Service names (A), %v per run, %d runs each calm and during churn. Servers pinned to CPU %s, dnsperf to CPU %s. "+
 		"CoreDNS: `kubernetes cluster.local` without cache (kubeadm's `cache 30` would delay updates by up to 30 s), forward + cache for the rest. meshdns: `run --mode off --kubeconfig`. Go %s.\n\n",
 		kubetest.KubeVersion, namespaces, headlessEach, maxClusterIP, churnRate, queryRate, s.duration, s.reps, serverCPU, genCPU, runtime.Version())
-	if s.echo != "" {
+	if slices.ContainsFunc(rs, func(r result) bool { return len(r.echoCalmP99)+len(r.echoChurnP99) > 0 }) {
 		fmt.Fprintf(&b, "Machine floor: after each of meshdns's query runs, the same run against bench/echo (a C server that sends each query back, no work) on the server core, in the same calm or churn: "+
 			"the control plane, the churn driver and dnsperf share the machine's two cores, and the echo server's p99 shows what that costs any server.\n\n")
 	}

@@ -504,8 +504,7 @@ func (b *bench) runScenario(ctx context.Context, srv *proc, p peer, sr *scenario
 			return fmt.Errorf("fixed-rate run %d: %w", i+1, err)
 		}
 		sr.fixedRuns = append(sr.fixedRuns, r)
-		fmt.Fprintf(os.Stderr, "  %-13s %-5s @%d run %d: p50 %.0f µs  p99 %.0f µs  %5.1f µs/q  lost %d\n",
-			p.name, sr.name, b.cfg.latQPS, i+1, r.res.Percentile(0.5)*1e6, r.res.Percentile(0.99)*1e6, r.usPerQuery(), r.res.Lost)
+		b.logFixed(p.name, sr.name, i, r)
 		if b.echo != nil && p.name == "meshdns" {
 			// The machine floor, right after: the same load on the same
 			// core a moment later, answered by a server that does nothing.
@@ -516,12 +515,17 @@ func (b *bench) runScenario(ctx context.Context, srv *proc, p peer, sr *scenario
 				return fmt.Errorf("echo fixed-rate run %d: %w", i+1, err)
 			}
 			sr.echoRuns = append(sr.echoRuns, er)
-			fmt.Fprintf(os.Stderr, "  %-13s %-5s @%d run %d: p50 %.0f µs  p99 %.0f µs  %5.1f µs/q  lost %d\n",
-				"echo", sr.name, b.cfg.latQPS, i+1, er.res.Percentile(0.5)*1e6, er.res.Percentile(0.99)*1e6, er.usPerQuery(), er.res.Lost)
+			b.logFixed("echo", sr.name, i, er)
 		}
 	}
 	sr.fixed = medianRun(sr.fixedRuns, p99)
 	return nil
+}
+
+// logFixed prints one fixed-rate run (the i-th, from 0) of server on scenario.
+func (b *bench) logFixed(server, scenario string, i int, r run) {
+	fmt.Fprintf(os.Stderr, "  %-13s %-5s @%d run %d: p50 %.0f µs  p99 %.0f µs  %5.1f µs/q  lost %d\n",
+		server, scenario, b.cfg.latQPS, i+1, p50(&r)*1e6, p99(&r)*1e6, r.usPerQuery(), r.res.Lost)
 }
 
 // checkIdle samples both cores for a second while nothing of ours runs and

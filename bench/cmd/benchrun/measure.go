@@ -6,7 +6,6 @@ import (
 	"bytes"
 	"context"
 	"fmt"
-	"io"
 	"os"
 	"os/exec"
 	"slices"
@@ -72,18 +71,13 @@ func (b *bench) dnsperfRunIn(ctx context.Context, prefix []string, o dnsperf.Opt
 	argv := append(slices.Clone(prefix), "taskset", "-c", strconv.Itoa(b.cfg.genCPU), "dnsperf")
 	argv = append(argv, o.Args()...)
 	cmd := exec.CommandContext(ctx, argv[0], argv[1:]...)
-	// dnsperf prints a line per query (-v). Into a pipe, the harness would
-	// wake up to drain it all through the run on the generator's core,
-	// competing with dnsperf's own receive loop; into a file it costs
-	// dnsperf a write and nobody a wake-up.
-	stdout, err := os.CreateTemp(b.logDir, "dnsperf-*.out")
+	stdout, err := dnsperf.NewOutput(b.logDir)
 	if err != nil {
 		return out, err
 	}
-	defer os.Remove(stdout.Name())
 	defer stdout.Close()
 	var stderr bytes.Buffer
-	cmd.Stdout, cmd.Stderr = stdout, &stderr
+	cmd.Stdout, cmd.Stderr = stdout.File(), &stderr
 	var cpu0 time.Duration
 	if serverPID != 0 {
 		c, err := procstat.CPU(serverPID)
@@ -145,10 +139,7 @@ wait:
 	if w := genAt.Sub(started); w > 500*time.Millisecond {
 		out.genBusy = genCPU.Seconds() / w.Seconds()
 	}
-	if _, err := stdout.Seek(0, io.SeekStart); err != nil {
-		return out, err
-	}
-	res, err := dnsperf.Parse(stdout)
+	res, err := stdout.Parse()
 	if err != nil {
 		return out, fmt.Errorf("dnsperf %v: %w", o.Args(), err)
 	}

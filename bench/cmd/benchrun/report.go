@@ -438,7 +438,6 @@ func (b *bench) renderFloor(w *strings.Builder) {
 		"scheduler and loopback cost any server.\n\n")
 	p("| scenario | meshdns p50 of each run | meshdns p99 of each run | echo p50 of each run | echo p99 of each run | µs/q @%dk meshdns / echo (medians) |\n", b.cfg.latQPS/1000)
 	p("|---|---|---|---|---|---|\n")
-	p50 := func(r *run) float64 { return r.res.Percentile(0.5) }
 	for _, s := range b.cfg.scenarios {
 		sr := sub.scen[s]
 		if sr == nil || len(sr.echoRuns) == 0 {

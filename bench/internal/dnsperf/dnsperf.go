@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"io"
 	"math"
+	"os"
 	"slices"
 	"strconv"
 	"strings"
@@ -148,6 +149,39 @@ type Options struct {
 	MaxQPS   int     // -Q (0: unlimited)
 	Timeout  float64 // -t seconds (0: default)
 	Verbose  bool    // -v
+}
+
+// Output is a file for dnsperf's standard output. With -v it prints a line
+// per query; into a pipe, the caller would wake up to drain it all through
+// the run, on the generator's core, competing with dnsperf's own receive
+// loop. Into a file it costs dnsperf a write and nobody a wake-up.
+type Output struct{ f *os.File }
+
+// NewOutput creates the file in dir (removed by Close).
+func NewOutput(dir string) (Output, error) {
+	f, err := os.CreateTemp(dir, "dnsperf-*.out")
+	return Output{f}, err
+}
+
+// File is what to give exec.Cmd as Stdout: an *os.File, which the child
+// writes itself (any other writer gets a pipe and a copying goroutine).
+func (o Output) File() *os.File { return o.f }
+
+// Parse reads what dnsperf wrote, from the start.
+func (o Output) Parse() (Result, error) {
+	if _, err := o.f.Seek(0, io.SeekStart); err != nil {
+		return Result{}, err
+	}
+	return Parse(o.f)
+}
+
+// Close closes and removes the file.
+func (o Output) Close() error {
+	err := o.f.Close()
+	if rerr := os.Remove(o.f.Name()); err == nil {
+		err = rerr
+	}
+	return err
 }
 
 // Args renders the options as dnsperf arguments.

@@ -2,6 +2,8 @@ package dnsperf
 
 import (
 	"math"
+	"os"
+	"os/exec"
 	"slices"
 	"strings"
 	"testing"
@@ -113,5 +115,33 @@ func TestArgs(t *testing.T) {
 		if got := strings.Join(tc.o.Args(), " "); got != tc.want {
 			t.Errorf("Args = %q, want %q", got, tc.want)
 		}
+	}
+}
+
+// TestOutput: a child process writes dnsperf's report into the file
+// directly, Parse reads it from the start, Close removes it.
+func TestOutput(t *testing.T) {
+	o, err := NewOutput(t.TempDir())
+	if err != nil {
+		t.Fatal(err)
+	}
+	cmd := exec.Command("cat")
+	cmd.Stdin, cmd.Stdout = strings.NewReader(summaryOut), o.File()
+	if err := cmd.Run(); err != nil {
+		t.Fatal(err)
+	}
+	res, err := o.Parse()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.Completed != 29569 {
+		t.Errorf("completed %d, want 29569", res.Completed)
+	}
+	name := o.File().Name()
+	if err := o.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(name); !os.IsNotExist(err) {
+		t.Errorf("%s still there after Close: %v", name, err)
 	}
 }
