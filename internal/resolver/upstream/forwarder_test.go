@@ -8,6 +8,7 @@ import (
 	"net/netip"
 	"strings"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -16,15 +17,28 @@ import (
 	"github.com/meshdns/meshdns-ebpf/internal/metrictest"
 )
 
-// deadAddr returns a 127.0.0.1 port nothing listens on (queries are refused).
+// deadAddr returns a 127.0.0.1 port where queries are refused (ICMP port unreachable).
+// The port stays held until the test ends by a socket connected to itself: it takes no
+// datagram from anyone else, so the kernel refuses them, and no socket of a test running
+// beside us can bind the port and swallow our queries.
 func deadAddr(t *testing.T) netip.AddrPort {
 	t.Helper()
-	pc, err := net.ListenPacket("udp", "127.0.0.1:0")
+	pc, err := net.ListenUDP("udp", net.UDPAddrFromAddrPort(netip.MustParseAddrPort("127.0.0.1:0")))
 	if err != nil {
 		t.Fatal(err)
 	}
-	a := netip.MustParseAddrPort(pc.LocalAddr().String())
-	pc.Close()
+	t.Cleanup(func() { pc.Close() })
+	a := pc.LocalAddr().(*net.UDPAddr).AddrPort()
+	rc, err := pc.SyscallConn()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var cerr error
+	if err := rc.Control(func(fd uintptr) {
+		cerr = syscall.Connect(int(fd), &syscall.SockaddrInet4{Port: int(a.Port()), Addr: a.Addr().As4()})
+	}); err != nil || cerr != nil {
+		t.Fatalf("connect %s to itself: %v %v", a, err, cerr)
+	}
 	return a
 }
 
@@ -432,5 +446,29 @@ func TestConfig(t *testing.T) {
 	}
 	if c := NewConfig(a); !c.Prefetch || c.CacheSize != DefaultCacheSize {
 		t.Errorf("NewConfig: %+v, want prefetch on and default cache size", c)
+	}
+}
+
+// TestDeadAddr: the refused address stays refused for the whole test. The port is
+// held, so no other socket of a test running beside us can take it and swallow the
+// queries (which then time out instead of being refused), and a datagram sent there
+// still gets ICMP port unreachable.
+func TestDeadAddr(t *testing.T) {
+	a := deadAddr(t)
+	if pc, err := net.ListenPacket("udp", a.String()); err == nil {
+		pc.Close()
+		t.Fatalf("another socket could bind %s: the refused port is not held", a)
+	}
+	c, err := net.DialUDP("udp", nil, net.UDPAddrFromAddrPort(a))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	if _, err := c.Write([]byte("x")); err != nil {
+		t.Fatal(err)
+	}
+	_ = c.SetReadDeadline(time.Now().Add(5 * time.Second))
+	if _, err := c.Read(make([]byte, 1)); !errors.Is(err, syscall.ECONNREFUSED) {
+		t.Fatalf("read after a send to %s: %v, want ECONNREFUSED", a, err)
 	}
 }
