@@ -12,7 +12,6 @@ import (
 	"fmt"
 	"math"
 	"math/rand/v2"
-	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -179,7 +178,7 @@ func runScale(t *testing.T, s settings, n int) []result {
 	var out []result
 	for _, srv := range []string{"meshdns", "coredns-kubernetes"} {
 		r := result{server: srv, scale: n}
-		port := freePort(t)
+		port := testenv.FreePort(t)
 		cmd := startServer(t, s, srv, dir, kubeconfig, port, up.Addr)
 		addr := fmt.Sprintf("127.0.0.1:%d", port)
 		began := time.Now()
@@ -414,24 +413,6 @@ func writeQueries(t *testing.T, path string, n int) {
 	}
 }
 
-func freePort(t *testing.T) int {
-	for range 20 {
-		u, err := net.ListenPacket("udp", "127.0.0.1:0")
-		if err != nil {
-			t.Fatal(err)
-		}
-		p := u.LocalAddr().(*net.UDPAddr).Port
-		l, err := net.Listen("tcp", fmt.Sprintf("127.0.0.1:%d", p))
-		u.Close()
-		if err == nil {
-			l.Close()
-			return p
-		}
-	}
-	t.Fatal("no free port")
-	return 0
-}
-
 func startServer(t *testing.T, s settings, srv, dir, kubeconfig string, port int, upstream string, extra ...string) *exec.Cmd {
 	var argv []string
 	switch srv {
@@ -544,7 +525,7 @@ func fixedRate(t *testing.T, s settings, port int, queries string, pid int) dnsp
 // startEcho runs the machine-floor echo server (bench/echo) on the server
 // core until the test ends and returns its port.
 func startEcho(t *testing.T, bin string) (int, error) {
-	port := freePort(t)
+	port := testenv.FreePort(t)
 	cmd := exec.Command("taskset", "-c", serverCPU, bin, "127.0.0.1", strconv.Itoa(port))
 	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 	if err := cmd.Start(); err != nil {

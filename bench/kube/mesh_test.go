@@ -75,7 +75,7 @@ func runMesh(t *testing.T, s settings) meshResult {
 		}
 	}
 	up := testenv.StartFakeDNS(t, nil, "127.0.0.1:0", nil)
-	port := freePort(t)
+	port := testenv.FreePort(t)
 	began := time.Now()
 	cmd := startServer(t, s, "meshdns", dir, kubeconfig, port, up.Addr, "--remote-kubeconfigs", remotes)
 	addr := fmt.Sprintf("127.0.0.1:%d", port)

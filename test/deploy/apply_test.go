@@ -5,7 +5,6 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
-	"net"
 	"net/http"
 	"os"
 	"os/exec"
@@ -206,28 +205,9 @@ type agentRun struct {
 	done  chan error
 }
 
-func freePort(t *testing.T) int {
-	t.Helper()
-	for range 20 {
-		u, err := net.ListenPacket("udp", "127.0.0.1:0")
-		if err != nil {
-			t.Fatal(err)
-		}
-		p := u.LocalAddr().(*net.UDPAddr).Port
-		l, err := net.Listen("tcp", fmt.Sprintf("127.0.0.1:%d", p))
-		u.Close()
-		if err == nil {
-			l.Close()
-			return p
-		}
-	}
-	t.Fatal("no free port")
-	return 0
-}
-
 func startAgent(t *testing.T, kubeconfig, upstream string) *agentRun {
 	t.Helper()
-	a := &agentRun{addr: fmt.Sprintf("127.0.0.1:%d", freePort(t)), admin: fmt.Sprintf("127.0.0.1:%d", freePort(t)),
+	a := &agentRun{addr: fmt.Sprintf("127.0.0.1:%d", testenv.FreePort(t)), admin: fmt.Sprintf("127.0.0.1:%d", testenv.FreePort(t)),
 		log: &syncBuffer{}, done: make(chan error, 1)}
 	a.cmd = exec.Command(buildAgent(t), "run", "--mode", "off", "--kubeconfig", kubeconfig, "--node-name", "node-a",
 		"--listen", a.addr, "--admin", a.admin, "--upstream", upstream, "--state-dir", t.TempDir())

@@ -116,25 +116,6 @@ type agent struct {
 	done   chan error
 }
 
-func freePort(t *testing.T) int {
-	t.Helper()
-	for range 20 {
-		u, err := net.ListenPacket("udp", "127.0.0.1:0")
-		if err != nil {
-			t.Fatal(err)
-		}
-		port := u.LocalAddr().(*net.UDPAddr).Port
-		l, err := net.Listen("tcp", fmt.Sprintf("127.0.0.1:%d", port))
-		u.Close()
-		if err == nil {
-			l.Close()
-			return port
-		}
-	}
-	t.Fatal("no free port")
-	return 0
-}
-
 // upstreamNames are what the fake upstream knows.
 var upstreamNames = map[string][]netip.Addr{"ext.example.org": {netip.MustParseAddr("192.0.2.80")}}
 
@@ -143,8 +124,8 @@ func startAgent(t *testing.T, c *cluster, node string, extra ...string) *agent {
 	bin := buildAgent(t)
 	a := &agent{t: t, stderr: &logBuffer{}, done: make(chan error, 1)}
 	a.up = testenv.StartFakeDNS(t, nil, "127.0.0.1:0", upstreamNames)
-	a.addr = fmt.Sprintf("127.0.0.1:%d", freePort(t))
-	a.admin = fmt.Sprintf("127.0.0.1:%d", freePort(t))
+	a.addr = fmt.Sprintf("127.0.0.1:%d", testenv.FreePort(t))
+	a.admin = fmt.Sprintf("127.0.0.1:%d", testenv.FreePort(t))
 	args := []string{"run", "--mode", "off", "--listen", a.addr, "--admin", a.admin,
 		"--upstream", a.up.Addr, "--kubeconfig", c.kubeconfig, "--node-name", node,
 		"--state-dir", t.TempDir(), "--log-level", "debug"}

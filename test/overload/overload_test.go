@@ -113,23 +113,6 @@ func upstreamAnswers(proto string, req *dns.Msg) []*dns.Msg {
 	return []*dns.Msg{m}
 }
 
-func freePort(t *testing.T) int {
-	for range 50 {
-		l, err := net.Listen("tcp", "127.0.0.1:0")
-		if err != nil {
-			t.Fatal(err)
-		}
-		port := l.Addr().(*net.TCPAddr).Port
-		l.Close()
-		if pc, err := net.ListenPacket("udp", fmt.Sprintf("127.0.0.1:%d", port)); err == nil {
-			pc.Close()
-			return port
-		}
-	}
-	t.Fatal("no free port")
-	return 0
-}
-
 func startAgent(t *testing.T) *agent {
 	t.Helper()
 	testenv.RequirePrivileged(t)
@@ -146,8 +129,8 @@ func startAgent(t *testing.T) *agent {
 		t.Fatal(err)
 	}
 	a := &agent{t: t, cg: cg, up: up, exited: make(chan error, 1), stderr: &lockedBuffer{}}
-	a.dnsAddr = fmt.Sprintf("127.0.0.1:%d", freePort(t))
-	a.admin = fmt.Sprintf("127.0.0.1:%d", freePort(t))
+	a.dnsAddr = fmt.Sprintf("127.0.0.1:%d", testenv.FreePort(t))
+	a.admin = fmt.Sprintf("127.0.0.1:%d", testenv.FreePort(t))
 	argv := cg.JoinCommand(bin, "run", "--mode", "off", "--listen", a.dnsAddr, "--upstream", up.Addr.String(),
 		"--names", names, "--admin", a.admin, "--authoritative=true", "--state-dir", dir, "--log-level", "warn")
 	a.cmd = exec.Command(argv[0], argv[1:]...)
