@@ -221,10 +221,10 @@ func TestServeStale(t *testing.T) {
 	if h := f.Healthy(); h[0].Healthy {
 		t.Errorf("upstream still healthy after refused: %+v", h[0])
 	}
-	// All upstreams down: stale is served at once.
+	// All upstreams down: stale is served at once, not after the 1 s timeout.
 	start = time.Now()
 	_, src = forward(t, f, query("stale.example.", dns.TypeA, 4))
-	if el := time.Since(start); src != SourceStale || el > 50*time.Millisecond {
+	if el := time.Since(start); src != SourceStale || el > 250*time.Millisecond {
 		t.Errorf("all upstreams down: source %q after %s, want stale at once", src, el)
 	}
 	if got := metrictest.Value(t, reg, "meshdns_cache_hits_total", "type", "stale"); got != 3 {
