@@ -17,7 +17,7 @@ import (
 //
 // Judged by the context switches a collection costs the process: a count,
 // which the machine's load does not blur the way it does a duration. With 8
-// idle readers, 110-240 per collection here (idle, or beside three or six busy
+// idle readers, 110-260 per collection here (idle, or beside three or six busy
 // loops); with readers that skip the safe point (the runtime signals and yields
 // until it catches them) 1,280-8,560. Durations grow with the load: the mean of
 // the working version under three busy loops reached that of the broken one on
