@@ -111,37 +111,33 @@ func firstA(r *dns.Msg) (netip.Addr, bool) {
 
 // waitAnswer polls addr until name resolves to want (A), p exits or ctx ends.
 func waitAnswer(ctx context.Context, p *proc, addr, name string, want netip.Addr) error {
-	var last error
-	for {
-		r, err := exchange(addr, name, dns.TypeA)
-		if err == nil {
-			if got, ok := firstA(r); ok && got == want {
-				return nil
-			}
-			last = fmt.Errorf("%s A: rcode %s, answer %v, want %s", name, dns.RcodeToString[r.Rcode], r.Answer, want)
-		} else {
-			last = err
+	return poll(ctx, p, addr, name, func(r *dns.Msg) error {
+		if got, ok := firstA(r); ok && got == want {
+			return nil
 		}
-		if p != nil && p.exited() {
-			return fmt.Errorf("%s exited (%v); see its log", p.name, p.err)
-		}
-		select {
-		case <-ctx.Done():
-			return fmt.Errorf("not ready: %w (last: %v)", ctx.Err(), last)
-		case <-time.After(50 * time.Millisecond):
-		}
-	}
+		return fmt.Errorf("%s A: rcode %s, answer %v, want %s", name, dns.RcodeToString[r.Rcode], r.Answer, want)
+	})
 }
 
 // waitReply waits until the server at addr answers a query at all (any
 // answer with the query's ID: the echo server has no records).
 func waitReply(ctx context.Context, p *proc, addr string) error {
+	return poll(ctx, p, addr, "echo.example.", func(*dns.Msg) error { return nil })
+}
+
+// poll asks addr for name (A) every 50 ms until accept takes the reply, p
+// (if any) exits or ctx ends; the error says what the last attempt got.
+func poll(ctx context.Context, p *proc, addr, name string, accept func(*dns.Msg) error) error {
 	var last error
 	for {
-		if _, last = exchange(addr, "echo.example.", dns.TypeA); last == nil {
+		r, err := exchange(addr, name, dns.TypeA)
+		if err == nil {
+			err = accept(r)
+		}
+		if last = err; last == nil {
 			return nil
 		}
-		if p.exited() {
+		if p != nil && p.exited() {
 			return fmt.Errorf("%s exited (%v); see its log", p.name, p.err)
 		}
 		select {
