@@ -5,7 +5,7 @@ import (
 	"slices"
 	"strings"
 
-	"github.com/meshdns/meshdns-ebpf/internal/resolver/nametable"
+	"github.com/meshdns/meshdns-ebpf/internal/nametable"
 )
 
 // serviceHosts turns a Service and its EndpointSlices into the hosts the

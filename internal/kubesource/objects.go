@@ -12,7 +12,7 @@ import (
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/runtime/schema"
 
-	"github.com/meshdns/meshdns-ebpf/internal/resolver/nametable"
+	"github.com/meshdns/meshdns-ebpf/internal/nametable"
 )
 
 // The informers keep these compact objects, not the API objects: a

@@ -27,7 +27,7 @@ import (
 	"k8s.io/client-go/tools/cache"
 
 	"github.com/meshdns/meshdns-ebpf/internal/names"
-	"github.com/meshdns/meshdns-ebpf/internal/resolver/nametable"
+	"github.com/meshdns/meshdns-ebpf/internal/nametable"
 )
 
 // Config configures a Kubernetes source.

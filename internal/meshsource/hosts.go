@@ -6,7 +6,7 @@ import (
 	"slices"
 	"strings"
 
-	"github.com/meshdns/meshdns-ebpf/internal/resolver/nametable"
+	"github.com/meshdns/meshdns-ebpf/internal/nametable"
 )
 
 // entryHosts turns a ServiceEntry into the hosts the name table answers

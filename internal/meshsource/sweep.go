@@ -6,7 +6,7 @@ import (
 	"sync"
 
 	"github.com/meshdns/meshdns-ebpf/internal/names"
-	"github.com/meshdns/meshdns-ebpf/internal/resolver/nametable"
+	"github.com/meshdns/meshdns-ebpf/internal/nametable"
 )
 
 // sweeper lets a source restart its watches (a new kubeconfig, another

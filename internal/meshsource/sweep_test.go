@@ -10,7 +10,7 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/meshdns/meshdns-ebpf/internal/resolver/nametable"
+	"github.com/meshdns/meshdns-ebpf/internal/nametable"
 )
 
 // recordSink is the store's side of a sink as far as the sweeper can

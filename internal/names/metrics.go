@@ -6,7 +6,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
-	"github.com/meshdns/meshdns-ebpf/internal/resolver/nametable"
+	"github.com/meshdns/meshdns-ebpf/internal/nametable"
 )
 
 // Metrics are the store's Prometheus metrics. Per-source values are read

@@ -26,7 +26,7 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/meshdns/meshdns-ebpf/internal/resolver/nametable"
+	"github.com/meshdns/meshdns-ebpf/internal/nametable"
 )
 
 // Source priorities (higher wins a name; see docs/kubernetes.md).

@@ -7,7 +7,7 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/meshdns/meshdns-ebpf/internal/resolver/nametable"
+	"github.com/meshdns/meshdns-ebpf/internal/nametable"
 )
 
 func ips(s ...string) []netip.Addr {

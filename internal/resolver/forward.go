@@ -9,7 +9,7 @@ import (
 
 	"github.com/miekg/dns"
 
-	"github.com/meshdns/meshdns-ebpf/internal/resolver/nametable"
+	"github.com/meshdns/meshdns-ebpf/internal/nametable"
 	"github.com/meshdns/meshdns-ebpf/internal/resolver/upstream"
 )
 

@@ -16,7 +16,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/meshdns/meshdns-ebpf/internal/dnsfake"
-	"github.com/meshdns/meshdns-ebpf/internal/resolver/nametable"
+	"github.com/meshdns/meshdns-ebpf/internal/nametable"
 	"github.com/meshdns/meshdns-ebpf/internal/resolver/upstream"
 )
 

@@ -11,7 +11,7 @@ import (
 	"github.com/miekg/dns"
 
 	"github.com/meshdns/meshdns-ebpf/internal/metrictest"
-	"github.com/meshdns/meshdns-ebpf/internal/resolver/nametable"
+	"github.com/meshdns/meshdns-ebpf/internal/nametable"
 )
 
 const k8s = nametable.RegistryKubernetes

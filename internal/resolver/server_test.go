@@ -16,7 +16,7 @@ import (
 	"github.com/meshdns/meshdns-ebpf/internal/metrictest"
 	"github.com/meshdns/meshdns-ebpf/internal/names"
 	"github.com/meshdns/meshdns-ebpf/internal/names/filesource"
-	"github.com/meshdns/meshdns-ebpf/internal/resolver/nametable"
+	"github.com/meshdns/meshdns-ebpf/internal/nametable"
 )
 
 func TestConfigErrors(t *testing.T) {

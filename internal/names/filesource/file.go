@@ -20,7 +20,7 @@ import (
 	"github.com/fsnotify/fsnotify"
 
 	"github.com/meshdns/meshdns-ebpf/internal/names"
-	"github.com/meshdns/meshdns-ebpf/internal/resolver/nametable"
+	"github.com/meshdns/meshdns-ebpf/internal/nametable"
 )
 
 // PollInterval is how often the watcher stats the file as a fallback to

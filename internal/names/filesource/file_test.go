@@ -15,7 +15,7 @@ import (
 
 	"github.com/meshdns/meshdns-ebpf/internal/metrictest"
 	"github.com/meshdns/meshdns-ebpf/internal/names"
-	"github.com/meshdns/meshdns-ebpf/internal/resolver/nametable"
+	"github.com/meshdns/meshdns-ebpf/internal/nametable"
 )
 
 var quiet = slog.New(slog.DiscardHandler)
