@@ -49,6 +49,40 @@ func NewCgroup(t testing.TB) *Cgroup {
 	return cg
 }
 
+// Child creates the cgroup name below c (programs attached to c apply to it)
+// and removes it at cleanup, before c.
+func (c *Cgroup) Child(t testing.TB, name string) *Cgroup {
+	t.Helper()
+	path := filepath.Join(c.Path, name)
+	if err := os.Mkdir(path, 0o755); err != nil {
+		t.Fatalf("create cgroup %s: %v", path, err)
+	}
+	dir, err := os.Open(path)
+	if err != nil {
+		_ = os.Remove(path)
+		t.Fatalf("open cgroup %s: %v", path, err)
+	}
+	cg := &Cgroup{Path: path, dir: dir}
+	t.Cleanup(func() {
+		dir.Close()
+		if err := cg.remove(); err != nil {
+			t.Errorf("remove cgroup %s: %v", path, err)
+		}
+	})
+	return cg
+}
+
+// ID is the cgroup's id: the inode number of its directory, what
+// bpf_get_current_cgroup_id returns for its tasks.
+func (c *Cgroup) ID(t testing.TB) uint64 {
+	t.Helper()
+	var st syscall.Stat_t
+	if err := syscall.Fstat(int(c.dir.Fd()), &st); err != nil {
+		t.Fatalf("stat cgroup %s: %v", c.Path, err)
+	}
+	return st.Ino
+}
+
 // FD is the open directory of the cgroup, for exec.Cmd SysProcAttr.CgroupFD.
 func (c *Cgroup) FD() int { return int(c.dir.Fd()) }
 
