@@ -60,6 +60,8 @@ type Config struct {
 
 	// ServiceEntries and remote clusters (mesh.go).
 	Mesh MeshConfig
+	// Who asked: attribution, top talkers, the tap (workloads.go).
+	Workloads WorkloadConfig
 
 	authoritativeSet bool
 	LinkName         string
@@ -170,6 +172,7 @@ func (c *Config) RegisterFlags(fs *flag.FlagSet) {
 	fs.StringVar(&c.NodeName, "node-name", os.Getenv("NODE_NAME"), "this node's name: its Pods' IPs tell the agent each client's namespace (default $NODE_NAME)")
 	fs.StringVar(&c.ClusterDNSService, "cluster-dns-service", DefaultClusterDNSService, "with a Kubernetes source and no --nameservers: the Service (namespace/name) whose cluster IPs pods use as nameserver; those are captured")
 	c.registerMeshFlags(fs)
+	c.registerWorkloadFlags(fs)
 	fs.StringVar(&c.LinkName, "link", DefaultLinkName, "dummy link that carries the node-local listen address")
 	fs.IntVar(&c.CacheBytes, "cache-bytes", upstream.DefaultCacheBytes, "memory cap of the upstream answer cache, in bytes")
 	fs.IntVar(&c.MaxPending, "max-pending", resolver.DefaultMaxPending, "queries waiting for the upstream at once; over it: SERVFAIL at once")
@@ -226,6 +229,9 @@ func (c *Config) Validate() error {
 		return fmt.Errorf("--kubeconfig and --kubernetes: give one (--kubernetes uses the in-cluster service account)")
 	}
 	if err := c.validateMesh(); err != nil {
+		return err
+	}
+	if err := c.validateWorkloads(); err != nil {
 		return err
 	}
 	if c.Kubernetes() && !c.authoritativeSet {

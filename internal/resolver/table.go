@@ -8,6 +8,7 @@ import (
 	"github.com/miekg/dns"
 
 	"github.com/meshdns/meshdns-ebpf/internal/nametable"
+	"github.com/meshdns/meshdns-ebpf/internal/tap"
 )
 
 // maxFastAddrs is the most addresses the wire table path writes; larger answers take
@@ -164,6 +165,11 @@ func (w *worker) tableWire(r *request, out []byte) (b []byte, done bool) {
 		b = appendOPT(b, r.do, 0)
 	}
 	s.record(r.proto, qtype, rcode, srcTable, r.start)
+	kind := tap.Table
+	if target != "" {
+		kind = tap.Autopath
+	}
+	s.observeReq(r, lname, qtype, rcode, kind, len(b))
 	return b, true
 }
 

@@ -79,9 +79,15 @@ type Event struct {
 	name     [255]byte
 }
 
-// SetName copies name (a lower-case FQDN) into e, cut at 255 bytes.
+// SetName copies name (an FQDN) into e in lower case, cut at 255 bytes.
 func (e *Event) SetName(name string) {
-	e.nameLen = uint8(copy(e.name[:], name))
+	n := copy(e.name[:], name)
+	for i, c := range e.name[:n] {
+		if 'A' <= c && c <= 'Z' {
+			e.name[i] = c + 'a' - 'A'
+		}
+	}
+	e.nameLen = uint8(n)
 }
 
 // Name returns the query name.
