@@ -77,11 +77,27 @@ func (n *Namer) Close() error {
 	return nil
 }
 
-// Learn asks for k's cgroup to be named in the background; it never blocks
-// (a full queue drops the request: the key is named when asked).
+// Learn names k's cgroup while it still exists: at once through the sending
+// process when it is visible here (one read of /proc/PID/cgroup, once per
+// cgroup: a short-lived cgroup may be gone before any background work runs),
+// else in the background (a walk). It never blocks on a walk; a full queue
+// drops the request (the key is named when asked).
 func (n *Namer) Learn(k Key) {
 	if k.Cgroup == 0 {
 		return
+	}
+	n.mu.Lock()
+	_, known := n.paths[k.Cgroup]
+	mount := n.mount
+	n.mu.Unlock()
+	if known {
+		return
+	}
+	if k.PID != 0 && mount != "" {
+		if rel, err := procCgroup(k.PID); err == nil && inodeOf(filepath.Join(mount, rel)) == k.Cgroup {
+			n.remember(k.Cgroup, rel)
+			return
+		}
 	}
 	select {
 	case n.learn <- k:
@@ -148,9 +164,17 @@ func (n *Namer) cgroupPath(id uint64, pid uint32) string {
 		}
 		mount = m
 	}
-	p = n.find(mount, id, pid)
+	return n.remember(id, n.find(mount, id, pid))
+}
+
+// remember stores the path of cgroup id ("" once found gone) and returns what
+// is stored: a name found meanwhile by another caller is kept over "".
+func (n *Namer) remember(id uint64, p string) string {
 	n.mu.Lock()
 	defer n.mu.Unlock()
+	if old, ok := n.paths[id]; ok && old != "" {
+		return old
+	}
 	if len(n.paths) >= maxCgroups {
 		for k := range n.paths { // forget a quarter, at random
 			delete(n.paths, k)

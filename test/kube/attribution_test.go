@@ -167,7 +167,7 @@ func TestTapAndMetricsNameEveryQuery(t *testing.T) {
 		pcg := kubepods.Child(t, "kubepods-pod"+strings.ReplaceAll(string(pod.UID), "-", "_")+".slice").Child(t, "cri-containerd-"+cid+".scope")
 		senders[ps.tag] = &sender{tag: ps.tag, workload: ps.ns + "/" + ps.name, namespace: ps.ns, container: "app", cgroupID: pcg.ID(t)}
 		long = append(long, client{ns: netns, cg: pcg,
-			argv: []string{ps.bin, "-r", "600", "-t", "4", "-d", dur(ps.bin, 35), "q%d." + ps.tag + ".attr.test=192.0.2.1"}})
+			argv: []string{ps.bin, "-r", "700", "-t", "4", "-d", dur(ps.bin, 40), "q%d." + ps.tag + ".attr.test=192.0.2.1"}})
 	}
 
 	a := startNodeAgent(t, c, nodeNS, cg, "--nameservers", "10.96.0.10", "--upstream", "169.254.53.1",
@@ -224,7 +224,7 @@ func TestTapAndMetricsNameEveryQuery(t *testing.T) {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			if out, err := runIn(cl.ns, cl.cg, 60*time.Second, cl.argv...); err != nil {
+			if out, err := runIn(cl.ns, cl.cg, 90*time.Second, cl.argv...); err != nil {
 				t.Errorf("%v: %v\n%s", cl.argv, err, out)
 			}
 		}()
@@ -249,7 +249,7 @@ func TestTapAndMetricsNameEveryQuery(t *testing.T) {
 			senders[tag] = &sender{tag: tag, workload: rel(dir), cgroupID: slcg.id}
 			slMu.Unlock()
 			bin := []string{glibc, musl, goload}[i%3]
-			if out, err := runInFD(nodeNS, slcg.fd, 20*time.Second, bin, "-r", "200", "-t", "1", "-d", dur(bin, 0.1), "q%d."+tag+".attr.test=192.0.2.1"); err != nil {
+			if out, err := runInFD(nodeNS, slcg.fd, 20*time.Second, bin, "-r", "200", "-t", "1", "-d", dur(bin, 0.15), "q%d."+tag+".attr.test=192.0.2.1"); err != nil {
 				t.Errorf("short-lived %s: %v\n%s", tag, err, out)
 			}
 			slcg.close()
