@@ -413,7 +413,6 @@ func runInFD(ns *testenv.Netns, cgFD int, timeout time.Duration, argv ...string)
 	return string(out), err
 }
 
-
 // dur is a -d argument: seconds for dnsload, a Go duration for goload.
 func dur(bin string, secs float64) string {
 	if strings.HasSuffix(bin, "goload") {
