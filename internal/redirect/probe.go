@@ -185,16 +185,23 @@ func skStorageGet() (asm.Instructions, func(), error) {
 	if err != nil {
 		return nil, nil, err
 	}
-	return asm.Instructions{
+	return storageGet(m, asm.Instructions{
 		asm.LoadMem(asm.R2, asm.R1, int16(unsafe.Offsetof(sockAddrCtx{}.sk)), asm.DWord),
 		asm.JEq.Imm(asm.R2, 0, "out"),
+	}), func() { m.Close() }, nil
+}
+
+// storageGet is find (which leaves a socket in R2, or jumps to "out"), then
+// bpf_sk_storage_get on m without creating, then return 1 ("out").
+func storageGet(m *ebpf.Map, find asm.Instructions) asm.Instructions {
+	return append(find,
 		asm.LoadMapPtr(asm.R1, m.FD()),
 		asm.Mov.Imm(asm.R3, 0),
 		asm.Mov.Imm(asm.R4, 0),
 		asm.FnSkStorageGet.Call(),
 		asm.Mov.Imm(asm.R0, 1).WithSymbol("out"),
 		asm.Return(),
-	}, func() { m.Close() }, nil
+	)
 }
 
 // skStorageMap is an SK_STORAGE map like sock_state, for a probe.
@@ -216,19 +223,13 @@ func skbStorageGet() (asm.Instructions, func(), error) {
 	if err != nil {
 		return nil, nil, err
 	}
-	return asm.Instructions{
+	return storageGet(m, asm.Instructions{
 		asm.LoadMem(asm.R1, asm.R1, skbSkOffset, asm.DWord),
 		asm.JEq.Imm(asm.R1, 0, "out"),
 		asm.FnSkFullsock.Call(),
 		asm.JEq.Imm(asm.R0, 0, "out"),
 		asm.Mov.Reg(asm.R2, asm.R0),
-		asm.LoadMapPtr(asm.R1, m.FD()),
-		asm.Mov.Imm(asm.R3, 0),
-		asm.Mov.Imm(asm.R4, 0),
-		asm.FnSkStorageGet.Call(),
-		asm.Mov.Imm(asm.R0, 1).WithSymbol("out"),
-		asm.Return(),
-	}, func() { m.Close() }, nil
+	}), func() { m.Close() }, nil
 }
 
 // skbLoadBytes copies 4 bytes of the packet to the stack.
@@ -249,15 +250,7 @@ func sockStorageGet() (asm.Instructions, func(), error) {
 	if err != nil {
 		return nil, nil, err
 	}
-	return asm.Instructions{
-		asm.Mov.Reg(asm.R2, asm.R1),
-		asm.LoadMapPtr(asm.R1, m.FD()),
-		asm.Mov.Imm(asm.R3, 0),
-		asm.Mov.Imm(asm.R4, 0),
-		asm.FnSkStorageGet.Call(),
-		asm.Mov.Imm(asm.R0, 1),
-		asm.Return(),
-	}, func() { m.Close() }, nil
+	return storageGet(m, asm.Instructions{asm.Mov.Reg(asm.R2, asm.R1)}), func() { m.Close() }, nil
 }
 
 // skbSkOffset is the offset of sk in struct __sk_buff.

@@ -30,7 +30,13 @@ func NewCgroup(t testing.TB) *Cgroup {
 		Skip(t, "needs cgroup2: %v", err)
 	}
 	sweepCgroupsOnce.Do(func() { sweepStaleCgroups(t, root) })
-	path := filepath.Join(root, OwnedName("meshdns-test", 8))
+	return makeCgroup(t, filepath.Join(root, OwnedName("meshdns-test", 8)))
+}
+
+// makeCgroup creates the cgroup directory path and removes it at cleanup
+// (killing what is left in it).
+func makeCgroup(t testing.TB, path string) *Cgroup {
+	t.Helper()
 	if err := os.Mkdir(path, 0o755); err != nil {
 		t.Fatalf("create cgroup %s: %v", path, err)
 	}
@@ -53,23 +59,7 @@ func NewCgroup(t testing.TB) *Cgroup {
 // and removes it at cleanup, before c.
 func (c *Cgroup) Child(t testing.TB, name string) *Cgroup {
 	t.Helper()
-	path := filepath.Join(c.Path, name)
-	if err := os.Mkdir(path, 0o755); err != nil {
-		t.Fatalf("create cgroup %s: %v", path, err)
-	}
-	dir, err := os.Open(path)
-	if err != nil {
-		_ = os.Remove(path)
-		t.Fatalf("open cgroup %s: %v", path, err)
-	}
-	cg := &Cgroup{Path: path, dir: dir}
-	t.Cleanup(func() {
-		dir.Close()
-		if err := cg.remove(); err != nil {
-			t.Errorf("remove cgroup %s: %v", path, err)
-		}
-	})
-	return cg
+	return makeCgroup(t, filepath.Join(c.Path, name))
 }
 
 // ID is the cgroup's id: the inode number of its directory, what
