@@ -113,11 +113,6 @@ func TestTapAndMetricsNameEveryQuery(t *testing.T) {
 	c.EnsureNamespace(t, "team-a")
 	c.EnsureNamespace(t, "team-b")
 	cg := testenv.NewCgroup(t)
-	mount, err := cgroup2.FindMount()
-	if err != nil {
-		t.Fatal(err)
-	}
-	rel := func(p string) string { return strings.TrimPrefix(p, mount) }
 	nodeNS := testenv.NewNetns(t, "mdk-attr")
 	nodeNS.IP(t, "addr", "add", "10.96.0.10/32", "dev", "lo") // the captured nameserver
 	nodeNS.IP(t, "addr", "add", "169.254.53.1/32", "dev", "lo")
@@ -170,8 +165,9 @@ func TestTapAndMetricsNameEveryQuery(t *testing.T) {
 			argv: []string{ps.bin, "-r", "700", "-t", "4", "-d", dur(ps.bin, 40), "q%d." + ps.tag + ".attr.test=192.0.2.1"}})
 	}
 
+	const admin = "127.0.0.1:19157"
 	a := startNodeAgent(t, c, nodeNS, cg, "--nameservers", "10.96.0.10", "--upstream", "169.254.53.1",
-		"--admin", "127.0.0.1:19157", "--top-window", "10m", "--namespace-metrics")
+		"--admin", admin, "--top-window", "10m", "--namespace-metrics")
 	ready := long[0]
 	if !testenv.WaitFor(30*time.Second, func() bool {
 		a.checkRunning(t)
@@ -181,41 +177,7 @@ func TestTapAndMetricsNameEveryQuery(t *testing.T) {
 		t.Fatal("no answer through the agent")
 	}
 
-	// The tap, as an operator runs it on the node.
-	tapCmd := exec.Command("nsenter", "--net="+nodeNS.Path(), "--", buildAgent(t), "tap", "--state-dir", a.stateDir, "-o", "json")
-	stdout, err := tapCmd.StdoutPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	tapCmd.Stderr = os.Stderr
-	if err := tapCmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	var (
-		mu   sync.Mutex
-		recs []tap.Record
-		lost uint64
-	)
-	tapDone := make(chan error, 1)
-	go func() {
-		tapDone <- tap.Read(stdout, func(r *tap.Record) error {
-			mu.Lock()
-			defer mu.Unlock()
-			if r.Lost > 0 {
-				lost += r.Lost
-			} else {
-				recs = append(recs, *r)
-			}
-			return nil
-		})
-	}()
-	t.Cleanup(func() { _ = tapCmd.Process.Kill(); _ = tapCmd.Wait() })
-	admin := "http://127.0.0.1:19157/metrics"
-	if !testenv.WaitFor(10*time.Second, func() bool {
-		return metricValues(getIn(t, nodeNS, admin), "meshdns_tap_subscribers")[""] == 1
-	}) {
-		t.Fatal("the tap did not subscribe")
-	}
+	tc := startTapCollector(t, nodeNS, a.stateDir, admin)
 
 	// The long-lived pods, and meanwhile the short-lived cgroups, 8 at a time.
 	start := time.Now()
@@ -229,10 +191,120 @@ func TestTapAndMetricsNameEveryQuery(t *testing.T) {
 			}
 		}()
 	}
-	system := cg.Child(t, "system.slice")
 	var slMu sync.Mutex
+	runShortLived(t, nodeNS, cg.Child(t, "system.slice"), shortLived, []string{glibc, musl, goload}, func(tag string, s *sender) {
+		slMu.Lock()
+		defer slMu.Unlock()
+		senders[tag] = s
+	})
+	wg.Wait()
+	t.Logf("clients done in %s", time.Since(start).Round(time.Millisecond))
+
+	// Every query the upstream saw (each name is new: no cache) must be in the tap.
+	seen := map[string]bool{}
+	for _, q := range up.Queries() {
+		if !strings.HasSuffix(q.Name, ".ready.attr.test.") {
+			seen[q.Name] = true
+		}
+	}
+	var byName map[string][]tap.Record
+	testenv.WaitFor(30*time.Second, func() bool {
+		byName = tc.byName()
+		for n := range seen {
+			if len(byName[n]) == 0 {
+				return false
+			}
+		}
+		return true
+	})
+	total, perWorkload, perNamespace := checkTapAttribution(t, seen, byName, senders, tc.lostRecords())
+	checkTopTalkers(t, nodeNS, admin, total, perWorkload, perNamespace, senders)
+	tc.stop()
+}
+
+// tapCollector runs `meshdns-ebpf tap -o json` on the node, as an operator
+// does, and keeps what it prints.
+type tapCollector struct {
+	cmd  *exec.Cmd
+	done chan error
+	mu   sync.Mutex
+	recs []tap.Record
+	lost uint64
+}
+
+// startTapCollector starts the tap of the agent with state directory
+// stateDir in nodeNS and waits until the agent at admin counts it.
+func startTapCollector(t *testing.T, nodeNS *testenv.Netns, stateDir, admin string) *tapCollector {
+	t.Helper()
+	tc := &tapCollector{done: make(chan error, 1)}
+	tc.cmd = exec.Command("nsenter", "--net="+nodeNS.Path(), "--", buildAgent(t), "tap", "--state-dir", stateDir, "-o", "json")
+	stdout, err := tc.cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	tc.cmd.Stderr = os.Stderr
+	if err := tc.cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	go func() {
+		tc.done <- tap.Read(stdout, func(r *tap.Record) error {
+			tc.mu.Lock()
+			defer tc.mu.Unlock()
+			if r.Lost > 0 {
+				tc.lost += r.Lost
+			} else {
+				tc.recs = append(tc.recs, *r)
+			}
+			return nil
+		})
+	}()
+	t.Cleanup(func() { _ = tc.cmd.Process.Kill(); _ = tc.cmd.Wait() })
+	if !testenv.WaitFor(10*time.Second, func() bool {
+		return metricValues(getIn(t, nodeNS, "http://"+admin+"/metrics"), "meshdns_tap_subscribers")[""] == 1
+	}) {
+		t.Fatal("the tap did not subscribe")
+	}
+	return tc
+}
+
+// byName is the records so far, by query name.
+func (tc *tapCollector) byName() map[string][]tap.Record {
+	tc.mu.Lock()
+	defer tc.mu.Unlock()
+	out := map[string][]tap.Record{}
+	for _, r := range tc.recs {
+		out[r.Qname] = append(out[r.Qname], r)
+	}
+	return out
+}
+
+func (tc *tapCollector) lostRecords() uint64 {
+	tc.mu.Lock()
+	defer tc.mu.Unlock()
+	return tc.lost
+}
+
+// stop interrupts the tap as Ctrl-C does.
+func (tc *tapCollector) stop() {
+	_ = tc.cmd.Process.Signal(syscall.SIGINT)
+	select {
+	case <-tc.done:
+	case <-time.After(5 * time.Second):
+	}
+}
+
+// runShortLived runs n short-lived cgroups below system, 8 at a time: each
+// made, sent a few queries from by one of bins (in turn), and removed;
+// record is told who each is.
+func runShortLived(t *testing.T, nodeNS *testenv.Netns, system *testenv.Cgroup, n int, bins []string, record func(tag string, s *sender)) {
+	t.Helper()
+	mount, err := cgroup2.FindMount()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var wg sync.WaitGroup
 	slots := make(chan struct{}, 8)
-	for i := range shortLived {
+	for i := range n {
 		slots <- struct{}{}
 		wg.Add(1)
 		go func() {
@@ -245,10 +317,8 @@ func TestTapAndMetricsNameEveryQuery(t *testing.T) {
 				return
 			}
 			slcg := openCgroup(t, dir)
-			slMu.Lock()
-			senders[tag] = &sender{tag: tag, workload: rel(dir), cgroupID: slcg.id}
-			slMu.Unlock()
-			bin := []string{glibc, musl, goload}[i%3]
+			record(tag, &sender{tag: tag, workload: strings.TrimPrefix(dir, mount), cgroupID: slcg.id})
+			bin := bins[i%len(bins)]
 			if out, err := runInFD(nodeNS, slcg.fd, 20*time.Second, bin, "-r", "200", "-t", "1", "-d", dur(bin, 0.15), "q%d."+tag+".attr.test=192.0.2.1"); err != nil {
 				t.Errorf("short-lived %s: %v\n%s", tag, err, out)
 			}
@@ -259,37 +329,15 @@ func TestTapAndMetricsNameEveryQuery(t *testing.T) {
 		}()
 	}
 	wg.Wait()
-	t.Logf("clients done in %s", time.Since(start).Round(time.Millisecond))
+}
 
-	// Every query the upstream saw (each name is new: no cache) must be in the tap.
-	seen := map[string]bool{}
-	for _, q := range up.Queries() {
-		if !strings.HasSuffix(q.Name, ".ready.attr.test.") {
-			seen[q.Name] = true
-		}
-	}
-	tapped := func() map[string][]tap.Record {
-		mu.Lock()
-		defer mu.Unlock()
-		out := map[string][]tap.Record{}
-		for _, r := range recs {
-			out[r.Qname] = append(out[r.Qname], r)
-		}
-		return out
-	}
-	var byName map[string][]tap.Record
-	testenv.WaitFor(30*time.Second, func() bool {
-		byName = tapped()
-		for n := range seen {
-			if len(byName[n]) == 0 {
-				return false
-			}
-		}
-		return true
-	})
-	total, wrong, missing := 0, 0, 0
-	perWorkload := map[string]int{}
-	perNamespace := map[string]int{}
+// checkTapAttribution checks that every query the upstream saw is in the tap
+// and that every tap record names its sender; it returns the records and
+// their counts per workload and per namespace.
+func checkTapAttribution(t *testing.T, seen map[string]bool, byName map[string][]tap.Record, senders map[string]*sender, lost uint64) (total int, perWorkload, perNamespace map[string]int) {
+	t.Helper()
+	wrong, missing := 0, 0
+	perWorkload, perNamespace = map[string]int{}, map[string]int{}
 	for n := range seen {
 		if len(byName[n]) == 0 {
 			missing++
@@ -324,12 +372,16 @@ func TestTapAndMetricsNameEveryQuery(t *testing.T) {
 	if len(seen) < 100000 {
 		t.Errorf("only %d distinct queries reached the upstream, want at least 100,000", len(seen))
 	}
+	return total, perWorkload, perNamespace
+}
 
-	// The metrics: the four pods are the top talkers with exactly the tap's
-	// counts, and everything adds up.
+// checkTopTalkers checks the metrics: the four pods are the top talkers with
+// exactly the tap's counts, everything adds up, and the series are bounded.
+func checkTopTalkers(t *testing.T, nodeNS *testenv.Netns, admin string, total int, perWorkload, perNamespace map[string]int, senders map[string]*sender) {
+	t.Helper()
 	var m string
 	if !testenv.WaitFor(30*time.Second, func() bool {
-		m = getIn(t, nodeNS, admin)
+		m = getIn(t, nodeNS, "http://"+admin+"/metrics")
 		var sum float64
 		for _, v := range metricValues(m, "meshdns_top_workload_queries") {
 			sum += v
@@ -354,20 +406,10 @@ func TestTapAndMetricsNameEveryQuery(t *testing.T) {
 			t.Errorf("meshdns_namespace_queries_total{namespace=%q} = %v, want %d", ns, got, want)
 		}
 	}
-	series := 0
-	for _, line := range strings.Split(m, "\n") {
-		if strings.HasPrefix(line, "meshdns_top_workload_") || strings.HasPrefix(line, "meshdns_namespace_") {
-			series++
-		}
-	}
+	_, series, _ := whoAskedSeries(m)
 	t.Logf("top talkers and namespace series: %d; top queries: %v", series, top)
 	if series > 3*(10+1)+1+2*(50+3) {
 		t.Errorf("%d per-workload series", series)
-	}
-	_ = tapCmd.Process.Signal(syscall.SIGINT)
-	select {
-	case <-tapDone:
-	case <-time.After(5 * time.Second):
 	}
 }
 
