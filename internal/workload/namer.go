@@ -10,6 +10,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 
 	"github.com/meshdns/meshdns-ebpf/internal/cgroup2"
@@ -21,6 +22,14 @@ const maxCgroups = 1 << 16
 // learnQueue is how many keys Learn holds for the background naming; more are
 // named when asked.
 const learnQueue = 4096
+
+// knownSlots is the size of the lock-free set of named cgroup ids Learn
+// checks first (128 KiB); knownProbes is how far an id may sit from its slot.
+const (
+	knownBits   = 14
+	knownSlots  = 1 << knownBits
+	knownProbes = 8
+)
 
 // Namer turns Keys into Identities. A cgroup id is named once, by the process
 // that sent (/proc/PID/cgroup, checked against the id) or else by a walk of
@@ -41,6 +50,10 @@ type Namer struct {
 
 	mu    sync.Mutex
 	paths map[uint64]string // cgroup id -> path from the mount ("" once found gone)
+	// known holds ids with a path, without a lock, so that Learn on the query
+	// path costs a few loads for them (ids are never reused; a full
+	// neighbourhood leaves an id to the map).
+	known [knownSlots]atomic.Uint64
 
 	learn chan Key
 	stop  context.CancelFunc
@@ -83,7 +96,7 @@ func (n *Namer) Close() error {
 // else in the background (a walk). It never blocks on a walk; a full queue
 // drops the request (the key is named when asked).
 func (n *Namer) Learn(k Key) {
-	if k.Cgroup == 0 {
+	if k.Cgroup == 0 || n.isKnown(k.Cgroup) {
 		return
 	}
 	n.mu.Lock()
@@ -184,7 +197,38 @@ func (n *Namer) remember(id uint64, p string) string {
 		}
 	}
 	n.paths[id] = p
+	if p != "" {
+		n.markKnown(id)
+	}
 	return p
+}
+
+// knownSlot is where id's neighbourhood in known starts.
+func knownSlot(id uint64) uint64 { return (id * 0x9e3779b97f4a7c15) >> (64 - knownBits) }
+
+// isKnown reports whether id has a path (without the lock).
+func (n *Namer) isKnown(id uint64) bool {
+	h := knownSlot(id)
+	for i := range uint64(knownProbes) {
+		switch n.known[(h+i)&(knownSlots-1)].Load() {
+		case id:
+			return true
+		case 0:
+			return false
+		}
+	}
+	return false
+}
+
+// markKnown adds id to known (called under mu).
+func (n *Namer) markKnown(id uint64) {
+	h := knownSlot(id)
+	for i := range uint64(knownProbes) {
+		s := &n.known[(h+i)&(knownSlots-1)]
+		if v := s.Load(); v == id || (v == 0 && s.CompareAndSwap(0, id)) {
+			return
+		}
+	}
 }
 
 // find looks cgroup id up: through the process that sent, else a walk.
