@@ -10,6 +10,7 @@ import (
 	"math"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"syscall"
@@ -59,9 +60,10 @@ type attrRun struct {
 	// tap client: records it got and lost notices (read), or the agent's
 	// memory before the client subscribed and after the run (stuck).
 	records, lost int64
-	memBefore     procstat.Mem // before the client subscribed
-	memSubscribed procstat.Mem // once it had
-	memAfter      procstat.Mem // after the run
+	memBefore     procstat.Mem       // before the client subscribed
+	memSubscribed procstat.Mem       // once it had
+	memAfter      procstat.Mem       // after the run
+	perf          map[string]float64 // with -attribution-perf: see attrPerf
 }
 
 type attrReport struct {
@@ -166,10 +168,13 @@ func (b *bench) attrAgentRound(ctx context.Context, env *dpEnv, rep *attrReport,
 			}
 			o := opts(s)
 			o.Duration, o.MaxQPS, o.Verbose = b.cfg.latDuration.Seconds(), b.cfg.latQPS, true
+			stopPerf := b.attrPerf(srv, fmt.Sprintf("%s-%s-%d", v.name, s, round+1))
 			r, err := b.attrRun(ctx, env, srv, prefix, o, v.tap)
+			perf := stopPerf()
 			if err != nil {
 				return fmt.Errorf("%s / %s: %w", v.name, s, err)
 			}
+			r.perf = perf
 			r.round = round
 			rep.add(v.name, s, r)
 			extra := ""
@@ -185,6 +190,72 @@ func (b *bench) attrAgentRound(ctx context.Context, env *dpEnv, rep *attrReport,
 		}
 	}
 	return nil
+}
+
+// perfSymbols are the functions whose inclusive share of the agent's perf
+// samples says what attribution costs: the flow lookup, counting and tap
+// publishing (observe), the tap's stream to its client, and the garbage
+// collector's background work (for what the tap allocates).
+var perfSymbols = []struct{ key, symbol string }{
+	{"lookup", "internal/redirect.(*Flows).Lookup"},
+	{"observe", "internal/resolver.(*Server).observe"},
+	{"stream", "internal/tap.stream"},
+	{"gc", "runtime.gcBgMarkWorker"},
+}
+
+// attrPerf starts `perf record -g` on srv (with -attribution-perf) into
+// -work/perf-NAME.data; the returned func stops it and returns the inclusive
+// share (0..1) of the agent's samples in each of perfSymbols, and "samples".
+func (b *bench) attrPerf(srv *proc, name string) func() map[string]float64 {
+	if !b.cfg.attrPerf {
+		return func() map[string]float64 { return nil }
+	}
+	out := filepath.Join(b.cfg.work, "perf-"+name+".data")
+	cmd := exec.Command("perf", "record", "-q", "-g", "-F", "2999", "-p", strconv.Itoa(srv.pid()), "-o", out)
+	if err := cmd.Start(); err != nil {
+		fmt.Fprintln(os.Stderr, "benchrun: perf:", err)
+		return func() map[string]float64 { return nil }
+	}
+	return func() map[string]float64 {
+		_ = cmd.Process.Signal(syscall.SIGINT)
+		_ = cmd.Wait()
+		rep, err := exec.Command("perf", "report", "--children", "--sort", "sym", "-g", "none", "--stdio", "-i", out).Output()
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "benchrun: perf report:", err)
+			return nil
+		}
+		return perfShares(string(rep))
+	}
+}
+
+// perfShares reads perf report --children --stdio output: the inclusive
+// share of each of perfSymbols, and the sample count.
+func perfShares(rep string) map[string]float64 {
+	out := map[string]float64{}
+	for _, line := range strings.Split(rep, "\n") {
+		if n, ok := strings.CutPrefix(line, "# Samples: "); ok {
+			n = strings.Fields(n)[0] // "3K", "166"
+			mult := 1.0
+			if k, ok := strings.CutSuffix(n, "K"); ok {
+				n, mult = k, 1000
+			}
+			v, _ := strconv.ParseFloat(n, 64)
+			out["samples"] = v * mult
+			continue
+		}
+		f := strings.Fields(line)
+		if len(f) < 4 || !strings.HasSuffix(f[0], "%") {
+			continue
+		}
+		sym := f[len(f)-1]
+		for _, ps := range perfSymbols {
+			if strings.HasSuffix(sym, ps.symbol) {
+				v, _ := strconv.ParseFloat(strings.TrimSuffix(f[0], "%"), 64)
+				out[ps.key] += v / 100
+			}
+		}
+	}
+	return out
 }
 
 // attrRun is one fixed-rate run against srv with a tap client of kind tap
@@ -445,6 +516,7 @@ func (b *bench) renderAttribution(w *strings.Builder) {
 		}
 	}
 	b.renderAttrTargets(w)
+	b.renderAttrPerf(w)
 	b.renderAttrTap(w)
 	b.renderEgress(w)
 	for _, e := range a.errs {
@@ -504,6 +576,39 @@ func joinRuns(runs []attrRun, key func(*run) float64) string {
 		out = append(out, fmt.Sprintf("%.0f", key(&runs[i].run)*1e6))
 	}
 	return strings.Join(out, ", ")
+}
+
+// renderAttrPerf prints, with -attribution-perf, where the agent's CPU went:
+// the share of its samples in attribution's code.
+func (b *bench) renderAttrPerf(w *strings.Builder) {
+	if !b.cfg.attrPerf {
+		return
+	}
+	p := func(format string, a ...any) { fmt.Fprintf(w, format, a...) }
+	a := b.attribution
+	p("\nWhere the agent's CPU went (`perf record -g -F 2999` on the agent during every run above; perf's own cost is in every row's CPU/query): " +
+		"the inclusive share of the agent's samples in the flow lookup (`redirect.(*Flows).Lookup`), in counting and tap publishing (`resolver.(*Server).observe`), " +
+		"in the tap's stream to its client (`tap.stream`: naming, JSON, the socket writes) and in the garbage collector's background marking; median over the rounds (every run listed). " +
+		"attribution = lookup + observe + stream: the share of the agent's CPU that attribution and the tap take, which the machine's load does not change the way it changes CPU/query.\n\n")
+	p("| variant | scenario | samples (median) | lookup | observe | stream | gc mark | attribution | attribution of each run |\n|---|---|---:|---:|---:|---:|---:|---:|---|\n")
+	pct := func(v float64) string { return fmt.Sprintf("%.2f%%", v*100) }
+	for _, s := range b.cfg.scenarios {
+		for _, v := range attrVariants {
+			runs := a.runs[v.name][s]
+			if len(runs) == 0 || runs[0].perf == nil {
+				continue
+			}
+			share := func(key string) func(*attrRun) float64 { return func(r *attrRun) float64 { return r.perf[key] } }
+			total := func(r *attrRun) float64 { return r.perf["lookup"] + r.perf["observe"] + r.perf["stream"] }
+			var each []string
+			for i := range runs {
+				each = append(each, pct(total(&runs[i])))
+			}
+			p("| %s | %s | %.0f | %s | %s | %s | %s | %s | %s |\n", v.name, scenarioTitle[s], attrMedian(runs, share("samples")),
+				pct(attrMedian(runs, share("lookup"))), pct(attrMedian(runs, share("observe"))), pct(attrMedian(runs, share("stream"))),
+				pct(attrMedian(runs, share("gc"))), pct(attrMedian(runs, total)), strings.Join(each, ", "))
+		}
+	}
 }
 
 // renderAttrTap prints what the tap clients got and the stuck client's memory.

@@ -53,6 +53,7 @@ type config struct {
 	scaleSizes           []int
 	scale, datapath      bool
 	attrRounds           int
+	attrPerf             bool
 	verbose, quick       bool
 	waitIdle             time.Duration
 }
@@ -94,6 +95,7 @@ func parseConfig() (config, error) {
 	flag.StringVar(&sizes, "scale-sizes", "1000,10000,100000", "table sizes of the scale test")
 	flag.BoolVar(&c.scale, "scale", true, "run the scale test (needs our binary)")
 	flag.BoolVar(&c.datapath, "datapath", true, "run the datapath comparison (needs the agent)")
+	flag.BoolVar(&c.attrPerf, "attribution-perf", false, "record a perf profile (perf record -g) of the agent during each attribution run, into -work (for finding where the CPU goes)")
 	flag.IntVar(&c.attrRounds, "attribution-rounds", 5, "rounds of the attribution cost runs (attribution off and on take turns; 0 skips them; needs the agent)")
 	flag.DurationVar(&c.waitIdle, "wait-idle", 0, "before starting, wait up to this long for both cores to be idle (other work running)")
 	flag.BoolVar(&c.quick, "quick", false, "smoke mode: 1 x 3 s, 2 s fixed-rate, 1k/10k scale")
