@@ -36,50 +36,28 @@ type Record struct {
 	Lost      uint64  `json:"lost,omitempty"`
 }
 
-// appendRecord appends ev, sent by id, as one JSON line: by hand, because a
-// busy node publishes tens of thousands a second.
-func appendRecord(b []byte, ev *Event, id *workload.Identity) []byte {
+// appendRecord appends ev as one JSON line, with its sender's fields as
+// appendIdentity wrote them (once per sender, not per record): by hand,
+// because a busy node publishes tens of thousands a second.
+func appendRecord(b []byte, ev *Event, identity []byte) []byte {
 	b = append(b, `{"time":"`...)
 	b = time.Unix(0, ev.Time).UTC().AppendFormat(b, time.RFC3339Nano)
 	b = append(b, '"')
-	str := func(k, v string) {
-		if v != "" {
-			b = append(b, `,"`...)
-			b = append(b, k...)
-			b = append(b, `":`...)
-			b = strconv.AppendQuote(b, v)
-		}
-	}
-	num := func(k string, v uint64) {
-		if v != 0 {
-			b = append(b, `,"`...)
-			b = append(b, k...)
-			b = append(b, `":`...)
-			b = strconv.AppendUint(b, v, 10)
-		}
-	}
-	str("workload", id.Workload)
-	str("namespace", id.Namespace)
-	str("pod", id.Pod)
-	str("container", id.Container)
-	str("cgroup", id.Cgroup)
-	num("cgroup_id", id.CgroupID)
-	num("pid", uint64(id.PID))
-	str("by", id.By)
+	b = append(b, identity...)
 	if ev.Key.Addr.IsValid() {
 		b = append(b, `,"client":"`...)
 		b = netip.AddrPortFrom(ev.Key.Addr, ev.Port).AppendTo(b)
 		b = append(b, '"')
 	}
-	proto := "udp"
 	if ev.TCP {
-		proto = "tcp"
+		b = append(b, `,"proto":"tcp"`...)
+	} else {
+		b = append(b, `,"proto":"udp"`...)
 	}
-	str("proto", proto)
-	str("qname", ev.Name())
-	str("qtype", dns.Type(ev.Qtype).String())
-	str("rcode", rcodeName(int(ev.Rcode)))
-	str("answer", ev.Answer.String())
+	b = appendField(b, "qname", ev.Name())
+	b = appendField(b, "qtype", dns.Type(ev.Qtype).String())
+	b = appendField(b, "rcode", rcodeName(int(ev.Rcode)))
+	b = appendField(b, "answer", ev.Answer.String())
 	if ev.Upstream.IsValid() {
 		b = append(b, `,"upstream":"`...)
 		b = ev.Upstream.AppendTo(b)
@@ -87,8 +65,58 @@ func appendRecord(b []byte, ev *Event, id *workload.Identity) []byte {
 	}
 	b = append(b, `,"latency_us":`...)
 	b = strconv.AppendFloat(b, float64(ev.Latency)/1e3, 'f', 1, 64)
-	num("size", uint64(ev.Size))
+	b = appendNumber(b, "size", uint64(ev.Size))
 	return append(b, "}\n"...)
+}
+
+// appendIdentity appends the fields of a record that name its sender, each
+// with its leading comma.
+func appendIdentity(b []byte, id *workload.Identity) []byte {
+	b = appendField(b, "workload", id.Workload)
+	b = appendField(b, "namespace", id.Namespace)
+	b = appendField(b, "pod", id.Pod)
+	b = appendField(b, "container", id.Container)
+	b = appendField(b, "cgroup", id.Cgroup)
+	b = appendNumber(b, "cgroup_id", id.CgroupID)
+	b = appendNumber(b, "pid", uint64(id.PID))
+	return appendField(b, "by", id.By)
+}
+
+// appendField appends ,"k":"v" unless v is empty.
+func appendField(b []byte, k, v string) []byte {
+	if v == "" {
+		return b
+	}
+	b = append(b, `,"`...)
+	b = append(b, k...)
+	b = append(b, `":`...)
+	return appendString(b, v)
+}
+
+// appendNumber appends ,"k":v unless v is 0.
+func appendNumber(b []byte, k string, v uint64) []byte {
+	if v == 0 {
+		return b
+	}
+	b = append(b, `,"`...)
+	b = append(b, k...)
+	b = append(b, `":`...)
+	return strconv.AppendUint(b, v, 10)
+}
+
+// appendString appends s as a JSON string: as it is when it is printable
+// ASCII without quotes or backslashes (query names and paths nearly always
+// are), else escaped as encoding/json does (invalid UTF-8 becomes U+FFFD).
+func appendString(b []byte, s string) []byte {
+	for i := 0; i < len(s); i++ {
+		if c := s[i]; c < 0x20 || c > 0x7e || c == '"' || c == '\\' {
+			q, _ := json.Marshal(s)
+			return append(b, q...)
+		}
+	}
+	b = append(b, '"')
+	b = append(b, s...)
+	return append(b, '"')
 }
 
 func rcodeName(rc int) string {
@@ -141,7 +169,12 @@ func stream(r *http.Request, rc *http.ResponseController, w io.Writer, sub *Sub,
 	t := time.NewTicker(flushEvery)
 	defer t.Stop()
 	f := sub.Filter()
-	names := map[workload.Key]workload.Identity{} // this second's names
+	// This second's senders: named, and their record fields written, once.
+	type sender struct {
+		id   workload.Identity
+		json []byte
+	}
+	names := map[workload.Key]sender{}
 	renamed := time.Now()
 	buf := make([]byte, 0, 256<<10)
 	var ev Event
@@ -157,13 +190,14 @@ func stream(r *http.Request, rc *http.ResponseController, w io.Writer, sub *Sub,
 		}
 		buf = buf[:0]
 		for n := 0; n < batchMax && sub.Next(&ev); n++ {
-			id, ok := names[ev.Key]
+			snd, ok := names[ev.Key]
 			if !ok {
-				id = name(ev.Key)
-				names[ev.Key] = id
+				snd.id = name(ev.Key)
+				snd.json = appendIdentity(nil, &snd.id)
+				names[ev.Key] = snd
 			}
-			if f.MatchIdentity(id) {
-				buf = appendRecord(buf, &ev, &id)
+			if f.MatchIdentity(snd.id) {
+				buf = appendRecord(buf, &ev, snd.json)
 			}
 		}
 		if lost := sub.TakeLost(); lost > 0 {

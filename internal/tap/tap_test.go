@@ -2,9 +2,11 @@ package tap
 
 import (
 	"bytes"
+	"encoding/json"
 	"net/netip"
 	"net/url"
 	"reflect"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -163,7 +165,7 @@ func TestRecordJSON(t *testing.T) {
 	ev.Upstream = netip.MustParseAddrPort("192.0.2.53:53")
 	id := workload.Identity{Workload: "team-a/web-1", Namespace: "team-a", Pod: "web-1", Container: "app",
 		Cgroup: "/kubepods/pod1/abc", CgroupID: 42, PID: 7, By: "cgroup"}
-	b := appendRecord(nil, ev, &id)
+	b := appendRecord(nil, ev, appendIdentity(nil, &id))
 	b = appendLost(b, 3)
 	var got []Record
 	if err := Read(bytes.NewReader(b), func(r *Record) error { got = append(got, *r); return nil }); err != nil {
@@ -180,6 +182,24 @@ func TestRecordJSON(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Logf("%s\n%s", TextHeader, text.String())
+}
+
+// A record stays valid JSON whatever bytes its name and its sender carry:
+// DNS names may hold any byte, cgroup paths any UTF-8.
+func TestRecordJSONEscapes(t *testing.T) {
+	for _, name := range []string{"a\x01b.example.", "caf\xc3\xa9.example.", "bad\xff.example.", `q"uo\te.example.`} {
+		ev := event(name, dns.TypeA, dns.RcodeSuccess, Cache, time.Millisecond)
+		id := workload.Identity{Workload: "/system.slice/caf\u00e9 \"x\".service", Cgroup: "/system.slice/caf\u00e9 \"x\".service", By: "cgroup"}
+		b := appendRecord(nil, ev, appendIdentity(nil, &id))
+		var r Record
+		if err := json.Unmarshal(b, &r); err != nil {
+			t.Errorf("name %q: %v: %s", name, err, b)
+			continue
+		}
+		if want := strings.ToValidUTF8(name, "\uFFFD"); r.Qname != want || r.Workload != id.Workload {
+			t.Errorf("name %q: decoded qname %q workload %q, want %q, %q", name, r.Qname, r.Workload, want, id.Workload)
+		}
+	}
 }
 
 // Publishing with nobody subscribed allocates nothing and checks one pointer.
