@@ -2,6 +2,7 @@ package kube
 
 import (
 	"context"
+	"errors"
 	"crypto/rand"
 	"encoding/hex"
 	"fmt"
@@ -162,7 +163,7 @@ func TestTapAndMetricsNameEveryQuery(t *testing.T) {
 		pcg := kubepods.Child(t, "kubepods-pod"+strings.ReplaceAll(string(pod.UID), "-", "_")+".slice").Child(t, "cri-containerd-"+cid+".scope")
 		senders[ps.tag] = &sender{tag: ps.tag, workload: ps.ns + "/" + ps.name, namespace: ps.ns, container: "app", cgroupID: pcg.ID(t)}
 		long = append(long, client{ns: netns, cg: pcg,
-			argv: []string{ps.bin, "-r", "700", "-t", "4", "-d", dur(ps.bin, 40), "q%d." + ps.tag + ".attr.test=192.0.2.1"}})
+			argv: []string{ps.bin, "-r", "700", "-t", "4", "-d", dur(ps.bin, 300), "q%d." + ps.tag + ".attr.test=192.0.2.1"}})
 	}
 
 	const admin = "127.0.0.1:19157"
@@ -179,14 +180,18 @@ func TestTapAndMetricsNameEveryQuery(t *testing.T) {
 
 	tc := startTapCollector(t, nodeNS, a.stateDir, admin)
 
-	// The long-lived pods, and meanwhile the short-lived cgroups, 8 at a time.
+	// The long-lived pods, and meanwhile the short-lived cgroups, 8 at a
+	// time; the pods send until the upstream has seen 100,000 queries (at
+	// 2,800/s that is 40 s, longer when the machine is busy).
 	start := time.Now()
 	var wg sync.WaitGroup
+	longCtx, stopLong := context.WithCancel(context.Background())
+	defer stopLong()
 	for _, cl := range long {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			if out, err := runIn(cl.ns, cl.cg, 90*time.Second, cl.argv...); err != nil {
+			if out, err := runInCtx(longCtx, cl.ns, cl.cg.FD(), cl.argv...); err != nil {
 				t.Errorf("%v: %v\n%s", cl.argv, err, out)
 			}
 		}()
@@ -197,6 +202,10 @@ func TestTapAndMetricsNameEveryQuery(t *testing.T) {
 		defer slMu.Unlock()
 		senders[tag] = s
 	})
+	if !testenv.WaitFor(5*time.Minute, func() bool { return distinctNames(up) >= 100_000 }) {
+		t.Errorf("the upstream saw %d queries in 5 minutes, want 100,000", distinctNames(up))
+	}
+	stopLong()
 	wg.Wait()
 	t.Logf("clients done in %s", time.Since(start).Round(time.Millisecond))
 
@@ -449,10 +458,31 @@ func runIn(ns *testenv.Netns, cg *testenv.Cgroup, timeout time.Duration, argv ..
 func runInFD(ns *testenv.Netns, cgFD int, timeout time.Duration, argv ...string) (string, error) {
 	ctx, cancel := context.WithTimeout(context.Background(), timeout)
 	defer cancel()
+	return runInCtx(ctx, ns, cgFD, argv...)
+}
+
+// runInCtx runs argv in ns inside the cgroup open as cgFD until it exits or
+// ctx ends; then it gets SIGTERM (the load clients stop and report), and
+// SIGKILL 10 s later.
+func runInCtx(ctx context.Context, ns *testenv.Netns, cgFD int, argv ...string) (string, error) {
 	cmd := exec.CommandContext(ctx, "ip", append([]string{"netns", "exec", ns.Name}, argv...)...)
 	cmd.SysProcAttr = &syscall.SysProcAttr{UseCgroupFD: true, CgroupFD: cgFD, Setpgid: true}
+	cmd.Cancel = func() error { return cmd.Process.Signal(syscall.SIGTERM) }
+	cmd.WaitDelay = 10 * time.Second
 	out, err := cmd.CombinedOutput()
+	if errors.Is(err, context.Canceled) {
+		err = nil // stopped as asked, and it exited cleanly (Wait reports the cancel then)
+	}
 	return string(out), err
+}
+
+// distinctNames is how many names the fake upstream was asked.
+func distinctNames(up *testenv.FakeDNS) int {
+	names := map[string]bool{}
+	for _, q := range up.Queries() {
+		names[q.Name] = true
+	}
+	return len(names)
 }
 
 // dur is a -d argument: seconds for dnsload, a Go duration for goload.
