@@ -23,24 +23,27 @@ import (
 // ---------------------------------------------------------------------------
 // ATTRIBUTION COST: what naming every query's sender costs (docs/observability.md).
 // The same eBPF datapath environment as the datapath comparison (a fresh
-// network namespace, the captured cgroup, a private bpffs): an agent in
-// --mode ebpf with --attribution=false and one with attribution on take turns,
-// round by round (the first of a round alternates), and serve the captured
-// client (dnsperf) at the fixed rate in every scenario. So the flow record
-// written by the attribute program, the resolver's lookup of it and the
-// per-workload counting are all on the measured path. The attribution-on agent
-// is measured three ways in each scenario, one run after the other: no tap
+// network namespace, a private bpffs): an agent in --mode ebpf with
+// --attribution=false and one with attribution on run side by side, each
+// capturing a cgroup of its own (same nameserver, own listen port), and their
+// clients (dnsperf, in those cgroups) take turns, one fixed-rate run at a
+// time, in every scenario; so the flow record written by the attribute
+// program, the resolver's lookup of it and the per-workload counting are all
+// on the measured path, and the machine's drift falls on both alike. The
+// attribution agent is measured three ways per scenario and round: no tap
 // client; a stuck tap client (subscribed, never reading); a tap client that
-// reads everything. Reported per variant and scenario: the server's CPU µs per
-// query (median over the rounds, every run listed), p50/p99, and, for the stuck
-// client, the agent's VmRSS and VmHWM before and after.
+// reads everything. The order within a round alternates (off, on, stuck, tap;
+// then on, off, tap, stuck). Reported per variant and scenario: the agent's
+// CPU µs per query (median over the rounds, every run listed), p50/p99, for
+// the stuck client the agent's VmRSS and VmHWM, and with -attribution-perf the
+// share of the agent's CPU in attribution's code.
 //
 // Then the cost of the attribute program (cgroup_skb/egress) for ordinary,
 // non-DNS traffic of a captured cgroup: with the attribution agent running, a
 // sender in the captured cgroup and one in the uncaptured sibling cgroup take
 // turns sending connected UDP datagrams (64 bytes, to a veth whose peer is
-// down, which drops them: every datagram passes the egress hook and nothing else of ours) and a
-// TCP stream (to a sink in the namespace). Reported: packets (or MB) per second
+// down, which drops them: every datagram passes the egress hook and nothing
+// else of ours) and a TCP stream (to a sink in the namespace). Reported: packets (or MB) per second
 // and the sender's CPU per packet (or per MB).
 // ---------------------------------------------------------------------------
 
@@ -117,77 +120,121 @@ func (b *bench) runAttribution(ctx context.Context) attrReport {
 		return rep
 	}
 	defer up.stop()
-	port := b.cfg.basePort + 20
+	off, on, err := b.startAttrAgents(ctx, env, fakePort, resolv)
+	if err != nil {
+		rep.skipped = err.Error()
+		return rep
+	}
+	defer off.srv.stop()
+	defer on.srv.stop()
 	for round := range b.cfg.attrRounds {
 		la, _ := loadAvg()
 		rep.loads = append(rep.loads, la)
-		order := []bool{false, true}
-		if round%2 == 1 {
-			order = []bool{true, false}
-		}
-		for _, on := range order {
+		for _, s := range b.cfg.scenarios {
 			if ctx.Err() != nil {
 				return rep
 			}
-			if err := b.attrAgentRound(ctx, env, &rep, on, port, fakePort, resolv, round); err != nil {
-				rep.errs = append(rep.errs, fmt.Sprintf("round %d, attribution %v: %v", round+1, on, err))
+			if err := b.attrScenarioRound(ctx, env, &rep, off, on, s, round); err != nil {
+				rep.errs = append(rep.errs, fmt.Sprintf("round %d, %s: %v", round+1, s, err))
 				fmt.Fprintf(os.Stderr, "benchrun: attribution round %d: %v\n", round+1, err)
 			}
 		}
 	}
 	if ctx.Err() == nil {
-		rep.egress = b.runEgress(ctx, env, port, fakePort, resolv, &rep)
+		rep.egress = b.runEgress(ctx, env, on, &rep)
 	}
 	return rep
 }
 
-// attrAgentRound starts one agent (attribution on or off) and runs its
-// variants in every scenario.
-func (b *bench) attrAgentRound(ctx context.Context, env *dpEnv, rep *attrReport, on bool, port, fakePort int, resolv string, round int) error {
-	name := fmt.Sprintf("attr-%v-%d", on, round+1)
-	srv, err := b.startDPAgent(ctx, env, "ebpf", port, fakePort, resolv, name, "--attribution="+strconv.FormatBool(on))
-	if err != nil {
-		return err
+// attrAgent is one of the two agents of the attribution runs: it captures
+// its own cgroup, where its client runs.
+type attrAgent struct {
+	srv    *proc
+	cgroup string
+	admin  int
+	prefix []string // runs a client in its cgroup
+}
+
+// startAttrAgents starts the agent with --attribution=false and the one with
+// attribution on side by side: each captures a cgroup of its own in the same
+// namespace and listens on its own port, so their runs can alternate one by
+// one while both run (the idle one costs nothing), and warms both up in
+// every scenario.
+func (b *bench) startAttrAgents(ctx context.Context, env *dpEnv, fakePort int, resolv string) (off, on *attrAgent, err error) {
+	onCgroup := env.cgroup + "-attr"
+	if err := env.addCgroup(onCgroup); err != nil {
+		return nil, nil, err
 	}
-	defer srv.stop()
-	prefix := env.clientPrefix()
-	opts := func(s string) dnsperf.Options {
-		return dnsperf.Options{Server: dpNameserver, Port: 53, DataFile: b.files[s], Clients: b.cfg.clients, Threads: 1, Outstand: b.cfg.outstanding, Timeout: 1}
+	agents := make([]*attrAgent, 2)
+	for i, attr := range []bool{false, true} {
+		cg, port, admin := env.cgroup, b.cfg.basePort+20, b.cfg.basePort+offMeshAdmin
+		if attr {
+			cg, port, admin = onCgroup, b.cfg.basePort+21, b.cfg.basePort+offMeshAdmin+1
+		}
+		name := fmt.Sprintf("attr-%v", attr)
+		spec := dpAgent{mode: "ebpf", name: name, cgroup: cg, pins: filepath.Join(env.bpffs, name), state: filepath.Join(env.dir, "state-"+name),
+			port: port, admin: admin, extra: []string{"--attribution=" + strconv.FormatBool(attr)}}
+		srv, err := b.startDPAgent(ctx, env, fakePort, resolv, spec)
+		if err != nil {
+			for _, a := range agents[:i] {
+				a.srv.stop()
+			}
+			return nil, nil, err
+		}
+		agents[i] = &attrAgent{srv: srv, cgroup: cg, admin: admin, prefix: env.prefixIn(cg)}
 	}
-	for _, s := range b.cfg.scenarios {
-		warm := opts(s)
-		warm.Passes = b.cfg.warmPasses
-		if w, err := b.dnsperfRunIn(ctx, prefix, warm, 0); err != nil || w.res.Completed == 0 || w.res.Lost*100 > w.res.Sent {
-			return fmt.Errorf("warm-up %s: %v (lost %d of %d): capture not working", s, err, w.res.Lost, w.res.Sent)
+	for _, a := range agents {
+		for _, s := range b.cfg.scenarios {
+			warm := b.attrOptions(s)
+			warm.Passes = b.cfg.warmPasses
+			if w, err := b.dnsperfRunIn(ctx, a.prefix, warm, 0); err != nil || w.res.Completed == 0 || w.res.Lost*100 > w.res.Sent {
+				agents[0].srv.stop()
+				agents[1].srv.stop()
+				return nil, nil, fmt.Errorf("warm-up %s through %s: %v (lost %d of %d): capture not working", s, a.cgroup, err, w.res.Lost, w.res.Sent)
+			}
 		}
 	}
-	for _, s := range b.cfg.scenarios {
-		for _, v := range attrVariants {
-			if (v.name == "off") == on {
-				continue
-			}
-			o := opts(s)
-			o.Duration, o.MaxQPS, o.Verbose = b.cfg.latDuration.Seconds(), b.cfg.latQPS, true
-			stopPerf := b.attrPerf(srv, fmt.Sprintf("%s-%s-%d", v.name, s, round+1))
-			r, err := b.attrRun(ctx, env, srv, prefix, o, v.tap)
-			perf := stopPerf()
-			if err != nil {
-				return fmt.Errorf("%s / %s: %w", v.name, s, err)
-			}
-			r.perf = perf
-			r.round = round
-			rep.add(v.name, s, r)
-			extra := ""
-			switch v.tap {
-			case "read":
-				extra = fmt.Sprintf("  tap records %d lost %d", r.records, r.lost)
-			case "stuck":
-				extra = fmt.Sprintf("  VmRSS %.1f -> %.1f -> %.1f MB, VmHWM %.1f -> %.1f -> %.1f MB", mb(r.memBefore.RSS), mb(r.memSubscribed.RSS), mb(r.memAfter.RSS),
-					mb(r.memBefore.HWM), mb(r.memSubscribed.HWM), mb(r.memAfter.HWM))
-			}
-			fmt.Fprintf(os.Stderr, "  attribution %-8s %-5s round %d: p50 %.0f µs  p99 %.0f µs  %5.1f µs/q  lost %d  load %.1f%s\n",
-				v.name, s, round+1, p50(&r.run)*1e6, p99(&r.run)*1e6, r.usPerQuery(), r.res.Lost, r.load1, extra)
+	return agents[0], agents[1], nil
+}
+
+func (b *bench) attrOptions(scenario string) dnsperf.Options {
+	return dnsperf.Options{Server: dpNameserver, Port: 53, DataFile: b.files[scenario], Clients: b.cfg.clients, Threads: 1, Outstand: b.cfg.outstanding, Timeout: 1}
+}
+
+// attrScenarioRound runs every variant once in scenario s, one run right
+// after the other; the order alternates with the round (off first, then on
+// first), so neither side always follows the other.
+func (b *bench) attrScenarioRound(ctx context.Context, env *dpEnv, rep *attrReport, off, on *attrAgent, s string, round int) error {
+	order := []int{0, 1, 2, 3} // attrVariants: off, on, on+stuck, on+tap
+	if round%2 == 1 {
+		order = []int{1, 0, 3, 2}
+	}
+	for _, i := range order {
+		v := attrVariants[i]
+		a := on
+		if v.name == "off" {
+			a = off
 		}
+		o := b.attrOptions(s)
+		o.Duration, o.MaxQPS, o.Verbose = b.cfg.latDuration.Seconds(), b.cfg.latQPS, true
+		stopPerf := b.attrPerf(a.srv, fmt.Sprintf("%s-%s-%d", v.name, s, round+1))
+		r, err := b.attrRun(ctx, env, a, o, v.tap)
+		perf := stopPerf()
+		if err != nil {
+			return fmt.Errorf("%s: %w", v.name, err)
+		}
+		r.perf, r.round = perf, round
+		rep.add(v.name, s, r)
+		extra := ""
+		switch v.tap {
+		case "read":
+			extra = fmt.Sprintf("  tap records %d lost %d", r.records, r.lost)
+		case "stuck":
+			extra = fmt.Sprintf("  VmRSS %.1f -> %.1f -> %.1f MB, VmHWM %.1f -> %.1f -> %.1f MB", mb(r.memBefore.RSS), mb(r.memSubscribed.RSS), mb(r.memAfter.RSS),
+				mb(r.memBefore.HWM), mb(r.memSubscribed.HWM), mb(r.memAfter.HWM))
+		}
+		fmt.Fprintf(os.Stderr, "  attribution %-8s %-5s round %d: p50 %.0f µs  p99 %.0f µs  %5.1f µs/q  lost %d  load %.1f%s\n",
+			v.name, s, round+1, p50(&r.run)*1e6, p99(&r.run)*1e6, r.usPerQuery(), r.res.Lost, r.load1, extra)
 	}
 	return nil
 }
@@ -260,7 +307,8 @@ func perfShares(rep string) map[string]float64 {
 
 // attrRun is one fixed-rate run against srv with a tap client of kind tap
 // ("", "read" or "stuck") subscribed for its length.
-func (b *bench) attrRun(ctx context.Context, env *dpEnv, srv *proc, prefix []string, o dnsperf.Options, tap string) (attrRun, error) {
+func (b *bench) attrRun(ctx context.Context, env *dpEnv, a *attrAgent, o dnsperf.Options, tap string) (attrRun, error) {
+	srv := a.srv
 	var out attrRun
 	_, out.load1 = loadAvg()
 	var client *tapClient
@@ -269,14 +317,14 @@ func (b *bench) attrRun(ctx context.Context, env *dpEnv, srv *proc, prefix []str
 		if out.memBefore, err = procstat.Memory(srv.pid()); err != nil {
 			return out, err
 		}
-		url := fmt.Sprintf("http://127.0.0.1:%d/debug/tap", b.cfg.basePort+offMeshAdmin)
+		url := fmt.Sprintf("http://127.0.0.1:%d/debug/tap", a.admin)
 		if client, err = b.startTapClient(env, tap, url); err != nil {
 			return out, err
 		}
 		defer client.stop()
 		out.memSubscribed, _ = procstat.Memory(srv.pid())
 	}
-	r, err := b.dnsperfRunIn(ctx, prefix, o, srv.pid())
+	r, err := b.dnsperfRunIn(ctx, a.prefix, o, srv.pid())
 	if err != nil {
 		return out, err
 	}
@@ -381,7 +429,7 @@ const (
 
 // runEgress measures the attribute program on non-DNS traffic (see the top of
 // this file) with an attribution agent attached to the captured cgroup.
-func (b *bench) runEgress(ctx context.Context, env *dpEnv, port, fakePort int, resolv string, rep *attrReport) []egressRun {
+func (b *bench) runEgress(ctx context.Context, env *dpEnv, on *attrAgent, rep *attrReport) []egressRun {
 	fail := func(err error) []egressRun {
 		rep.errs = append(rep.errs, "egress: "+err.Error())
 		return nil
@@ -409,11 +457,6 @@ func (b *bench) runEgress(ctx context.Context, env *dpEnv, port, fakePort int, r
 	if l, err := bufio.NewReader(sinkOut).ReadString('\n'); err != nil || strings.TrimSpace(l) != "listening" {
 		return fail(fmt.Errorf("tcp sink: %q %v", l, err))
 	}
-	srv, err := b.startDPAgent(ctx, env, "ebpf", port, fakePort, resolv, "attr-egress", "--attribution=true")
-	if err != nil {
-		return fail(err)
-	}
-	defer srv.stop()
 	var out []egressRun
 	for round := range b.cfg.attrRounds {
 		for _, proto := range []string{"udp", "tcp"} {
@@ -425,7 +468,7 @@ func (b *bench) runEgress(ctx context.Context, env *dpEnv, port, fakePort int, r
 				if ctx.Err() != nil {
 					return out
 				}
-				e := b.egressSend(env, proto, captured, self)
+				e := b.egressSend(env, on, proto, captured, self)
 				e.round = round
 				out = append(out, e)
 				fmt.Fprintf(os.Stderr, "  egress %s captured=%v round %d: %.0f /s  cpu %.1f per  load %.1f %s\n", proto, captured, round+1, e.perSecond(), e.cpuPer(), e.load1, e.err)
@@ -436,12 +479,12 @@ func (b *bench) runEgress(ctx context.Context, env *dpEnv, port, fakePort int, r
 }
 
 // egressSend runs one sender for the fixed-rate duration on the server's core.
-func (b *bench) egressSend(env *dpEnv, proto string, captured bool, self string) egressRun {
+func (b *bench) egressSend(env *dpEnv, on *attrAgent, proto string, captured bool, self string) egressRun {
 	e := egressRun{proto: proto, captured: captured}
 	_, e.load1 = loadAvg()
 	cg := env.direct
 	if captured {
-		cg = env.cgroup
+		cg = on.cgroup
 	}
 	dst := egressUDPDst
 	if proto == "tcp" {
@@ -483,7 +526,7 @@ func (b *bench) renderAttribution(w *strings.Builder) {
 		return
 	}
 	p("Through the eBPF datapath, as the datapath table: the agent (`--mode ebpf`) and the captured client (dnsperf, to %s:53) in a fresh network namespace. "+
-		"An agent with `--attribution=false` and one with attribution on take turns, %d rounds (which goes first alternates), each serving every scenario at %d QPS for %s; "+
+		"An agent with `--attribution=false` and one with attribution on run side by side, each capturing a cgroup of its own, and their clients take turns one run at a time: %d rounds (the order alternates), every scenario at %d QPS for %s; "+
 		"the attribution agent runs, per scenario, one run with no tap client, one with a stuck tap client (subscribed to everything, never reading) and one with a tap client reading everything "+
 		"(`benchrun helper tap`, on the generator's core). CPU = the agent's µs per query (schedstat), the median over the rounds; every run's value is listed in round order. "+
 		"Load = the machine's 1-minute load average when each run started (other engineers' work shares the 2 cores). Load averages at the start of each round: %s.\n\n",

@@ -184,20 +184,9 @@ func newDPEnv(work string) (*dpEnv, error) {
 	e.cgroup = filepath.Join(mnt, "meshdns-bench-"+id)
 	e.direct = filepath.Join(mnt, "meshdns-bench-"+id+"-direct")
 	for _, cg := range []string{e.cgroup, e.direct} {
-		if err := os.Mkdir(cg, 0o755); err != nil {
-			return fail(fmt.Errorf("create cgroup: %w", err))
+		if err := e.addCgroup(cg); err != nil {
+			return fail(err)
 		}
-		e.undo = append(e.undo, func() error {
-			// dnsperf has exited by now; retry briefly while the kernel reaps it.
-			var err error
-			for range 50 {
-				if err = os.Remove(cg); err == nil || errors.Is(err, os.ErrNotExist) {
-					return nil
-				}
-				time.Sleep(100 * time.Millisecond)
-			}
-			return fmt.Errorf("remove cgroup %s: %w", cg, err)
-		})
 	}
 
 	if err := runCmd("ip", "netns", "add", e.ns); err != nil {
@@ -227,6 +216,25 @@ func newDPEnv(work string) (*dpEnv, error) {
 		return nil
 	})
 	return e, nil
+}
+
+// addCgroup creates cgroup directory cg, removed at cleanup.
+func (e *dpEnv) addCgroup(cg string) error {
+	if err := os.Mkdir(cg, 0o755); err != nil {
+		return fmt.Errorf("create cgroup: %w", err)
+	}
+	e.undo = append(e.undo, func() error {
+		// dnsperf has exited by now; retry briefly while the kernel reaps it.
+		var err error
+		for range 50 {
+			if err = os.Remove(cg); err == nil || errors.Is(err, os.ErrNotExist) {
+				return nil
+			}
+			time.Sleep(100 * time.Millisecond)
+		}
+		return fmt.Errorf("remove cgroup %s: %w", cg, err)
+	})
+	return nil
 }
 
 // nsPrefix runs a command inside the network namespace only. nsenter execs (the
@@ -350,19 +358,35 @@ type dpClient struct {
 	prefix []string
 }
 
-// startDPAgent starts an agent in mode (with extra flags) inside env's
-// namespace, serving the captured cgroup, and waits until it answers on its
-// listen address and has had its first heartbeat. name names its log.
-func (b *bench) startDPAgent(ctx context.Context, env *dpEnv, mode string, port, fakePort int, resolv, name string, extra ...string) (*proc, error) {
-	args := []string{b.cfg.meshBin, "run", "--mode", mode,
+// dpAgent is how one agent of the datapath environment runs: mode, the
+// cgroup it captures, its listen port, admin port, pins and state (defaults:
+// dpAgentIn).
+type dpAgent struct {
+	mode, name, cgroup, pins, state string
+	port, admin                     int
+	extra                           []string
+}
+
+// dpAgentIn is the usual agent of env: it captures env.cgroup, pins under
+// meshdns and keeps its state per mode.
+func (b *bench) dpAgentIn(env *dpEnv, mode string, port int, name string, extra ...string) dpAgent {
+	return dpAgent{mode: mode, name: name, cgroup: env.cgroup, pins: filepath.Join(env.bpffs, "meshdns"),
+		state: filepath.Join(env.dir, "state-"+mode), port: port, admin: b.cfg.basePort + offMeshAdmin, extra: extra}
+}
+
+// startDPAgent starts agent a inside env's namespace and waits until it
+// answers on its listen address and has had its first heartbeat.
+func (b *bench) startDPAgent(ctx context.Context, env *dpEnv, fakePort int, resolv string, a dpAgent) (*proc, error) {
+	port, name := a.port, a.name
+	args := []string{b.cfg.meshBin, "run", "--mode", a.mode,
 		"--listen", fmt.Sprintf("%s:%d", dpListenIP, port),
 		"--upstream", fmt.Sprintf("%s:%d", upstreamIP, fakePort),
 		"--names", b.path("nametable.json"),
-		"--admin", fmt.Sprintf("127.0.0.1:%d", b.cfg.basePort+offMeshAdmin),
+		"--admin", fmt.Sprintf("127.0.0.1:%d", a.admin),
 		"--resolv-conf", resolv,
-		"--state-dir", filepath.Join(env.dir, "state-"+mode),
-		"--cgroup", env.cgroup, "--nameservers", dpNameserver, "--bpffs", filepath.Join(env.bpffs, "meshdns")}
-	args = append(append(args, strings.Fields(b.cfg.meshArgs)...), extra...)
+		"--state-dir", a.state,
+		"--cgroup", a.cgroup, "--nameservers", dpNameserver, "--bpffs", a.pins}
+	args = append(append(args, strings.Fields(b.cfg.meshArgs)...), a.extra...)
 	srv, err := start(name, b.cfg.serverCPU, append(env.nsPrefix(), args...), nil, b.logDir)
 	if err != nil {
 		return nil, err
@@ -405,7 +429,7 @@ func (b *bench) datapathRound(ctx context.Context, env *dpEnv, mode string, port
 	}
 	fmt.Fprintf(os.Stderr, "benchrun: datapath round %d: agent --mode %s in netns %s\n", round+1, mode, env.ns)
 	env.conntrackFlush()
-	srv, err := b.startDPAgent(ctx, env, mode, port, fakePort, resolv, fmt.Sprintf("dp-%s-%d", mode, round+1))
+	srv, err := b.startDPAgent(ctx, env, fakePort, resolv, b.dpAgentIn(env, mode, port, fmt.Sprintf("dp-%s-%d", mode, round+1)))
 	if err != nil {
 		fail(err.Error())
 		return
