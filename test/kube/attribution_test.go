@@ -2,9 +2,9 @@ package kube
 
 import (
 	"context"
-	"errors"
 	"crypto/rand"
 	"encoding/hex"
+	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -17,6 +17,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -128,43 +129,7 @@ func TestTapAndMetricsNameEveryQuery(t *testing.T) {
 	}
 	up := testenv.StartFakeDNS(t, nodeNS, "169.254.53.1:53", records)
 
-	kubepods := cg.Child(t, "kubepods.slice")
-	senders := map[string]*sender{}
-	type client struct {
-		argv []string
-		ns   *testenv.Netns
-		cg   *testenv.Cgroup
-	}
-	var long []client
-	podSpecs := []struct {
-		ns, name, tag, bin, conf string
-		hostNet                  bool
-	}{
-		{"team-a", "web-1", "web1", glibc, "", false},
-		{"team-a", "web-2", "web2", musl, "", false},
-		{"team-b", "api-0", "api0", glibc, "options use-vc\n", false},
-		{"team-b", "host-agent", "hostnet", goload, "", true},
-	}
-	for i, ps := range podSpecs {
-		netns, ip := nodeNS, ""
-		if !ps.hostNet {
-			netns = testenv.NewNetns(t, "mdk-pod")
-			ip = fmt.Sprintf("10.244.9.%d", 4*i+2)
-			testenv.Veth(t, nodeNS, fmt.Sprintf("vp%d", i), fmt.Sprintf("10.244.9.%d/30", 4*i+1), netns, "eth0", ip+"/30")
-			netns.IP(t, "route", "add", "default", "via", fmt.Sprintf("10.244.9.%d", 4*i+1))
-			netns.SetResolvConf(t, "nameserver 10.96.0.10\noptions timeout:2 attempts:3\n"+ps.conf)
-		}
-		cid := randHex(64)
-		kp := kubetest.Pod{Namespace: ps.ns, Name: ps.name, Node: node, Ready: true, ContainerID: cid, HostNetwork: ip == ""}
-		if ip != "" {
-			kp.IPs = []string{ip}
-		}
-		pod := c.CreatePod(t, kp)
-		pcg := kubepods.Child(t, "kubepods-pod"+strings.ReplaceAll(string(pod.UID), "-", "_")+".slice").Child(t, "cri-containerd-"+cid+".scope")
-		senders[ps.tag] = &sender{tag: ps.tag, workload: ps.ns + "/" + ps.name, namespace: ps.ns, container: "app", cgroupID: pcg.ID(t)}
-		long = append(long, client{ns: netns, cg: pcg,
-			argv: []string{ps.bin, "-r", "700", "-t", "4", "-d", dur(ps.bin, 300), "q%d." + ps.tag + ".attr.test=192.0.2.1"}})
-	}
+	senders, long := attributionPods(t, c, nodeNS, cg, glibc, musl, goload)
 
 	const admin = "127.0.0.1:19157"
 	a := startNodeAgent(t, c, nodeNS, cg, "--nameservers", "10.96.0.10", "--upstream", "169.254.53.1",
@@ -197,11 +162,21 @@ func TestTapAndMetricsNameEveryQuery(t *testing.T) {
 		}()
 	}
 	var slMu sync.Mutex
-	runShortLived(t, nodeNS, cg.Child(t, "system.slice"), shortLived, []string{glibc, musl, goload}, func(tag string, s *sender) {
+	bins := []string{glibc, musl, goload}
+	if n := runShortLived(t, cg.Child(t, "system.slice"), shortLived, func(tag string, s *sender) {
 		slMu.Lock()
 		defer slMu.Unlock()
 		senders[tag] = s
-	})
+	}, func(cgFD, i int, tag string) error {
+		bin := bins[i%len(bins)]
+		out, err := runInFD(nodeNS, cgFD, 20*time.Second, bin, "-r", "200", "-t", "1", "-d", dur(bin, 0.15), "q%d."+tag+".attr.test=192.0.2.1")
+		if err != nil {
+			return fmt.Errorf("%v\n%s", err, out)
+		}
+		return nil
+	}); n > 0 {
+		t.Errorf("%d short-lived clients failed", n)
+	}
 	if !testenv.WaitFor(5*time.Minute, func() bool { return distinctNames(up) >= 100_000 }) {
 		t.Errorf("the upstream saw %d queries in 5 minutes, want 100,000", distinctNames(up))
 	}
@@ -229,6 +204,54 @@ func TestTapAndMetricsNameEveryQuery(t *testing.T) {
 	total, perWorkload, perNamespace := checkTapAttribution(t, seen, byName, senders, tc.lostRecords())
 	checkTopTalkers(t, nodeNS, admin, total, perWorkload, perNamespace, senders)
 	tc.stop()
+}
+
+// loadClient is a long-lived load generator in a pod.
+type loadClient struct {
+	argv []string
+	ns   *testenv.Netns
+	cg   *testenv.Cgroup
+}
+
+// attributionPods makes the test's four pods (API objects, their cgroups
+// below cg, their network namespaces) and their load clients: web-1 (glibc)
+// and web-2 (musl) in team-a, api-0 (glibc over TCP) and host-agent (Go,
+// host network) in team-b. Their queries are q<n>.<tag>.attr.test.
+func attributionPods(t *testing.T, c *cluster, nodeNS *testenv.Netns, cg *testenv.Cgroup, glibc, musl, goload string) (map[string]*sender, []loadClient) {
+	t.Helper()
+	kubepods := cg.Child(t, "kubepods.slice")
+	senders := map[string]*sender{}
+	var long []loadClient
+	podSpecs := []struct {
+		ns, name, tag, bin, conf string
+		hostNet                  bool
+	}{
+		{"team-a", "web-1", "web1", glibc, "", false},
+		{"team-a", "web-2", "web2", musl, "", false},
+		{"team-b", "api-0", "api0", glibc, "options use-vc\n", false},
+		{"team-b", "host-agent", "hostnet", goload, "", true},
+	}
+	for i, ps := range podSpecs {
+		netns, ip := nodeNS, ""
+		if !ps.hostNet {
+			netns = testenv.NewNetns(t, "mdk-pod")
+			ip = fmt.Sprintf("10.244.9.%d", 4*i+2)
+			testenv.Veth(t, nodeNS, fmt.Sprintf("vp%d", i), fmt.Sprintf("10.244.9.%d/30", 4*i+1), netns, "eth0", ip+"/30")
+			netns.IP(t, "route", "add", "default", "via", fmt.Sprintf("10.244.9.%d", 4*i+1))
+			netns.SetResolvConf(t, "nameserver 10.96.0.10\noptions timeout:2 attempts:3\n"+ps.conf)
+		}
+		cid := randHex(64)
+		kp := kubetest.Pod{Namespace: ps.ns, Name: ps.name, Node: node, Ready: true, ContainerID: cid, HostNetwork: ip == ""}
+		if ip != "" {
+			kp.IPs = []string{ip}
+		}
+		pod := c.CreatePod(t, kp)
+		pcg := kubepods.Child(t, "kubepods-pod"+strings.ReplaceAll(string(pod.UID), "-", "_")+".slice").Child(t, "cri-containerd-"+cid+".scope")
+		senders[ps.tag] = &sender{tag: ps.tag, workload: ps.ns + "/" + ps.name, namespace: ps.ns, container: "app", cgroupID: pcg.ID(t)}
+		long = append(long, loadClient{ns: netns, cg: pcg,
+			argv: []string{ps.bin, "-r", "700", "-t", "4", "-d", dur(ps.bin, 300), "q%d." + ps.tag + ".attr.test=192.0.2.1"}})
+	}
+	return senders, long
 }
 
 // tapCollector runs `meshdns-ebpf tap -o json` on the node, as an operator
@@ -303,15 +326,17 @@ func (tc *tapCollector) stop() {
 }
 
 // runShortLived runs n short-lived cgroups below system, 8 at a time: each
-// made, sent a few queries from by one of bins (in turn), and removed;
-// record is told who each is.
-func runShortLived(t *testing.T, nodeNS *testenv.Netns, system *testenv.Cgroup, n int, bins []string, record func(tag string, s *sender)) {
+// made, its client run by send (given the open cgroup and its tag, "sl<i>"),
+// and removed; record is told who each is. A client that fails is logged;
+// the number of them is returned.
+func runShortLived(t *testing.T, system *testenv.Cgroup, n int, record func(tag string, s *sender), send func(cgFD, i int, tag string) error) int {
 	t.Helper()
 	mount, err := cgroup2.FindMount()
 	if err != nil {
 		t.Fatal(err)
 	}
 	var wg sync.WaitGroup
+	var failed atomic.Int32
 	slots := make(chan struct{}, 8)
 	for i := range n {
 		slots <- struct{}{}
@@ -326,10 +351,12 @@ func runShortLived(t *testing.T, nodeNS *testenv.Netns, system *testenv.Cgroup, 
 				return
 			}
 			slcg := openCgroup(t, dir)
-			record(tag, &sender{tag: tag, workload: strings.TrimPrefix(dir, mount), cgroupID: slcg.id})
-			bin := bins[i%len(bins)]
-			if out, err := runInFD(nodeNS, slcg.fd, 20*time.Second, bin, "-r", "200", "-t", "1", "-d", dur(bin, 0.15), "q%d."+tag+".attr.test=192.0.2.1"); err != nil {
-				t.Errorf("short-lived %s: %v\n%s", tag, err, out)
+			if record != nil {
+				record(tag, &sender{tag: tag, workload: strings.TrimPrefix(dir, mount), cgroupID: slcg.id})
+			}
+			if err := send(slcg.fd, i, tag); err != nil {
+				failed.Add(1)
+				t.Logf("short-lived %s: %v", tag, err)
 			}
 			slcg.close()
 			if !testenv.WaitFor(5*time.Second, func() bool { return os.Remove(dir) == nil }) {
@@ -338,6 +365,7 @@ func runShortLived(t *testing.T, nodeNS *testenv.Netns, system *testenv.Cgroup, 
 		}()
 	}
 	wg.Wait()
+	return int(failed.Load())
 }
 
 // checkTapAttribution checks that every query the upstream saw is in the tap

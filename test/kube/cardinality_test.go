@@ -2,11 +2,7 @@ package kube
 
 import (
 	"fmt"
-	"os"
-	"path/filepath"
 	"strings"
-	"sync"
-	"sync/atomic"
 	"testing"
 	"time"
 
@@ -93,53 +89,7 @@ func TestWhoAskedSeriesStayBounded(t *testing.T) {
 	}
 	check := func(stage string, workloads int) {
 		t.Helper()
-		// Every name is new (the readiness name aside), so each query
-		// reached the upstream; the agent may try the upstream more than once
-		// per query, so count names.
-		sent := func() int {
-			names := map[string]bool{}
-			for _, q := range up.Queries() {
-				names[q.Name] = true
-			}
-			return len(names)
-		}
-		var m string
-		var sum float64
-		if !testenv.WaitFor(30*time.Second, func() bool {
-			m = getIn(t, nodeNS, "http://"+admin+"/metrics")
-			sum = 0
-			for _, v := range metricValues(m, "meshdns_top_workload_queries") {
-				sum += v
-			}
-			return sum >= float64(sent())
-		}) {
-			t.Fatalf("%s: the top talkers count %v queries, the upstream saw %d names", stage, sum, sent())
-		}
-		per, total, nss := whoAskedSeries(m)
-		bound := 3*(k+1) + 1 + 2*(nsLimit+3)
-		t.Logf("%s: %d workloads, %d queries; %d series (bound %d): %v; namespaces %v", stage, workloads, sent(), total, bound, per, nss)
-		if total > bound {
-			t.Errorf("%s: %d series of who-asked metrics, bound %d", stage, total, bound)
-		}
-		if got, want := per["meshdns_top_workload_queries"], min(workloads, k)+1; got != want {
-			t.Errorf("%s: %d meshdns_top_workload_queries series, want %d (top %d + (other))", stage, got, want, k)
-		}
-		named := 0
-		for ns := range nss {
-			if !strings.HasPrefix(ns, "(") {
-				named++
-			}
-		}
-		if named != nsLimit || !nss["(other)"] {
-			t.Errorf("%s: namespaces with their own series %v, want %d and (other)", stage, nss, nsLimit)
-		}
-		var nsSum float64
-		for _, v := range metricValues(m, "meshdns_namespace_queries_total") {
-			nsSum += v
-		}
-		if nsSum != sum {
-			t.Errorf("%s: namespace counters add up to %v, the top talkers to %v", stage, nsSum, sum)
-		}
+		checkWhoAskedSeries(t, stage, func() string { return getIn(t, nodeNS, "http://"+admin+"/metrics") }, up, workloads, k, nsLimit)
 	}
 	check("10 workloads", pods)
 
@@ -147,38 +97,61 @@ func TestWhoAskedSeriesStayBounded(t *testing.T) {
 	// at a time. A client that got no answer (this is a shared, loaded
 	// machine; delivery is the capture tests' subject) is logged; more than
 	// 1% of them fails the test.
-	system := cg.Child(t, "system.slice")
-	slots := make(chan struct{}, 8)
-	var wg sync.WaitGroup
-	var failed atomic.Int32
-	for i := range shortLived {
-		slots <- struct{}{}
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			defer func() { <-slots }()
-			dir := filepath.Join(system.Path, fmt.Sprintf("run-c%d.scope", i))
-			if err := os.Mkdir(dir, 0o755); err != nil {
-				t.Errorf("create %s: %v", dir, err)
-				return
-			}
-			slcg := openCgroup(t, dir)
-			if err := dig(slcg.fd, fmt.Sprintf("q.sl%d.card.test", i)); err != nil {
-				failed.Add(1)
-				t.Logf("short-lived %d: %v", i, err)
-			}
-			slcg.close()
-			if !testenv.WaitFor(5*time.Second, func() bool { return os.Remove(dir) == nil }) {
-				t.Errorf("remove %s", dir)
-			}
-		}()
-	}
-	wg.Wait()
-	if n := failed.Load(); n*100 > shortLived {
-		t.Fatalf("%d of %d short-lived clients got no answer", n, shortLived)
+	failed := runShortLived(t, cg.Child(t, "system.slice"), shortLived, nil, func(cgFD, i int, _ string) error {
+		return dig(cgFD, fmt.Sprintf("q.sl%d.card.test", i))
+	})
+	if failed*100 > shortLived {
+		t.Fatalf("%d of %d short-lived clients got no answer", failed, shortLived)
 	}
 	if t.Failed() {
 		t.FailNow()
 	}
 	check("1,000 workloads", pods+shortLived)
+}
+
+// checkWhoAskedSeries checks one scrape of the who-asked metrics, once the
+// top talkers count every query the upstream saw (each name is new, the
+// readiness name aside; names, because the agent may try the upstream more
+// than once per query): at most 3(K+1)+1+2(limit+3) series, K + (other)
+// top talkers, the cap's namespaces + (other), and the namespace counters
+// adding up to the rankings.
+func checkWhoAskedSeries(t *testing.T, stage string, scrape func() string, up *testenv.FakeDNS, workloads, k, nsLimit int) {
+	t.Helper()
+	var m string
+	var sum float64
+	if !testenv.WaitFor(30*time.Second, func() bool {
+		m = scrape()
+		sum = 0
+		for _, v := range metricValues(m, "meshdns_top_workload_queries") {
+			sum += v
+		}
+		return sum >= float64(distinctNames(up))
+	}) {
+		t.Fatalf("%s: the top talkers count %v queries, the upstream saw %d names", stage, sum, distinctNames(up))
+	}
+	per, total, nss := whoAskedSeries(m)
+	bound := 3*(k+1) + 1 + 2*(nsLimit+3)
+	t.Logf("%s: %d workloads, %d queries; %d series (bound %d): %v; namespaces %v", stage, workloads, distinctNames(up), total, bound, per, nss)
+	if total > bound {
+		t.Errorf("%s: %d series of who-asked metrics, bound %d", stage, total, bound)
+	}
+	if got, want := per["meshdns_top_workload_queries"], min(workloads, k)+1; got != want {
+		t.Errorf("%s: %d meshdns_top_workload_queries series, want %d (top %d + (other))", stage, got, want, k)
+	}
+	named := 0
+	for ns := range nss {
+		if !strings.HasPrefix(ns, "(") {
+			named++
+		}
+	}
+	if named != nsLimit || !nss["(other)"] {
+		t.Errorf("%s: namespaces with their own series %v, want %d and (other)", stage, nss, nsLimit)
+	}
+	var nsSum float64
+	for _, v := range metricValues(m, "meshdns_namespace_queries_total") {
+		nsSum += v
+	}
+	if nsSum != sum {
+		t.Errorf("%s: namespace counters add up to %v, the top talkers to %v", stage, nsSum, sum)
+	}
 }

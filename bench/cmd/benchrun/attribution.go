@@ -48,11 +48,11 @@ import (
 // ---------------------------------------------------------------------------
 
 // attrVariants in the order the attribution-on agent runs them per scenario.
-var attrVariants = []struct{ name, tap, desc string }{
-	{"off", "", "--attribution=false"},
-	{"on", "", "attribution on, no tap client"},
-	{"on+stuck", "stuck", "attribution on, one stuck tap client (subscribed to everything, never reads)"},
-	{"on+tap", "read", "attribution on, one tap client subscribed to everything, reading"},
+var attrVariants = []struct{ name, tap string }{
+	{"off", ""},           // --attribution=false
+	{"on", ""},            // attribution on, no tap client
+	{"on+stuck", "stuck"}, // one tap client subscribed to everything that never reads
+	{"on+tap", "read"},    // one tap client subscribed to everything, reading
 }
 
 // attrRun is one fixed-rate run of a variant.
