@@ -145,7 +145,9 @@ func (c *Config) RegisterFlags(fs *flag.FlagSet) {
 	fs.StringVar(&c.ResolvConf, "resolv-conf", "/etc/resolv.conf", "resolv.conf to read nameservers and upstreams from (read before capture starts)")
 	fs.DurationVar(&c.TTL, "ttl", 30*time.Second, "TTL of answers from the name table")
 	fs.StringVar(&c.ClusterDomain, "cluster-domain", "cluster.local", "Kubernetes cluster domain")
-	fs.Func("authoritative", "answer NXDOMAIN/NODATA locally for unknown names under the cluster domain (default true with a Kubernetes source, else false)", func(s string) error {
+	// A boolean flag (bare --authoritative is true) that also records whether
+	// it was given: its default depends on the other flags.
+	fs.BoolFunc("authoritative", "answer NXDOMAIN/NODATA locally for unknown names under the cluster domain (default true with a Kubernetes source, else false)", func(s string) error {
 		v, err := strconv.ParseBool(s)
 		if err != nil {
 			return fmt.Errorf("want true or false, got %q", s)
