@@ -105,7 +105,7 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 		}
 	}()
 
-	tuneGC(log)
+	tuneGC(cfg, log)
 
 	// The Kubernetes source: its API server, and the cluster DNS Service to
 	// capture.
