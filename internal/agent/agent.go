@@ -242,6 +242,7 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	reg.MustRegister(newBuildInfo())
+	reg.MustRegister(a.newStateMetrics(mode)...)
 
 	// Name sources and the store that merges them into the name table.
 	if a.store, err = cfg.newNameStore(reg, kubeRest, log); err != nil {
