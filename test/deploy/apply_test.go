@@ -66,6 +66,16 @@ func serviceMonitorCRD() *unstructured.Unstructured {
 	}}
 }
 
+// prometheusRuleCRD stands in for the Prometheus Operator's PrometheusRule CRD, as
+// serviceMonitorCRD does for the ServiceMonitor.
+func prometheusRuleCRD() *unstructured.Unstructured {
+	crd := serviceMonitorCRD()
+	crd.SetName("prometheusrules.monitoring.coreos.com")
+	_ = unstructured.SetNestedStringMap(crd.Object, map[string]string{"plural": "prometheusrules", "singular": "prometheusrule",
+		"kind": "PrometheusRule", "listKind": "PrometheusRuleList"}, "spec", "names")
+	return crd
+}
+
 var crdGVR = schema.GroupVersionResource{Group: "apiextensions.k8s.io", Version: "v1", Resource: "customresourcedefinitions"}
 
 // installCRD creates a CRD and waits until it is established.
@@ -146,6 +156,7 @@ func TestManifestsServerSideApply(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	installCRD(t, cp, serviceMonitorCRD())
+	installCRD(t, cp, prometheusRuleCRD())
 	sets := [][]string{nil}
 	for _, c := range components(t) {
 		sets = append(sets, []string{c})

@@ -87,7 +87,10 @@ type object struct {
 
 // crdKinds may appear only as unstructured objects (their schemas live in CRDs,
 // checked against the API server).
-var crdKinds = map[string]bool{"monitoring.coreos.com/v1, Kind=ServiceMonitor": true}
+var crdKinds = map[string]bool{
+	"monitoring.coreos.com/v1, Kind=ServiceMonitor": true,
+	"monitoring.coreos.com/v1, Kind=PrometheusRule": true,
+}
 
 // decodeStrict decodes every YAML document strictly: an unknown or duplicated
 // field, or a kind the API types do not have, is an error.

@@ -302,7 +302,7 @@ func TestComponents(t *testing.T) {
 		}
 	})
 	t.Run("all", func(t *testing.T) {
-		renderChecked(t, "ebpf-only", "istio-remote-secrets", "prometheus-operator", "names-configmap")
+		renderChecked(t, "ebpf-only", "istio-remote-secrets", "prometheus-operator", "names-configmap", "prometheus-rules", "grafana-dashboard")
 	})
 }
 
