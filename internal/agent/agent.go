@@ -287,7 +287,7 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 		if err := a.dp.Start(ctx); err != nil {
 			return fmt.Errorf("install eBPF datapath: %w", err)
 		}
-		reg.MustRegister(newDatapathCollector(a.dp.HookStats))
+		reg.MustRegister(newDatapathCollector(a.dp.HookStats), newForeignProgramsCollector(a.dp.CgroupPrograms))
 	}
 
 	// Resolver, on the predecessor's sockets when there is one.

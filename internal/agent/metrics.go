@@ -2,6 +2,8 @@ package agent
 
 import (
 	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/meshdns/meshdns-ebpf/internal/redirect"
 )
 
 // newStateMetrics exports what the alerts watch of the agent itself, read at
@@ -40,4 +42,32 @@ func b2f(b bool) float64 {
 		return 1
 	}
 	return 0
+}
+
+// foreignProgramsCollector exports how many other BPF programs run on each of the
+// datapath's hooks for the capture cgroup, before and after ours (BPF_PROG_QUERY at
+// scrape time: a handful of syscalls).
+type foreignProgramsCollector struct {
+	query func() ([]redirect.CgroupProgram, error)
+	desc  *prometheus.Desc
+}
+
+func newForeignProgramsCollector(query func() ([]redirect.CgroupProgram, error)) *foreignProgramsCollector {
+	return &foreignProgramsCollector{query: query, desc: prometheus.NewDesc("meshdns_datapath_foreign_programs",
+		"Other BPF programs that run for sockets of the capture cgroup on this hook, before ours (they see, and may rewrite, the destination first) or after.",
+		[]string{"hook", "order"}, nil)}
+}
+
+func (c *foreignProgramsCollector) Describe(ch chan<- *prometheus.Desc) { ch <- c.desc }
+
+func (c *foreignProgramsCollector) Collect(ch chan<- prometheus.Metric) {
+	progs, err := c.query()
+	if err != nil {
+		ch <- prometheus.NewInvalidMetric(c.desc, err)
+		return
+	}
+	for hook, f := range redirect.ForeignPrograms(progs) {
+		ch <- prometheus.MustNewConstMetric(c.desc, prometheus.GaugeValue, float64(f.Before), hook, "before")
+		ch <- prometheus.MustNewConstMetric(c.desc, prometheus.GaugeValue, float64(f.After), hook, "after")
+	}
 }
