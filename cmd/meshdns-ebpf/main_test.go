@@ -9,7 +9,6 @@ import (
 	"io"
 	"net/http"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -104,7 +103,7 @@ func TestRunWithBareAuthoritativeStarts(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	done := make(chan error, 1)
-	var stderr syncWriter
+	var stderr testenv.SyncBuffer
 	go func() {
 		done <- run(ctx, []string{"run", "--authoritative", "--remote-kubeconfigs", dir, "--mode", "off",
 			"--listen", listen, "--admin", admin, "--upstream", "127.0.0.1:1", "--state-dir", t.TempDir()}, io.Discard, &stderr)
@@ -129,22 +128,4 @@ func TestRunWithBareAuthoritativeStarts(t *testing.T) {
 	if err := <-done; err != nil {
 		t.Fatalf("stop: %v", err)
 	}
-}
-
-// syncWriter is a bytes.Buffer safe for the agent's logger and the test.
-type syncWriter struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (w *syncWriter) Write(p []byte) (int, error) {
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	return w.buf.Write(p)
-}
-
-func (w *syncWriter) String() string {
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	return w.buf.String()
 }

@@ -2,7 +2,6 @@ package agent
 
 import (
 	"flag"
-	"io"
 	"maps"
 	"slices"
 	"testing"
@@ -43,25 +42,17 @@ func TestBooleanFlagsOfRun(t *testing.T) {
 		"service-entries":      func(c *Config) bool { return c.Mesh.ServiceEntries },
 		"istio-remote-secrets": func(c *Config) bool { return c.Mesh.IstioRemoteSecrets },
 	}
-	newFS := func() *flag.FlagSet {
-		fs := flag.NewFlagSet("run", flag.ContinueOnError)
-		fs.SetOutput(io.Discard)
-		new(Config).RegisterFlags(fs)
-		return fs
-	}
+	newFS := func() *flag.FlagSet { _, fs := runFlags(); return fs }
 	if got, want := boolLike(newFS), slices.Sorted(maps.Keys(fields)); !slices.Equal(got, want) {
 		t.Fatalf("on/off flags of run: %v; this test covers %v (add the new one to the table)", got, want)
 	}
 	parse := func(t *testing.T, args ...string) (*Config, *flag.FlagSet) {
 		t.Helper()
-		var c Config
-		fs := flag.NewFlagSet("run", flag.ContinueOnError)
-		fs.SetOutput(io.Discard)
-		c.RegisterFlags(fs)
+		c, fs := runFlags()
 		if err := fs.Parse(args); err != nil {
 			t.Fatalf("%v: %v", args, err)
 		}
-		return &c, fs
+		return c, fs
 	}
 	for name, get := range fields {
 		t.Run(name, func(t *testing.T) {

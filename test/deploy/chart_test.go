@@ -30,15 +30,20 @@ func chartDir() string { return filepath.Join(repoRoot(), "charts", "meshdns-ebp
 // helmTemplate renders the chart with values (YAML) as `helm template` does.
 func helmTemplate(t *testing.T, values string) ([]byte, error) {
 	t.Helper()
-	args := []string{"template", "meshdns-ebpf", chartDir()}
-	if values != "" {
-		f := filepath.Join(t.TempDir(), "values.yaml")
-		if err := os.WriteFile(f, []byte(values), 0o644); err != nil {
-			t.Fatal(err)
-		}
-		args = append(args, "--values", f)
+	return runTool(t, nil, "helm", withValues(t, values, "template", "meshdns-ebpf", chartDir())...)
+}
+
+// withValues appends --values FILE for values (YAML) to args, unless empty.
+func withValues(t *testing.T, values string, args ...string) []string {
+	t.Helper()
+	if values == "" {
+		return args
 	}
-	return runTool(t, nil, "helm", args...)
+	f := filepath.Join(t.TempDir(), "values.yaml")
+	if err := os.WriteFile(f, []byte(values), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	return append(args, "--values", f)
 }
 
 // plainObjects decodes every document into its JSON form, keyed and sorted by
@@ -266,14 +271,7 @@ func alertRules(t *testing.T, pr *unstructured.Unstructured) map[string]map[stri
 
 func TestHelmLint(t *testing.T) {
 	for _, values := range []string{"", "serviceMonitor: {enabled: true}\nprometheusRule: {enabled: true}\ndashboard: {enabled: true}"} {
-		args := []string{"lint", "--strict", chartDir()}
-		if values != "" {
-			f := filepath.Join(t.TempDir(), "values.yaml")
-			if err := os.WriteFile(f, []byte(values), 0o644); err != nil {
-				t.Fatal(err)
-			}
-			args = append(args, "--values", f)
-		}
+		args := withValues(t, values, "lint", "--strict", chartDir())
 		out, err := runTool(t, nil, "helm", args...)
 		if err != nil {
 			t.Fatalf("helm %v: %v", args, err)

@@ -284,7 +284,7 @@ func liveAgentMetrics(t *testing.T) map[string]bool {
 		t.Fatal(err)
 	}
 	const admin = "127.0.0.1:9153"
-	log := &syncBuffer{}
+	log := &testenv.SyncBuffer{}
 	cmd := testenv.Command(context.Background(), testenv.Proc{Netns: ns, Cgroup: cg, NetOnly: true, Caps: testenv.ModeCaps["ebpf"]},
 		buildAgent(t), "run", "--mode", "ebpf", "--cgroup", cg.Path, "--listen", "169.254.20.53:53",
 		"--nameservers", "169.254.53.1", "--upstream", "169.254.53.1", "--names", names, "--admin", admin,
