@@ -149,7 +149,8 @@ func TestChartEqualsKustomize(t *testing.T) {
 }
 
 // The chart reads deploy/kubernetes itself, so a change there (another engineer's
-// probe change, say) reaches the chart with no edit of it.
+// probe change, say) reaches the chart with no edit of it; `helm package` copies
+// what it reads.
 func TestChartFollowsTheManifests(t *testing.T) {
 	link, err := os.Readlink(filepath.Join(chartDir(), "files", "kubernetes"))
 	if err != nil {
@@ -157,6 +158,27 @@ func TestChartFollowsTheManifests(t *testing.T) {
 	}
 	if got, _ := filepath.Abs(filepath.Join(chartDir(), "files", link)); got != manifestsDir() {
 		t.Fatalf("files/kubernetes points to %s, want %s", got, manifestsDir())
+	}
+	// A packaged chart carries the linked files: it renders the same objects.
+	dir := t.TempDir()
+	if _, err := runTool(t, nil, "helm", "package", chartDir(), "-d", dir); err != nil {
+		t.Fatal(err)
+	}
+	pkgs, _ := filepath.Glob(filepath.Join(dir, "meshdns-ebpf-*.tgz"))
+	if len(pkgs) != 1 {
+		t.Fatalf("helm package made %v", pkgs)
+	}
+	const all = "serviceMonitor: {enabled: true}\nprometheusRule: {enabled: true}\ndashboard: {enabled: true}"
+	fromPkg, err := runTool(t, nil, "helm", withValues(t, all, "template", "meshdns-ebpf", pkgs[0])...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	fromDir, err := helmTemplate(t, all)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if d := diffObjects(plainObjects(t, fromPkg), plainObjects(t, fromDir)); d != "" {
+		t.Fatalf("the packaged chart renders differently:\n%s", d)
 	}
 }
 
