@@ -85,58 +85,6 @@ func New(cfg Config) (*Source, error) {
 // Name implements names.Source.
 func (s *Source) Name() string { return s.cfg.Name }
 
-// sliceIndex is the EndpointSlices of each Service.
-type sliceIndex struct {
-	mu sync.Mutex
-	m  map[string][]*endpointSlice // "<ns>/<service>" -> its slices
-}
-
-func (x *sliceIndex) of(svc string) []*endpointSlice {
-	x.mu.Lock()
-	defer x.mu.Unlock()
-	return x.m[svc] // never modified in place: copied on change
-}
-
-// set adds or replaces (by name) a slice of svc.
-func (x *sliceIndex) set(svc string, obj any) {
-	es, ok := unwrap(obj).(*endpointSlice)
-	if !ok || svc == "" {
-		return
-	}
-	x.mu.Lock()
-	defer x.mu.Unlock()
-	cur := x.m[svc]
-	next := make([]*endpointSlice, 0, len(cur)+1)
-	for _, c := range cur {
-		if c.name != es.name {
-			next = append(next, c)
-		}
-	}
-	x.m[svc] = append(next, es)
-}
-
-// remove drops a slice (by name) from svc.
-func (x *sliceIndex) remove(svc string, obj any) {
-	es, ok := unwrap(obj).(*endpointSlice)
-	if !ok || svc == "" {
-		return
-	}
-	x.mu.Lock()
-	defer x.mu.Unlock()
-	cur := x.m[svc]
-	next := make([]*endpointSlice, 0, len(cur))
-	for _, c := range cur {
-		if c.name != es.name {
-			next = append(next, c)
-		}
-	}
-	if len(next) == 0 {
-		delete(x.m, svc)
-		return
-	}
-	x.m[svc] = next
-}
-
 // Run implements names.Source: it runs the informers, delivers every
 // change to sink, marks the source synced once every informer has listed,
 // and reports the API server's reachability through sink.Failed.
@@ -157,56 +105,14 @@ func (s *Source) Run(ctx context.Context, sink names.Sink) error {
 			return s.cs.DiscoveryV1().EndpointSlices("").Watch(ctx, o)
 		}, nil)
 	informers := []cache.SharedIndexInformer{svcInf, sliceInf}
-	// The slices of each Service, kept by the slice handler (an informer
-	// index would cost a set per Service).
-	slices := &sliceIndex{m: map[string][]*endpointSlice{}}
-
-	recompute := func(key string) {
-		obj, ok, _ := svcInf.GetIndexer().GetByKey(key)
-		svc, _ := obj.(*service)
-		if !ok || svc == nil {
-			_ = sink.Set(key, nil)
-			return
-		}
-		if err := sink.Set(key, serviceHosts(s.domain, svc, slices.of(key))); err != nil {
-			s.log.Warn("service not answered", "service", key, "err", err)
-		}
-	}
-	sliceKey := func(obj any) string {
-		if es, ok := unwrap(obj).(*endpointSlice); ok && es.service != "" {
-			return es.namespace + "/" + es.service
-		}
-		return ""
-	}
+	svcs := newServices(s.domain, svcInf.GetStore(), sink, s.log)
 	var regs []cache.ResourceEventHandlerRegistration
-	reg, err := svcInf.AddEventHandler(cache.ResourceEventHandlerFuncs{
-		AddFunc:    func(obj any) { recompute(keyOf(obj)) },
-		UpdateFunc: func(_, obj any) { recompute(keyOf(obj)) },
-		DeleteFunc: func(obj any) { recompute(keyOf(obj)) },
-	})
+	reg, err := svcInf.AddEventHandler(svcs.serviceHandler())
 	if err != nil {
 		return err
 	}
 	regs = append(regs, reg)
-	reg, err = sliceInf.AddEventHandler(cache.ResourceEventHandlerFuncs{
-		AddFunc: func(obj any) {
-			slices.set(sliceKey(obj), obj)
-			recompute(sliceKey(obj))
-		},
-		UpdateFunc: func(old, obj any) {
-			if k := sliceKey(old); k != sliceKey(obj) && k != "" {
-				slices.remove(k, old)
-				recompute(k)
-			}
-			slices.set(sliceKey(obj), obj)
-			recompute(sliceKey(obj))
-		},
-		DeleteFunc: func(obj any) {
-			slices.remove(sliceKey(obj), obj)
-			recompute(sliceKey(obj))
-		},
-	})
-	if err != nil {
+	if reg, err = sliceInf.AddEventHandler(svcs.sliceHandler()); err != nil {
 		return err
 	}
 	regs = append(regs, reg)
@@ -235,7 +141,7 @@ func (s *Source) Run(ctx context.Context, sink names.Sink) error {
 				s.log.Warn("pod not recorded as a client", "pod", p.key(), "err", err)
 			}
 		}
-		reg, err := podInf.AddEventHandler(cache.ResourceEventHandlerFuncs{
+		reg, err = podInf.AddEventHandler(cache.ResourceEventHandlerFuncs{
 			AddFunc:    func(obj any) { setPod(obj, false) },
 			UpdateFunc: func(_, obj any) { setPod(obj, false) },
 			DeleteFunc: func(obj any) { setPod(obj, true) },
@@ -250,17 +156,19 @@ func (s *Source) Run(ctx context.Context, sink names.Sink) error {
 
 	var wg sync.WaitGroup
 	for _, inf := range informers {
-		wg.Add(1)
-		go func() { defer wg.Done(); inf.RunWithContext(ctx) }()
+		wg.Go(func() { inf.RunWithContext(ctx) })
 	}
+	wg.Go(func() { svcs.run(ctx) })
 	defer wg.Wait()
-	// Synced once every handler has been given what the initial lists held.
+	// Synced once every handler has been given what the initial lists held,
+	// the hosts of every Service they queued are delivered, and the store's
+	// count of them agrees with the informer's.
 	synced := make([]cache.InformerSynced, len(regs))
 	for i, r := range regs {
 		synced[i] = r.HasSynced
 	}
 	start := time.Now()
-	if !cache.WaitForCacheSync(ctx.Done(), synced...) {
+	if !cache.WaitForCacheSync(ctx.Done(), synced...) || !svcs.settle(ctx) {
 		return nil // stopped before the first sync
 	}
 	sink.Synced()

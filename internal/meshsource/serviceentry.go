@@ -146,6 +146,9 @@ func (s *ServiceEntries) Run(ctx context.Context, sink names.Sink) error {
 			return nil
 		case <-kick:
 		case <-synced:
+			if !cur.settle(ctx) {
+				return nil
+			}
 			cur.wasSynced = true
 			cur.gen.Synced()
 			s.log.Info("ServiceEntries synced", "version", cur.version, "entries", len(cur.inf.GetStore().ListKeys()))
@@ -162,6 +165,97 @@ type entryWatch struct {
 	done      chan struct{}
 	synced    chan struct{}
 	wasSynced bool
+	log       *slog.Logger
+
+	// mu makes each delivery of a key (by the handler, or by an audit's
+	// recomputation) one step: read, compute, Set.
+	mu       sync.Mutex
+	rejected map[string]bool // keys whose hosts the store refused
+	// seen counts the entries the handler was told of (adds minus
+	// deletes). The informer's store changes before its handler runs:
+	// while the two counts differ, an event is on its way. handled is
+	// signalled after every event.
+	seen    int
+	handled chan struct{}
+}
+
+// setLocked delivers one ServiceEntry's hosts (none when gone); w.mu is
+// held.
+func (w *entryWatch) setLocked(obj any, gone bool) {
+	key, err := cache.DeletionHandlingMetaNamespaceKeyFunc(obj)
+	if err != nil {
+		return
+	}
+	if t, ok := obj.(cache.DeletedFinalStateUnknown); ok {
+		obj = t.Obj
+	}
+	se, ok := obj.(*serviceEntry)
+	if gone || !ok {
+		_ = w.gen.Set(key, nil)
+		delete(w.rejected, key)
+		return
+	}
+	hosts, bad := entryHosts(se)
+	for _, err := range bad {
+		w.log.Warn("ServiceEntry host not answered", "serviceentry", key, "err", err)
+	}
+	if err := w.gen.Set(key, hosts); err != nil {
+		w.log.Warn("ServiceEntry not answered", "serviceentry", key, "err", err)
+		w.rejected[key] = true
+		return
+	}
+	delete(w.rejected, key)
+}
+
+// settle audits the store's count of ServiceEntries against the
+// informer's (names.Sink.Audit) at a moment no event is on its way to the
+// handler and, after a mismatch, delivers every ServiceEntry again from
+// the informer's state, up to names.MaxAudits times. It returns false when
+// ctx ended first.
+func (w *entryWatch) settle(ctx context.Context) bool {
+	for audits := 0; ; {
+		w.mu.Lock()
+		want, held := w.expectedLocked()
+		if held != w.seen {
+			w.mu.Unlock()
+			select {
+			case <-ctx.Done():
+				return false
+			case <-w.handled:
+			}
+			continue
+		}
+		err := w.gen.Audit(want)
+		if err != nil {
+			if audits++; audits < names.MaxAudits {
+				for _, obj := range w.inf.GetStore().List() {
+					w.setLocked(obj, false)
+				}
+				w.mu.Unlock()
+				continue
+			}
+			w.log.Error("ServiceEntry names still differ from the API server after delivering every entry again", "audits", audits, "err", err)
+		}
+		w.mu.Unlock()
+		return true
+	}
+}
+
+// expectedLocked counts the ServiceEntries of the informer that have hosts
+// and that the store did not refuse (want), and all of them (held); w.mu
+// is held.
+func (w *entryWatch) expectedLocked() (want, held int) {
+	objs := w.inf.GetStore().List()
+	for _, obj := range objs {
+		se, ok := obj.(*serviceEntry)
+		if !ok || w.rejected[se.namespace+"/"+se.name] {
+			continue
+		}
+		if hosts, _ := entryHosts(se); len(hosts) > 0 {
+			want++
+		}
+	}
+	return want, len(objs)
 }
 
 func (s *ServiceEntries) watch(ctx context.Context, h *kubesource.Health, gen names.Sink, version string) *entryWatch {
@@ -174,32 +268,22 @@ func (s *ServiceEntries) watch(ctx context.Context, h *kubesource.Health, gen na
 		func(ctx context.Context, o metav1.ListOptions) (watch.Interface, error) {
 			return res.Namespace(metav1.NamespaceAll).Watch(ctx, o)
 		}, nil)
-	set := func(obj any, gone bool) {
-		key, err := cache.DeletionHandlingMetaNamespaceKeyFunc(obj)
-		if err != nil {
-			return
-		}
-		if t, ok := obj.(cache.DeletedFinalStateUnknown); ok {
-			obj = t.Obj
-		}
-		se, ok := obj.(*serviceEntry)
-		if gone || !ok {
-			_ = gen.Set(key, nil)
-			return
-		}
-		hosts, bad := entryHosts(se)
-		for _, err := range bad {
-			s.log.Warn("ServiceEntry host not answered", "serviceentry", key, "err", err)
-		}
-		if err := gen.Set(key, hosts); err != nil {
-			s.log.Warn("ServiceEntry not answered", "serviceentry", key, "err", err)
+	w := &entryWatch{version: version, gen: gen, inf: inf, cancel: cancel, done: make(chan struct{}), synced: make(chan struct{}),
+		log: s.log, rejected: map[string]bool{}, handled: make(chan struct{}, 1)}
+	set := func(obj any, seen int) {
+		w.mu.Lock()
+		w.seen += seen
+		w.setLocked(obj, seen < 0)
+		w.mu.Unlock()
+		select {
+		case w.handled <- struct{}{}:
+		default:
 		}
 	}
-	w := &entryWatch{version: version, gen: gen, inf: inf, cancel: cancel, done: make(chan struct{}), synced: make(chan struct{})}
 	reg, err := inf.AddEventHandler(cache.ResourceEventHandlerFuncs{
-		AddFunc:    func(obj any) { set(obj, false) },
-		UpdateFunc: func(_, obj any) { set(obj, false) },
-		DeleteFunc: func(obj any) { set(obj, true) },
+		AddFunc:    func(obj any) { set(obj, 1) },
+		UpdateFunc: func(_, obj any) { set(obj, 0) },
+		DeleteFunc: func(obj any) { set(obj, -1) },
 	})
 	if err != nil { // only when the informer already stopped
 		gen.Failed(fmt.Errorf("serviceentries: %w", err))

@@ -104,6 +104,18 @@ func (g *genSink) Load(hosts map[string]nametable.Host, clients map[netip.Addr]s
 	return nil
 }
 
+// Audit removes what earlier generations delivered and this one did not
+// (as Synced does), so that the store's count is this generation's, then
+// audits.
+func (g *genSink) Audit(expected int) error {
+	if !g.lock() {
+		return nil
+	}
+	defer g.s.mu.Unlock()
+	g.sweepLocked()
+	return g.s.sink.Audit(expected)
+}
+
 // Synced removes what earlier generations delivered and this one did not,
 // then marks the source synced (the store counts only the first time).
 func (g *genSink) Synced() {
@@ -111,21 +123,28 @@ func (g *genSink) Synced() {
 		return
 	}
 	defer g.s.mu.Unlock()
-	if g.s.touched != nil {
-		for k := range g.s.live {
-			if g.s.touched[k] {
-				continue
-			}
-			delete(g.s.live, k)
-			if ck, ok := strings.CutPrefix(k, "client\x00"); ok {
-				_ = g.s.sink.SetClients(ck, nil, "")
-			} else {
-				_ = g.s.sink.Set(k, nil)
-			}
-		}
-		g.s.touched = nil
-	}
+	g.sweepLocked()
+	g.s.touched = nil
 	g.s.sink.Synced()
+}
+
+// sweepLocked removes the keys earlier generations delivered and the
+// current one has not; g.s.mu is held.
+func (g *genSink) sweepLocked() {
+	if g.s.touched == nil {
+		return
+	}
+	for k := range g.s.live {
+		if g.s.touched[k] {
+			continue
+		}
+		delete(g.s.live, k)
+		if ck, ok := strings.CutPrefix(k, "client\x00"); ok {
+			_ = g.s.sink.SetClients(ck, nil, "")
+		} else {
+			_ = g.s.sink.Set(k, nil)
+		}
+	}
 }
 
 // Failed reports the origin's health (the current generation's only).

@@ -2,6 +2,7 @@ package meshsource
 
 import (
 	"errors"
+	"fmt"
 	"maps"
 	"net/netip"
 	"os"
@@ -53,6 +54,13 @@ func (r *recordSink) Load(hosts map[string]nametable.Host, clients map[netip.Add
 }
 
 func (r *recordSink) Synced() { r.synced++ }
+
+func (r *recordSink) Audit(expected int) error {
+	if len(r.hosts) != expected {
+		return fmt.Errorf("have %d objects, want %d", len(r.hosts), expected)
+	}
+	return nil
+}
 
 func (r *recordSink) Failed(err error) {
 	if err == nil {
@@ -166,5 +174,31 @@ func TestScanDir(t *testing.T) {
 	}
 	if _, err := scanDir(filepath.Join(dir, "missing")); err == nil {
 		t.Error("a missing directory is not an error")
+	}
+}
+
+// A generation's audit counts only what it delivered: the keys of earlier
+// generations it has not seen are removed first, as at its sync.
+func TestSweeperAuditCountsTheCurrentGeneration(t *testing.T) {
+	rec := newRecordSink()
+	sw := newSweeper(rec)
+	g1 := sw.next()
+	_ = g1.Set("ns/a", host("a.example.com"))
+	_ = g1.Set("ns/b", host("b.example.com"))
+	g1.Synced()
+	g2 := sw.next()
+	_ = g2.Set("ns/b", host("b.example.com"))
+	if err := g2.Audit(1); err != nil {
+		t.Errorf("generation 2 delivered one object: %v", err)
+	}
+	if rec.keys() != "ns/b" {
+		t.Errorf("after generation 2's audit: keys %q, want ns/b", rec.keys())
+	}
+	if err := g2.Audit(2); err == nil {
+		t.Error("Audit(2) of one object: no mismatch")
+	}
+	// A stopped generation audits nothing.
+	if err := g1.Audit(7); err != nil {
+		t.Errorf("an old generation's audit: %v", err)
 	}
 }

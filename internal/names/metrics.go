@@ -30,6 +30,8 @@ var (
 		"Unix time of the source's last change.", []string{"source"}, nil)
 	descErrors = prometheus.NewDesc("meshdns_names_source_errors_total",
 		"Errors of the source: bad objects, failed loads, lost connections.", []string{"source"}, nil)
+	descAudits = prometheus.NewDesc("meshdns_names_source_audit_mismatches_total",
+		"Audits before a source's first sync that found the store's objects of the source differ from its origin (each is followed by a full recomputation).", []string{"source"}, nil)
 	descStale = prometheus.NewDesc("meshdns_names_source_stale_seconds",
 		"How long the source has been unable to reach its origin while its last state keeps serving (0: healthy).", []string{"source"}, nil)
 )
@@ -73,7 +75,7 @@ func (m *Metrics) published(t *nametable.Table, d time.Duration) {
 
 // Describe implements prometheus.Collector.
 func (m *Metrics) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{descSynced, descObjects, descClients, descLast, descErrors, descStale} {
+	for _, d := range []*prometheus.Desc{descSynced, descObjects, descClients, descLast, descErrors, descAudits, descStale} {
 		ch <- d
 	}
 }
@@ -98,6 +100,7 @@ func (m *Metrics) Collect(ch chan<- prometheus.Metric) {
 		}
 		ch <- prometheus.MustNewConstMetric(descLast, prometheus.GaugeValue, last, st.Name)
 		ch <- prometheus.MustNewConstMetric(descErrors, prometheus.CounterValue, float64(st.Errors), st.Name)
+		ch <- prometheus.MustNewConstMetric(descAudits, prometheus.CounterValue, float64(st.AuditMismatches), st.Name)
 		stale := 0.0
 		if !st.FailingSince.IsZero() {
 			stale = now.Sub(st.FailingSince).Seconds()

@@ -42,6 +42,12 @@ const (
 	PriorityDemo           = 0   // the embedded demo table
 )
 
+// MaxAudits bounds the recomputations a source makes after audits that
+// found a mismatch (Sink.Audit) before it syncs anyway: a mismatch that
+// recomputing from the origin's state cannot fix is not a race, and must
+// not keep the node's DNS from ever becoming ready.
+const MaxAudits = 3
+
 // DefaultWindow is the shortest time between two snapshots: a burst of
 // changes within it is published as one.
 const DefaultWindow = 5 * time.Millisecond
@@ -69,6 +75,13 @@ type Sink interface {
 	SetClients(key string, ips []netip.Addr, namespace string) error
 	// Load replaces everything the source contributes.
 	Load(hosts map[string]nametable.Host, clients map[netip.Addr]string) error
+	// Audit compares expected, the number of objects the source's origin
+	// holds that should have hosts (its own count of its final state),
+	// with the number of objects the store holds for it. A mismatch is
+	// counted, logged and returned; the source then delivers its state
+	// again and audits once more before it calls Synced, so a table that
+	// lost or kept an object is never the one that makes the store ready.
+	Audit(expected int) error
 	// Synced marks the first complete state as delivered.
 	Synced()
 	// Failed records that the source cannot reach its origin (nil: it can
@@ -100,6 +113,9 @@ type SourceStatus struct {
 	LastUpdate time.Time `json:"lastUpdate,omitzero"`
 	Errors     uint64    `json:"errors"`
 	LastError  string    `json:"lastError,omitempty"`
+	// AuditMismatches counts audits that found the store's objects of the
+	// source differ from its origin's count (see Sink.Audit).
+	AuditMismatches uint64 `json:"auditMismatches"`
 	// FailingSince is when the source lost its origin; zero while healthy.
 	FailingSince time.Time `json:"failingSince,omitzero"`
 }
@@ -146,6 +162,7 @@ type sourceState struct {
 	errors  uint64
 	lastErr string
 	failing time.Time
+	audits  uint64 // audit mismatches
 	cancel  context.CancelFunc
 	done    chan struct{}
 	removed bool
@@ -345,7 +362,7 @@ func (s *Store) Status() []SourceStatus {
 		out = append(out, SourceStatus{
 			Name: name, Priority: st.opts.Priority, Blocking: !st.opts.NonBlocking, Optional: st.opts.Optional, Synced: st.synced,
 			Objects: s.b.Objects(name), Clients: st.clients, LastUpdate: st.last, Errors: st.errors,
-			LastError: st.lastErr, FailingSince: st.failing,
+			LastError: st.lastErr, FailingSince: st.failing, AuditMismatches: st.audits,
 		})
 	}
 	slices.SortFunc(out, func(a, b SourceStatus) int { return strings.Compare(a.Name, b.Name) })
@@ -529,6 +546,22 @@ func (k *sink) Load(hosts map[string]nametable.Host, clients map[netip.Addr]stri
 		k.st.clients = len(clients)
 	}
 	return k.changed(err)
+}
+
+func (k *sink) Audit(expected int) error {
+	k.s.mu.Lock()
+	defer k.s.mu.Unlock()
+	if !k.live() {
+		return nil
+	}
+	have := k.s.b.Objects(k.name)
+	if have == expected {
+		return nil
+	}
+	k.st.audits++
+	err := fmt.Errorf("name source %s: the store holds %d objects, its origin %d", k.name, have, expected)
+	k.s.log.Warn("name source audit found a mismatch: delivering its state again", "source", k.name, "have", have, "want", expected)
+	return err
 }
 
 func (k *sink) Synced() {

@@ -245,3 +245,36 @@ func TestRemoveSourceAndStatus(t *testing.T) {
 		t.Fatalf("status after remove = %+v", st)
 	}
 }
+
+// An audit compares the source's count of its origin with the objects the
+// store holds for it; a mismatch is counted in status and metrics and
+// returned, so the source delivers its state again.
+func TestAudit(t *testing.T) {
+	s, reg := newStore(t, time.Millisecond)
+	src := newFake("k")
+	if err := s.Add(src, SourceOptions{Priority: PriorityKubernetes}); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Start(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	sink := <-src.sink
+	for i, name := range []string{"a.example.com", "b.example.com"} {
+		if err := sink.Set(fmt.Sprint(i), host(name, "10.0.0.1")); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := sink.Audit(2); err != nil {
+		t.Errorf("Audit(2) with 2 objects: %v", err)
+	}
+	err := sink.Audit(3)
+	if err == nil || !strings.Contains(err.Error(), "holds 2 objects, its origin 3") {
+		t.Errorf("Audit(3) with 2 objects: %v, want a mismatch", err)
+	}
+	if st := s.Status(); len(st) != 1 || st[0].AuditMismatches != 1 {
+		t.Errorf("status after one mismatch: %+v", st)
+	}
+	if v := metrictest.Value(t, reg, "meshdns_names_source_audit_mismatches_total", "source", "k"); v != 1 {
+		t.Errorf("meshdns_names_source_audit_mismatches_total = %v, want 1", v)
+	}
+}
