@@ -215,14 +215,14 @@ type agentRun struct {
 	cmd   *exec.Cmd
 	addr  string
 	admin string
-	log   *syncBuffer
+	log   *testenv.SyncBuffer
 	done  chan error
 }
 
 func startAgent(t *testing.T, kubeconfig, upstream string) *agentRun {
 	t.Helper()
 	a := &agentRun{addr: fmt.Sprintf("127.0.0.1:%d", testenv.FreePort(t)), admin: fmt.Sprintf("127.0.0.1:%d", testenv.FreePort(t)),
-		log: &syncBuffer{}, done: make(chan error, 1)}
+		log: &testenv.SyncBuffer{}, done: make(chan error, 1)}
 	a.cmd = exec.Command(buildAgent(t), "run", "--mode", "off", "--kubeconfig", kubeconfig, "--node-name", "node-a",
 		"--listen", a.addr, "--admin", a.admin, "--upstream", upstream, "--state-dir", t.TempDir())
 	a.cmd.Stdout, a.cmd.Stderr = a.log, a.log
