@@ -18,7 +18,7 @@ export PATH := $(PATH):/usr/local/go/bin
 export GOTOOLCHAIN := local
 export GOFLAGS := -buildvcs=false
 
-.PHONY: all build run test deps test-deps kube-bin unit generate check-generate vet bench soak clean \
+.PHONY: all build run test deps test-deps kube-bin tools-bin unit generate check-generate vet bench soak clean \
 	image image-lock image-push
 
 # The image (docs/kubernetes.md). `make image` builds it from deploy/image/debs.lock
@@ -41,14 +41,19 @@ deps:
 	@scripts/install-deps.sh --run
 
 # Test dependencies: packages, then the Kubernetes test control plane (etcd,
-# kube-apiserver, kube-controller-manager built from Go modules into .cache/kube-bin;
-# minutes cold, nothing when warm). See docs/testing.md.
+# kube-apiserver, kube-controller-manager built from Go modules into .cache/kube-bin)
+# and the chart and monitoring tools (helm, promtool, promql-metrics into
+# .cache/tools-bin); minutes cold, nothing when warm. See docs/testing.md.
 test-deps:
 	@scripts/install-deps.sh
 	@scripts/build-kube.sh
+	@scripts/build-tools.sh
 
 kube-bin:
 	@scripts/build-kube.sh
+
+tools-bin:
+	@scripts/build-tools.sh
 
 build:
 	CGO_ENABLED=0 $(GO) build -ldflags "$(LDFLAGS)" -o $(BIN) ./cmd/meshdns-ebpf
@@ -73,6 +78,7 @@ check-generate:
 vet:
 	$(GO) vet ./...
 	cd tools/image && $(GO) vet ./...
+	cd tools/prom && $(GO) vet ./promql-metrics
 	@# Linux-only parts sit behind build tags with stubs that say so; the rest builds anywhere.
 	GOOS=darwin $(GO) build ./...
 	@out=$$(gofmt -l $$(git ls-files '*.go' 2>/dev/null || find . -name '*.go')); \

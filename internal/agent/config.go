@@ -69,6 +69,12 @@ type Config struct {
 	MaxPending       int // queries waiting for the upstream, in total
 	MaxTCPConns      int
 
+	// The container's memory limit in bytes (0: none) and the share of it
+	// the Go runtime's soft memory limit is set to (gc.go).
+	MemoryLimit      int64
+	MemoryLimitRatio float64
+	memoryLimit      string
+
 	// forceNoEBPF makes auto mode behave as if the kernel probe failed (tests).
 	forceNoEBPF string
 	// handoverFault injects a crash into a handover (tests): "successor" exits
@@ -145,7 +151,9 @@ func (c *Config) RegisterFlags(fs *flag.FlagSet) {
 	fs.StringVar(&c.ResolvConf, "resolv-conf", "/etc/resolv.conf", "resolv.conf to read nameservers and upstreams from (read before capture starts)")
 	fs.DurationVar(&c.TTL, "ttl", 30*time.Second, "TTL of answers from the name table")
 	fs.StringVar(&c.ClusterDomain, "cluster-domain", "cluster.local", "Kubernetes cluster domain")
-	fs.Func("authoritative", "answer NXDOMAIN/NODATA locally for unknown names under the cluster domain (default true with a Kubernetes source, else false)", func(s string) error {
+	// A boolean flag (bare --authoritative is true) that also records whether
+	// it was given: its default depends on the other flags.
+	fs.BoolFunc("authoritative", "answer NXDOMAIN/NODATA locally for unknown names under the cluster domain (default true with a Kubernetes source, else false)", func(s string) error {
 		v, err := strconv.ParseBool(s)
 		if err != nil {
 			return fmt.Errorf("want true or false, got %q", s)
@@ -174,6 +182,8 @@ func (c *Config) RegisterFlags(fs *flag.FlagSet) {
 	fs.IntVar(&c.CacheBytes, "cache-bytes", upstream.DefaultCacheBytes, "memory cap of the upstream answer cache, in bytes")
 	fs.IntVar(&c.MaxPending, "max-pending", resolver.DefaultMaxPending, "queries waiting for the upstream at once; over it: SERVFAIL at once")
 	fs.IntVar(&c.MaxTCPConns, "max-tcp-conns", resolver.DefaultMaxTCPConns, "open TCP client connections; at the bound the longest idle one is closed")
+	fs.StringVar(&c.memoryLimit, "memory-limit", os.Getenv(MemoryLimitEnv), "the container's memory limit in bytes: the Go memory limit (GOMEMLIMIT) is set to --memory-limit-ratio of it, unless GOMEMLIMIT is in the environment (default $"+MemoryLimitEnv+")")
+	fs.Float64Var(&c.MemoryLimitRatio, "memory-limit-ratio", DefaultMemoryLimitRatio, "share of --memory-limit the Go memory limit is set to")
 	fs.StringVar(&c.LogLevel, "log-level", "info", "debug, info, warn or error")
 	fs.StringVar(&c.LogFormat, "log-format", "text", "text or json")
 	fs.StringVar(&c.forceNoEBPF, "x-force-no-ebpf", "", "testing only: make auto mode behave as if the eBPF probe failed with this reason")
@@ -214,6 +224,14 @@ func (c *Config) Validate() error {
 	}
 	if c.CacheBytes < 0 || c.MaxPending < 0 || c.MaxTCPConns < 0 {
 		return fmt.Errorf("--cache-bytes, --max-pending and --max-tcp-conns must not be negative")
+	}
+	lim, err := parseMemoryLimit(c.memoryLimit)
+	if err != nil {
+		return err
+	}
+	c.MemoryLimit = lim
+	if !(c.MemoryLimitRatio > 0 && c.MemoryLimitRatio <= 1) {
+		return fmt.Errorf("--memory-limit-ratio %v: want more than 0 and at most 1", c.MemoryLimitRatio)
 	}
 	if c.Admin != "" {
 		a, err := normalizeAdmin(c.Admin)

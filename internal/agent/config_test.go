@@ -14,16 +14,22 @@ import (
 	"testing"
 )
 
-func parseRun(t *testing.T, args ...string) (*Config, error) {
-	t.Helper()
+// runFlags is a Config with the flags of `run` registered on a silent flag set.
+func runFlags() (*Config, *flag.FlagSet) {
 	var c Config
 	fs := flag.NewFlagSet("run", flag.ContinueOnError)
 	fs.SetOutput(io.Discard)
 	c.RegisterFlags(fs)
+	return &c, fs
+}
+
+func parseRun(t *testing.T, args ...string) (*Config, error) {
+	t.Helper()
+	c, fs := runFlags()
 	if err := fs.Parse(args); err != nil {
 		return nil, err
 	}
-	return &c, c.Validate()
+	return c, c.Validate()
 }
 
 func TestFlags(t *testing.T) {

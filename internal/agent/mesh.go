@@ -60,7 +60,9 @@ func (c *Config) addMeshSources(store *names.Store, kubeRest *rest.Config, log *
 		if err != nil {
 			return err
 		}
-		if err := store.Add(se, names.SourceOptions{Priority: names.PriorityServiceEntries}); err != nil {
+		// Optional: a cluster without Istio, or a role without the
+		// ServiceEntry rules, must not keep the node's DNS unready.
+		if err := store.Add(se, names.SourceOptions{Priority: names.PriorityServiceEntries, Optional: true}); err != nil {
 			return err
 		}
 	}

@@ -144,8 +144,11 @@ func writeSources(w io.Writer, srcs []names.SourceStatus) error {
 		if s.Synced {
 			synced = "yes"
 		}
-		if !s.Blocking {
+		switch {
+		case !s.Blocking:
 			synced += " (not blocking)"
+		case s.Optional && !s.Synced && !s.FailingSince.IsZero():
+			synced += " (optional, failing: not waited for)"
 		}
 		last := "-"
 		if !s.LastUpdate.IsZero() {

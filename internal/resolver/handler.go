@@ -33,6 +33,8 @@ type reqInfo struct {
 	// place of the question; prefix are the records that lead to it.
 	chase  string
 	prefix []dns.RR
+	// autopath is set when a search-path expansion was answered (metrics).
+	autopath bool
 }
 
 // sizeLimit is the largest response the client can take.
@@ -394,6 +396,7 @@ func (s *Server) autopath(t *nametable.Table, resp *dns.Msg, q *dns.Question, ln
 		return false, false
 	}
 	h := n.Host
+	ri.autopath = true
 	resp.Authoritative = true
 	resp.Answer = append(resp.Answer, &dns.CNAME{
 		Hdr:    dns.RR_Header{Name: q.Name, Rrtype: dns.TypeCNAME, Class: dns.ClassINET, Ttl: s.ttl},

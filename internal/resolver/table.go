@@ -163,7 +163,11 @@ func (w *worker) tableWire(r *request, out []byte) (b []byte, done bool) {
 	if r.edns {
 		b = appendOPT(b, r.do, 0)
 	}
-	s.record(r.proto, qtype, rcode, srcTable, r.start)
+	src := srcTable
+	if target != "" {
+		src = srcAutopath
+	}
+	s.record(r.proto, qtype, rcode, src, r.start)
 	return b, true
 }
 
