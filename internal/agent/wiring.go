@@ -15,8 +15,8 @@ import (
 	"github.com/meshdns/meshdns-ebpf/internal/kubesource"
 	"github.com/meshdns/meshdns-ebpf/internal/names"
 	"github.com/meshdns/meshdns-ebpf/internal/names/filesource"
-	"github.com/meshdns/meshdns-ebpf/internal/ndssource"
 	"github.com/meshdns/meshdns-ebpf/internal/nametable"
+	"github.com/meshdns/meshdns-ebpf/internal/ndssource"
 	"github.com/meshdns/meshdns-ebpf/internal/redirect"
 	"github.com/meshdns/meshdns-ebpf/internal/resolver/upstream"
 )
