@@ -18,7 +18,7 @@ export PATH := $(PATH):/usr/local/go/bin
 export GOTOOLCHAIN := local
 export GOFLAGS := -buildvcs=false
 
-.PHONY: all build run test deps test-deps kube-bin unit generate check-generate vet bench soak clean \
+.PHONY: all build run test deps test-deps kube-bin istiod-bin unit generate check-generate vet bench soak clean \
 	image image-lock image-push
 
 # The image (docs/kubernetes.md). `make image` builds it from deploy/image/debs.lock
@@ -41,14 +41,19 @@ deps:
 	@scripts/install-deps.sh --run
 
 # Test dependencies: packages, then the Kubernetes test control plane (etcd,
-# kube-apiserver, kube-controller-manager built from Go modules into .cache/kube-bin;
-# minutes cold, nothing when warm). See docs/testing.md.
+# kube-apiserver, kube-controller-manager built from Go modules into .cache/kube-bin)
+# and istiod (pilot-discovery, into .cache/istiod-bin); minutes cold, nothing when
+# warm. See docs/testing.md.
 test-deps:
 	@scripts/install-deps.sh
 	@scripts/build-kube.sh
+	@scripts/build-istiod.sh
 
 kube-bin:
 	@scripts/build-kube.sh
+
+istiod-bin:
+	@scripts/build-istiod.sh
 
 build:
 	CGO_ENABLED=0 $(GO) build -ldflags "$(LDFLAGS)" -o $(BIN) ./cmd/meshdns-ebpf
