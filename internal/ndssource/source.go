@@ -226,10 +226,10 @@ func (s *Source) Run(ctx context.Context, sink names.Sink) error {
 	defer conn.Close()
 	m := newMerger(sink, s.domain, s.log)
 	events := make(chan event)
+	var wg sync.WaitGroup
+	defer wg.Wait() // after cancel: the streams end with ctx
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
-	var wg sync.WaitGroup
-	defer wg.Wait()
 	streams := map[string]context.CancelFunc{}
 	failing := map[string]error{}
 	synced := false
