@@ -1,7 +1,6 @@
 package kubetest
 
 import (
-	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -17,8 +16,6 @@ import (
 
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
-	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
 
 	"google.golang.org/protobuf/encoding/protojson"
 	nds "istio.io/istio/pkg/dns/proto"
@@ -237,40 +234,19 @@ func (is *Istiod) NDS(proxyID string) (*nds.NameTable, error) {
 // not there yet and waits until all are Established.
 func (cp *ControlPlane) InstallIstioCRDs(t testing.TB, file string) {
 	t.Helper()
-	b, err := os.ReadFile(file)
+	crds, err := readCRDs(file)
 	if err != nil {
 		t.Fatalf("kubetest: %v", err)
 	}
 	ctx, cancel := opContext(t)
 	defer cancel()
-	var names []string
-	dec := utilyaml.NewYAMLOrJSONDecoder(bytes.NewReader(b), 4096)
-	for {
-		var obj map[string]any
-		if err := dec.Decode(&obj); errors.Is(err, io.EOF) {
-			break
-		} else if err != nil {
-			t.Fatalf("kubetest: decode %s: %v", file, err)
-		}
-		u := &unstructured.Unstructured{Object: obj}
-		if obj == nil || u.GetKind() != "CustomResourceDefinition" {
-			continue
-		}
+	for _, u := range crds {
 		if _, err := cp.dynamic.Resource(crdGVR).Create(ctx, u, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
 			t.Fatalf("kubetest: create CRD %s: %v", u.GetName(), err)
 		}
-		names = append(names, u.GetName())
 	}
-	for _, n := range names {
-		cp.waitCRD(t, n, func(u *unstructured.Unstructured, err error) error {
-			if err != nil {
-				return err
-			}
-			if !crdEstablished(u) {
-				return errors.New("not Established yet")
-			}
-			return nil
-		})
+	for _, u := range crds {
+		cp.waitEstablished(t, u.GetName())
 	}
 }
 
