@@ -16,7 +16,10 @@ TEST_FLAGS ?= -count=1 -p 1 -timeout 40m
 
 export PATH := $(PATH):/usr/local/go/bin
 export GOTOOLCHAIN := local
-export GOFLAGS := -buildvcs=false
+# grpcnotrace: gRPC (the NDS source's client) leaves out golang.org/x/net/trace,
+# whose html/template use makes the linker keep every exported method of every
+# type: 82 MB instead of 51 MB for the agent (docs/istio.md).
+export GOFLAGS := -buildvcs=false -tags=grpcnotrace
 
 .PHONY: all build run test deps test-deps kube-bin istiod-bin unit generate check-generate vet bench soak clean \
 	image image-lock image-push
