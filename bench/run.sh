@@ -18,6 +18,7 @@
 #   BENCH_KUBE_SCALES=a,b  its Service counts (default 10000,100000)
 #   BENCH_KUBE_DURATION=10s  each of its dnsperf runs
 #   BENCH_KUBE_MESH=N      its mesh run: N ServiceEntries + N Services over two clusters (default 10000; 0 skips)
+#   BENCH_KUBE_ISTIOD=N    its istiod run: the NDS source beside the Kubernetes source at N Services (default 10000; 0 skips)
 # Extra arguments are passed to benchrun (see `benchrun -h`), e.g. -reps 5 -duration 20s.
 set -euo pipefail
 

@@ -274,7 +274,7 @@ type IstiodConfig struct {
 	TokenFile string // --istiod-token-file: bearer token (TLS only)
 	SAN       string // --istiod-san: istiod's certificate name (default the host of --istiod)
 	ClusterID string // --istiod-cluster-id
-	View      string // --istiod-view agent|node ("" = node with a Kubernetes source and --node-name)
+	View      string // --istiod-view agent|node ("" = node with a Kubernetes source, --node-name and plaintext)
 	ProxyName string // --istiod-proxy-name
 }
 
@@ -290,7 +290,7 @@ func (c *Config) registerIstiodFlags(fs *flag.FlagSet) {
 	fs.StringVar(&c.Istiod.TokenFile, "istiod-token-file", "", "Kubernetes service account token (audience istio-ca) sent to istiod as a bearer token, re-read on each connect; needs --istiod-ca-file")
 	fs.StringVar(&c.Istiod.SAN, "istiod-san", "", "name istiod's certificate must carry (default the host of --istiod, e.g. istiod.istio-system.svc)")
 	fs.StringVar(&c.Istiod.ClusterID, "istiod-cluster-id", "Kubernetes", "the cluster ID the agent's proxies claim (Istio's CLUSTER_ID)")
-	fs.Func("istiod-view", "whose name table: agent (one proxy of --namespace, for every client) or node (also one proxy per namespace of this node's Pods; default with a Kubernetes source and --node-name)", func(s string) error {
+	fs.Func("istiod-view", "whose name table: agent (one proxy of --namespace, for every client) or node (also one proxy per namespace of this node's Pods; default with a Kubernetes source, --node-name and plaintext)", func(s string) error {
 		switch s {
 		case IstiodViewAgent, IstiodViewNode:
 			c.Istiod.View = s

@@ -195,8 +195,10 @@ func (c *Config) addIstiodSource(store *names.Store, reg prometheus.Registerer, 
 	for _, l := range c.Listen {
 		cfg.ProxyIPs = append(cfg.ProxyIPs, l.Addr())
 	}
+	// Node views by default where istiod can serve them: over TLS its
+	// identity check lets the agent's token claim its own namespace only.
 	view := ic.View
-	if view == "" && c.Mesh.local != nil && c.NodeName != "" {
+	if view == "" && c.Mesh.local != nil && c.NodeName != "" && ic.CAFile == "" {
 		view = IstiodViewNode
 	}
 	if view == IstiodViewNode {

@@ -328,6 +328,22 @@ func istiodTLS(t *testing.T, c *cluster, is *kubetest.Istiod) {
 	// One view, for every client.
 	waitNoDiffs(t, a, nt, unknownClient, "")
 
+	// Node views over TLS: istiod's identity check lets the token of
+	// agentNS claim that namespace only; the other views are refused, and
+	// the source says so.
+	nv := startIstiodAgent(t, c, node, is.SecureGRPCAddr, "--istiod-ca-file", ca, "--istiod-token-file", tok,
+		"--istiod-san", kubetest.IstiodSAN, "--istiod-view", "node", "--istiod-proxy-name", "meshdns-tlsnode")
+	nv.waitReady(60 * time.Second)
+	if !testenv.WaitFor(30*time.Second, func() bool {
+		st := nv.sources(t)["istiod"]
+		return strings.Contains(st.LastError, "PermissionDenied")
+	}) {
+		t.Errorf("node views over TLS: source istiod = %+v, want a PermissionDenied error for the other namespaces' views", nv.sources(t)["istiod"])
+	}
+	if _, err := is.NDS("meshdns-tlsnode." + agentNS); err != nil {
+		t.Errorf("node views over TLS: the agent's own view is not connected: %v", err)
+	}
+
 	// A token istiod cannot validate: refused, and the source says why.
 	if err := os.WriteFile(tok, []byte("not-a-token"), 0o600); err != nil {
 		t.Fatal(err)
