@@ -15,8 +15,18 @@ import (
 // (interned by key), so N views of the same mesh cost one host each.
 type variant struct {
 	key  string // name, NUL, fingerprint of the NameInfo
+	info *nds.NameTable_NameInfo
 	host nametable.Host
 	refs int // views holding it
+}
+
+// sameInfo reports whether two NameInfos are equal field by field (the
+// quick check before a fingerprint: most names do not change between
+// pushes).
+func sameInfo(a, b *nds.NameTable_NameInfo) bool {
+	return a.GetRegistry() == b.GetRegistry() && a.GetShortname() == b.GetShortname() &&
+		a.GetNamespace() == b.GetNamespace() && slices.Equal(a.GetIps(), b.GetIps()) &&
+		slices.Equal(a.GetAltHosts(), b.GetAltHosts())
 }
 
 // fingerprint identifies a NameInfo's content; the order of its addresses

@@ -77,6 +77,11 @@ func (m *merger) apply(ns string, t *nds.NameTable) {
 		if info == nil {
 			continue
 		}
+		if old := v.names[name]; old != nil && sameInfo(old.info, info) {
+			old.refs++
+			next[name] = old
+			continue
+		}
 		next[name] = m.hold(name, info)
 	}
 	var changed []string
@@ -126,7 +131,7 @@ func (m *merger) hold(name string, info *nds.NameTable_NameInfo) *variant {
 	key := name + "\x00" + fingerprint(info)
 	vr := m.intern[key]
 	if vr == nil {
-		vr = &variant{key: key, host: hostOf(name, info, m.domain)}
+		vr = &variant{key: key, info: info, host: hostOf(name, info, m.domain)}
 		m.intern[key] = vr
 	}
 	vr.refs++
