@@ -264,6 +264,20 @@ func TestIstiodNDS(t *testing.T) {
 		common := commonTable(views)
 		waitNoDiffs(t, a, common, unknownClient, "")
 		t.Logf("0 differences over %d names in %d views, %d names common to all (a client of unknown namespace)", total, len(views), len(common.Table))
+		// status, table and the metrics show the source and its views.
+		out := cli(t, "status", "--admin", a.admin, "--state-dir", t.TempDir(), "--bpffs", t.TempDir())
+		if want := "istiod: istiod " + is.GRPCAddr + ": 3/3 views connected"; !strings.Contains(out, want) {
+			t.Errorf("status does not say %q:\n%s", want, out)
+		}
+		if out := cli(t, "table", "--admin", a.admin, "--source", "istiod", "--client-namespace", "shop"); !strings.Contains(out, "private.example.com") {
+			t.Errorf("table --source istiod --client-namespace shop lacks private.example.com:\n%s", out)
+		}
+		for _, ns := range []string{"apps", "shop", agentNS} {
+			if v := a.metric(`meshdns_istiod_connected{view="` + ns + `"}`); v != 1 {
+				t.Errorf("meshdns_istiod_connected{view=%q} = %v, want 1", ns, v)
+			}
+		}
+
 		// A name istiod leaves out of a view is not answered from istiod's
 		// tables there. The Istio agent forwards it to the cluster DNS,
 		// which knows Services whatever their exportTo and no
