@@ -108,7 +108,8 @@ func istiodTable(t *testing.T, is *kubetest.Istiod, ns string, ok func(*nds.Name
 	return nt
 }
 
-// has wants every name in nt, and a 240.240.0.0/16 VIP for the auto ones.
+// has wants every name in nt, a 240.240.0.0/16 VIP for the auto ones, and
+// both families for web (dual-stack).
 func has(names ...string) func(*nds.NameTable) error {
 	return func(nt *nds.NameTable) error {
 		for _, n := range names {
@@ -118,6 +119,9 @@ func has(names ...string) func(*nds.NameTable) error {
 			}
 			if strings.HasPrefix(n, "auto") && !slices.ContainsFunc(info.Ips, func(s string) bool { return strings.HasPrefix(s, "240.240.") }) {
 				return fmt.Errorf("%s has no auto-allocated VIP yet (%v)", n, info.Ips)
+			}
+			if strings.HasPrefix(n, "web.") && !slices.ContainsFunc(info.Ips, func(s string) bool { return strings.Contains(s, ":") }) {
+				return fmt.Errorf("%s has no IPv6 address (%v)", n, info.Ips)
 			}
 		}
 		return nil
@@ -229,7 +233,9 @@ func commonTable(views map[string]*nds.NameTable) *nds.NameTable {
 func TestIstiodNDS(t *testing.T) {
 	requireRoot(t)
 	c := startCluster(t)
-	is := c.StartIstiod(t, kubetest.IstiodOptions{})
+	// Dual-stack on, so a dual-stack Service's table entry has both
+	// families (the agent's proxies listen on both).
+	is := c.StartIstiod(t, kubetest.IstiodOptions{Env: []string{"ISTIO_DUAL_STACK=true"}})
 	meshPopulation(t, c)
 	a := startIstiodAgent(t, c, node, is.GRPCAddr)
 	a.waitReady(90 * time.Second)
