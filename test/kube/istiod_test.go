@@ -12,8 +12,8 @@ import (
 	"time"
 
 	"github.com/miekg/dns"
-	corev1 "k8s.io/api/core/v1"
 	nds "istio.io/istio/pkg/dns/proto"
+	corev1 "k8s.io/api/core/v1"
 
 	"github.com/meshdns/meshdns-ebpf/internal/kubetest"
 	"github.com/meshdns/meshdns-ebpf/internal/nameview"
