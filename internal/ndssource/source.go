@@ -230,14 +230,21 @@ func (s *Source) Run(ctx context.Context, sink names.Sink) error {
 	defer wg.Wait() // after cancel: the streams end with ctx
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
-	streams := map[string]context.CancelFunc{}
+	// A view's stream; gen tells its events from those of an earlier
+	// stream of the same namespace (a view dropped and added again).
+	type stream struct {
+		stop context.CancelFunc
+		gen  int
+	}
+	streams := map[string]stream{}
+	gen := 0
 	failing := map[string]error{}
 	synced := false
 	reconcile := func() {
 		want := s.wanted()
-		for ns, stop := range streams {
+		for ns, st := range streams {
 			if !slices.Contains(want, ns) {
-				stop()
+				st.stop()
 				delete(streams, ns)
 				delete(failing, ns)
 				s.dropStatus(ns)
@@ -249,11 +256,13 @@ func (s *Source) Run(ctx context.Context, sink names.Sink) error {
 				continue
 			}
 			sctx, stop := context.WithCancel(ctx)
-			streams[ns] = stop
+			gen++
+			streams[ns] = stream{stop, gen}
 			m.want(ns)
 			s.setStatus(ns, func(*ViewStatus) {})
 			wg.Add(1)
-			go func() { defer wg.Done(); s.stream(sctx, conn, ns, events) }()
+			g := gen
+			go func() { defer wg.Done(); s.stream(sctx, conn, ns, g, events) }()
 		}
 	}
 	reconcile()
@@ -270,9 +279,10 @@ func (s *Source) Run(ctx context.Context, sink names.Sink) error {
 		case <-tick:
 			reconcile()
 		case ev := <-events:
-			if _, live := streams[ev.ns]; !live {
+			if st, live := streams[ev.ns]; !live || st.gen != ev.gen {
 				continue // a stream stopped on purpose
 			}
+			s.viewEvent(ev)
 			if ev.table != nil {
 				delete(failing, ev.ns)
 				m.apply(ev.ns, ev.table)
@@ -288,6 +298,21 @@ func (s *Source) Run(ctx context.Context, sink names.Sink) error {
 			}
 		}
 	}
+}
+
+// viewEvent records a view's push or failure in its status and metrics.
+func (s *Source) viewEvent(ev event) {
+	if ev.table == nil {
+		s.setStatus(ev.ns, func(v *ViewStatus) { v.Connected, v.LastError = false, ev.err.Error() })
+		s.cfg.Metrics.disconnected(ev.ns)
+		return
+	}
+	n := len(ev.table.GetTable())
+	s.setStatus(ev.ns, func(v *ViewStatus) {
+		v.Connected, v.LastError, v.Names, v.LastPush = true, "", n, time.Now()
+		v.Pushes++
+	})
+	s.cfg.Metrics.pushed(ev.ns, n)
 }
 
 // wanted is the sorted set of namespaces that need a view.
@@ -323,6 +348,7 @@ func (s *Source) report(sink names.Sink, failing map[string]error) {
 // failed (table nil).
 type event struct {
 	ns    string
+	gen   int
 	table *nds.NameTable
 	err   error
 }

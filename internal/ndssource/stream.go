@@ -100,17 +100,15 @@ func (s *Source) node(ns string) *core.Node {
 // stream keeps the view of ns subscribed until ctx ends: a session per
 // connection, reconnecting with backoff (reset once a session received a
 // table).
-func (s *Source) stream(ctx context.Context, conn *grpc.ClientConn, ns string, events chan<- event) {
+func (s *Source) stream(ctx context.Context, conn *grpc.ClientConn, ns string, gen int, events chan<- event) {
 	delay := s.cfg.MinBackoff
 	for {
-		got, err := s.session(ctx, conn, ns, events)
+		got, err := s.session(ctx, conn, ns, gen, events)
 		if ctx.Err() != nil {
 			return
 		}
-		s.setStatus(ns, func(v *ViewStatus) { v.Connected, v.LastError = false, err.Error() })
-		s.cfg.Metrics.disconnected(ns)
 		select {
-		case events <- event{ns: ns, err: err}:
+		case events <- event{ns: ns, gen: gen, err: err}:
 		case <-ctx.Done():
 			return
 		}
@@ -134,7 +132,7 @@ func (s *Source) stream(ctx context.Context, conn *grpc.ClientConn, ns string, e
 // session is one ADS stream: the NDS request, then every table istiod
 // pushes is handed to Run and acknowledged (or refused when it does not
 // decode). got says whether a table arrived.
-func (s *Source) session(ctx context.Context, conn *grpc.ClientConn, ns string, events chan<- event) (got bool, err error) {
+func (s *Source) session(ctx context.Context, conn *grpc.ClientConn, ns string, gen int, events chan<- event) (got bool, err error) {
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	if s.cfg.TokenFile != "" {
@@ -164,13 +162,8 @@ func (s *Source) session(ctx context.Context, conn *grpc.ClientConn, ns string, 
 				ack.ErrorDetail = &rpcstatus.Status{Code: int32(codes.InvalidArgument), Message: err.Error()}
 			} else {
 				got = true
-				s.cfg.Metrics.pushed(ns, len(nt.GetTable()))
-				s.setStatus(ns, func(v *ViewStatus) {
-					v.Connected, v.LastError, v.Names, v.LastPush = true, "", len(nt.GetTable()), time.Now()
-					v.Pushes++
-				})
 				select {
-				case events <- event{ns: ns, table: nt}:
+				case events <- event{ns: ns, gen: gen, table: nt}:
 				case <-ctx.Done():
 					return got, ctx.Err()
 				}
