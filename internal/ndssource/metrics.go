@@ -59,3 +59,13 @@ func (m *Metrics) disconnected(view string) {
 	m.disconnects.WithLabelValues(view).Inc()
 	m.connected.WithLabelValues(view).Set(0)
 }
+
+// dropped forgets the gauges of a view that is gone (no Pod of its
+// namespace left on the node).
+func (m *Metrics) dropped(view string) {
+	if m == nil {
+		return
+	}
+	m.names.DeleteLabelValues(view)
+	m.connected.DeleteLabelValues(view)
+}

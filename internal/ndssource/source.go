@@ -248,6 +248,7 @@ func (s *Source) Run(ctx context.Context, sink names.Sink) error {
 				delete(streams, ns)
 				delete(failing, ns)
 				s.dropStatus(ns)
+				s.cfg.Metrics.dropped(ns)
 				m.drop(ns)
 			}
 		}
