@@ -298,6 +298,27 @@ func TestIstiodNDS(t *testing.T) {
 		}
 	})
 
+	// The last Pod of shop leaves the node: its view goes (istiod no longer
+	// has the proxy), and what only shop saw is no longer answered.
+	t.Run("view-goes", func(t *testing.T) {
+		c.DeletePod(t, "shop", "client")
+		want := "istiod: istiod " + is.GRPCAddr + ": 2/2 views connected"
+		if !testenv.WaitFor(30*time.Second, func() bool {
+			return strings.Contains(cli(t, "status", "--admin", a.admin, "--state-dir", t.TempDir(), "--bpffs", t.TempDir()), want)
+		}) {
+			t.Fatalf("status never said %q", want)
+		}
+		if !testenv.WaitFor(30*time.Second, func() bool { _, err := is.NDS(proxyName + ".shop"); return err != nil }) {
+			t.Errorf("istiod still has the proxy of the shop view")
+		}
+		if got := a.ask(istiodClients["shop"], "private.example.com.", dns.TypeA); got != "NXDOMAIN" {
+			t.Errorf("shop's private ServiceEntry after shop's view went = %q, want NXDOMAIN", got)
+		}
+		if v := a.metric(`meshdns_istiod_connected{view="shop"}`); v != -1 {
+			t.Errorf("meshdns_istiod_connected{view=\"shop\"} = %v after the view went, want no such series", v)
+		}
+	})
+
 	// An agent with the NDS source alone, in agent view: what it answers
 	// comes through istiod only.
 	solo := startIstiodAgent(t, c, "", is.GRPCAddr, "--istiod-view", "agent")
