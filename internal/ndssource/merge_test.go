@@ -30,6 +30,7 @@ func (r *recSink) Set(key string, hosts []nametable.Host) error {
 }
 func (r *recSink) SetClients(string, []netip.Addr, string) error               { return nil }
 func (r *recSink) Load(map[string]nametable.Host, map[netip.Addr]string) error { return nil }
+func (r *recSink) Audit(int) error                                             { return nil }
 func (r *recSink) Synced()                                                     {}
 func (r *recSink) Failed(error)                                                {}
 func newRec() *recSink                                                         { return &recSink{hosts: map[string][]nametable.Host{}} }

@@ -294,6 +294,12 @@ func (s *Source) Run(ctx context.Context, sink names.Sink) error {
 			s.report(sink, failing)
 			if !synced && m.initialDone(s.cfg.Namespace) {
 				synced = true
+				// The store's count of names against the merger's, as the
+				// other sources audit theirs; one goroutine feeds the store,
+				// so a mismatch is a bug, and the names are set again.
+				for i := 0; i < names.MaxAudits && sink.Audit(m.names()) != nil; i++ {
+					m.recomputeAll()
+				}
 				sink.Synced()
 				s.log.Info("istiod source synced", "views", len(streams), "names", m.names())
 			}
