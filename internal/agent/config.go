@@ -61,6 +61,9 @@ type Config struct {
 	// ServiceEntries and remote clusters (mesh.go).
 	Mesh MeshConfig
 
+	// Istiod is the NDS source (--istiod and its flags).
+	Istiod IstiodConfig
+
 	authoritativeSet bool
 	LinkName         string
 	LogLevel         string
@@ -178,6 +181,7 @@ func (c *Config) RegisterFlags(fs *flag.FlagSet) {
 	fs.StringVar(&c.NodeName, "node-name", os.Getenv("NODE_NAME"), "this node's name: its Pods' IPs tell the agent each client's namespace (default $NODE_NAME)")
 	fs.StringVar(&c.ClusterDNSService, "cluster-dns-service", DefaultClusterDNSService, "with a Kubernetes source and no --nameservers: the Service (namespace/name) whose cluster IPs pods use as nameserver; those are captured")
 	c.registerMeshFlags(fs)
+	c.registerIstiodFlags(fs)
 	fs.StringVar(&c.LinkName, "link", DefaultLinkName, "dummy link that carries the node-local listen address")
 	fs.IntVar(&c.CacheBytes, "cache-bytes", upstream.DefaultCacheBytes, "memory cap of the upstream answer cache, in bytes")
 	fs.IntVar(&c.MaxPending, "max-pending", resolver.DefaultMaxPending, "queries waiting for the upstream at once; over it: SERVFAIL at once")
@@ -246,6 +250,9 @@ func (c *Config) Validate() error {
 	if err := c.validateMesh(); err != nil {
 		return err
 	}
+	if err := c.validateIstiod(); err != nil {
+		return err
+	}
 	if c.Kubernetes() && !c.authoritativeSet {
 		c.Authoritative = true
 	}
@@ -275,6 +282,58 @@ func normalizeAdmin(s string) (string, error) {
 		return "", fmt.Errorf("--admin %q: %q is neither an IP address nor a host name (an unset variable in the DaemonSet?)", s, host)
 	}
 	return net.JoinHostPort(host, port), nil
+}
+
+// IstiodConfig configures the NDS source: istiod's name table over xDS
+// (docs/istio.md). The flag names follow what an Istio agent is given.
+type IstiodConfig struct {
+	Addr      string // --istiod HOST:PORT
+	CAFile    string // --istiod-ca-file: TLS with this CA (else plaintext)
+	TokenFile string // --istiod-token-file: bearer token (TLS only)
+	SAN       string // --istiod-san: istiod's certificate name (default the host of --istiod)
+	ClusterID string // --istiod-cluster-id
+	View      string // --istiod-view agent|node ("" = node with a Kubernetes source, --node-name and plaintext)
+	ProxyName string // --istiod-proxy-name
+}
+
+// Istiod view modes.
+const (
+	IstiodViewAgent = "agent" // one view: a proxy of the agent's namespace, for every client
+	IstiodViewNode  = "node"  // plus one view per namespace of this node's Pods
+)
+
+func (c *Config) registerIstiodFlags(fs *flag.FlagSet) {
+	fs.StringVar(&c.Istiod.Addr, "istiod", "", "take the name table from istiod's NDS over xDS at HOST:PORT (15012 TLS with --istiod-ca-file, 15010 plaintext)")
+	fs.StringVar(&c.Istiod.CAFile, "istiod-ca-file", "", "CA certificate (PEM) that signed istiod's serving certificate, e.g. Istio's root-cert.pem: connect with TLS (default plaintext)")
+	fs.StringVar(&c.Istiod.TokenFile, "istiod-token-file", "", "Kubernetes service account token (audience istio-ca) sent to istiod as a bearer token, re-read on each connect; needs --istiod-ca-file")
+	fs.StringVar(&c.Istiod.SAN, "istiod-san", "", "name istiod's certificate must carry (default the host of --istiod, e.g. istiod.istio-system.svc)")
+	fs.StringVar(&c.Istiod.ClusterID, "istiod-cluster-id", "Kubernetes", "the cluster ID the agent's proxies claim (Istio's CLUSTER_ID)")
+	fs.Func("istiod-view", "whose name table: agent (one proxy of --namespace, for every client) or node (also one proxy per namespace of this node's Pods; default with a Kubernetes source, --node-name and plaintext)", func(s string) error {
+		switch s {
+		case IstiodViewAgent, IstiodViewNode:
+			c.Istiod.View = s
+			return nil
+		}
+		return fmt.Errorf("want agent or node, got %q", s)
+	})
+	fs.StringVar(&c.Istiod.ProxyName, "istiod-proxy-name", "", "pod-name part of the proxy IDs the agent presents to istiod: the view of namespace NS is NAME.NS (default meshdns-ebpf-<node name>)")
+}
+
+// validateIstiod checks the NDS flags against the rest.
+func (c *Config) validateIstiod() error {
+	if c.Istiod.Addr == "" {
+		return nil
+	}
+	if _, _, err := net.SplitHostPort(c.Istiod.Addr); err != nil {
+		return fmt.Errorf("--istiod %q: want HOST:PORT", c.Istiod.Addr)
+	}
+	if c.Istiod.TokenFile != "" && c.Istiod.CAFile == "" {
+		return fmt.Errorf("--istiod-token-file needs --istiod-ca-file: a token is only sent over TLS")
+	}
+	if c.Istiod.View == IstiodViewNode && (!c.Kubernetes() || c.NodeName == "") {
+		return fmt.Errorf("--istiod-view node needs a Kubernetes source and --node-name: the namespaces of this node's Pods choose the views")
+	}
+	return nil
 }
 
 // Kubernetes reports whether the Kubernetes source is on.

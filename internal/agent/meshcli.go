@@ -164,7 +164,15 @@ func writeSources(w io.Writer, srcs []names.SourceStatus) error {
 		}
 		fmt.Fprintf(tw, "%s\t%d\t%s\t%d\t%d\t%s\t%s\t%d\t%s\n", s.Name, s.Priority, synced, s.Objects, s.Clients, last, state, s.Errors, lastErr)
 	}
-	return tw.Flush()
+	if err := tw.Flush(); err != nil {
+		return err
+	}
+	for _, s := range srcs {
+		if s.Detail != "" {
+			fmt.Fprintf(w, "%s: %s\n", s.Name, s.Detail)
+		}
+	}
+	return nil
 }
 
 // roughly rounds d for people: tenths of a second below 10 s, else seconds.

@@ -36,6 +36,7 @@ import (
 // Source priorities (higher wins a name; see docs/kubernetes.md).
 const (
 	PriorityFile           = 100 // --names: the operator's own table
+	PriorityIstiod         = 90  // --istiod: istiod's NDS, what the Istio agent would answer
 	PriorityKubernetes     = 80  // this cluster
 	PriorityRemoteCluster  = 60  // clusters of --remote-kubeconfigs / Istio remote secrets
 	PriorityServiceEntries = 40  // Istio ServiceEntries (a Service of the same host wins)
@@ -118,6 +119,15 @@ type SourceStatus struct {
 	AuditMismatches uint64 `json:"auditMismatches"`
 	// FailingSince is when the source lost its origin; zero while healthy.
 	FailingSince time.Time `json:"failingSince,omitzero"`
+	// Detail is what a source that has more to say reports about itself
+	// (see Detailer).
+	Detail string `json:"detail,omitempty"`
+}
+
+// Detailer is a source with more to say in its status than the store
+// knows (istiod's streams, say).
+type Detailer interface {
+	StatusDetail() string
 }
 
 // Config configures a Store.
@@ -364,6 +374,9 @@ func (s *Store) Status() []SourceStatus {
 			Objects: s.b.Objects(name), Clients: st.clients, LastUpdate: st.last, Errors: st.errors,
 			LastError: st.lastErr, FailingSince: st.failing, AuditMismatches: st.audits,
 		})
+		if d, ok := st.src.(Detailer); ok {
+			out[len(out)-1].Detail = d.StatusDetail()
+		}
 	}
 	slices.SortFunc(out, func(a, b SourceStatus) int { return strings.Compare(a.Name, b.Name) })
 	return out
