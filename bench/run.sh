@@ -18,6 +18,7 @@
 #   BENCH_KUBE_SCALES=a,b  its Service counts (default 10000,100000)
 #   BENCH_KUBE_DURATION=10s  each of its dnsperf runs
 #   BENCH_KUBE_MESH=N      its mesh run: N ServiceEntries + N Services over two clusters (default 10000; 0 skips)
+#   BENCH_KUBE_ISTIOD=N    its istiod run: the NDS source beside the Kubernetes source at N Services (default 10000; 0 skips)
 # Extra arguments are passed to benchrun (see `benchrun -h`), e.g. -reps 5 -duration 20s.
 set -euo pipefail
 
@@ -104,18 +105,20 @@ fi
 # real API server (bench/kube). Its section goes into RESULTS.md above the
 # hand-written part.
 if [ "${BENCH_KUBE:-1}" != 0 ] && [ -z "$skip" ]; then
-	log "Kubernetes benchmark (bench/kube): building the control plane if needed"
+	log "Kubernetes benchmark (bench/kube): building the control plane and istiod if needed"
 	scripts/build-kube.sh
+	scripts/build-istiod.sh
 	kube_out="$work/kube.md"
 	rm -f "$kube_out"
 	MESHDNS_BENCH_KUBE=1 MESHDNS="$meshdns" COREDNS="$coredns" MESHDNS_BENCH_KUBE_OUT="$kube_out" \
 		MESHDNS_BENCH_KUBE_SCALES="${BENCH_KUBE_SCALES:-10000,100000}" \
 		MESHDNS_BENCH_KUBE_DURATION="${BENCH_KUBE_DURATION:-10s}" \
 		MESHDNS_BENCH_KUBE_MESH="${BENCH_KUBE_MESH:-10000}" \
+		MESHDNS_BENCH_KUBE_ISTIOD="${BENCH_KUBE_ISTIOD:-10000}" \
 		MESHDNS_BENCH_ECHO="${echo_args[1]:-}" \
 		go test -count=1 -timeout 120m -run TestKubernetesBench -v ./bench/kube/ >"$work/kube.log" 2>&1 ||
 		{ log "Kubernetes benchmark failed; see $work/kube.log"; tail -30 "$work/kube.log" >&2; exit 1; }
-	grep -E 'kube_test.go|mesh_test.go' "$work/kube.log" >&2 || true
+	grep -E 'kube_test.go|mesh_test.go|istiod_test.go' "$work/kube.log" >&2 || true
 	marker='<!-- hand-written below: kept by benchrun across runs -->'
 	{
 		awk -v m="$marker" '$0 == m { exit } { print }' bench/RESULTS.md

@@ -57,6 +57,7 @@ type settings struct {
 	reps     int
 	out      string // markdown report file ("" = stdout only)
 	mesh     int    // ServiceEntries (and Services over two clusters) of the mesh run; 0 skips it
+	istiod   int    // Services of the istiod run (NDS source beside the Kubernetes source); 0 skips it
 	echo     string // machine-floor echo server (bench/echo); "" skips it
 }
 
@@ -74,10 +75,20 @@ func loadSettings(t *testing.T) settings {
 			if err != nil {
 				t.Fatalf("MESHDNS_BENCH_KUBE_SCALES: %v", err)
 			}
-			s.scales = append(s.scales, n)
+			if n > 0 { // 0: no single-cluster run (the mesh or istiod run alone)
+				s.scales = append(s.scales, n)
+			}
 		}
 	}
 	s.mesh = 10000
+	s.istiod = 10000
+	if v := os.Getenv("MESHDNS_BENCH_KUBE_ISTIOD"); v != "" {
+		n, err := strconv.Atoi(v)
+		if err != nil {
+			t.Fatalf("MESHDNS_BENCH_KUBE_ISTIOD: %v", err)
+		}
+		s.istiod = n
+	}
 	if v := os.Getenv("MESHDNS_BENCH_KUBE_MESH"); v != "" {
 		n, err := strconv.Atoi(v)
 		if err != nil {
@@ -129,9 +140,15 @@ func TestKubernetesBench(t *testing.T) {
 	for _, n := range s.scales {
 		results = append(results, runScale(t, s, n)...)
 	}
-	report := render(results, s)
+	report := ""
+	if len(results) > 0 {
+		report = render(results, s)
+	}
 	if s.mesh > 0 {
 		report += renderMesh(runMesh(t, s), results)
+	}
+	if s.istiod > 0 {
+		report += renderIstiod(runIstiod(t, s), s)
 	}
 	fmt.Println(report)
 	if s.out != "" {
@@ -416,9 +433,12 @@ func writeQueries(t *testing.T, path string, n int) {
 func startServer(t *testing.T, s settings, srv, dir, kubeconfig string, port int, upstream string, extra ...string) *exec.Cmd {
 	var argv []string
 	switch srv {
-	case "meshdns":
+	case "meshdns", "meshdns-istiod":
 		argv = []string{s.meshdns, "run", "--mode", "off", "--listen", fmt.Sprintf("127.0.0.1:%d", port),
-			"--admin", "", "--kubeconfig", kubeconfig, "--upstream", upstream, "--state-dir", t.TempDir()}
+			"--admin", "", "--upstream", upstream, "--state-dir", t.TempDir()}
+		if srv == "meshdns" {
+			argv = append(argv, "--kubeconfig", kubeconfig)
+		}
 		argv = append(argv, extra...)
 	default:
 		// The kubernetes zone without a cache (kubeadm's Corefile caches it

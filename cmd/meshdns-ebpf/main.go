@@ -75,9 +75,15 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	}
 }
 
+// flagSetCreated, when set (by tests), sees each command's flag set.
+var flagSetCreated func(*flag.FlagSet)
+
 func newFlagSet(name string, stderr io.Writer) *flag.FlagSet {
 	fs := flag.NewFlagSet("meshdns-ebpf "+name, flag.ContinueOnError)
 	fs.SetOutput(stderr)
+	if flagSetCreated != nil {
+		flagSetCreated(fs)
+	}
 	return fs
 }
 

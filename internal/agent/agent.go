@@ -107,7 +107,7 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 		}
 	}()
 
-	tuneGC(log)
+	tuneGC(cfg, log)
 
 	// The Kubernetes source: its API server, and the cluster DNS Service to
 	// capture.
@@ -244,6 +244,7 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	reg.MustRegister(newBuildInfo())
+	reg.MustRegister(a.newStateMetrics(mode)...)
 
 	// Name sources and the store that merges them into the name table.
 	if a.store, err = cfg.newNameStore(reg, kubeRest, log); err != nil {
@@ -300,7 +301,7 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 		if err := a.dp.Start(ctx); err != nil {
 			return fmt.Errorf("install eBPF datapath: %w", err)
 		}
-		reg.MustRegister(newDatapathCollector(a.dp.HookStats))
+		reg.MustRegister(newDatapathCollector(a.dp.HookStats), newForeignProgramsCollector(a.dp.CgroupPrograms))
 	}
 
 	// Resolver, on the predecessor's sockets when there is one.

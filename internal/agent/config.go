@@ -63,6 +63,9 @@ type Config struct {
 	// Who asked: attribution, top talkers, the tap (workloads.go).
 	Workloads WorkloadConfig
 
+	// Istiod is the NDS source (--istiod and its flags).
+	Istiod IstiodConfig
+
 	authoritativeSet bool
 	LinkName         string
 	LogLevel         string
@@ -70,6 +73,12 @@ type Config struct {
 	CacheBytes       int // upstream cache memory cap
 	MaxPending       int // queries waiting for the upstream, in total
 	MaxTCPConns      int
+
+	// The container's memory limit in bytes (0: none) and the share of it
+	// the Go runtime's soft memory limit is set to (gc.go).
+	MemoryLimit      int64
+	MemoryLimitRatio float64
+	memoryLimit      string
 
 	// forceNoEBPF makes auto mode behave as if the kernel probe failed (tests).
 	forceNoEBPF string
@@ -147,7 +156,9 @@ func (c *Config) RegisterFlags(fs *flag.FlagSet) {
 	fs.StringVar(&c.ResolvConf, "resolv-conf", "/etc/resolv.conf", "resolv.conf to read nameservers and upstreams from (read before capture starts)")
 	fs.DurationVar(&c.TTL, "ttl", 30*time.Second, "TTL of answers from the name table")
 	fs.StringVar(&c.ClusterDomain, "cluster-domain", "cluster.local", "Kubernetes cluster domain")
-	fs.Func("authoritative", "answer NXDOMAIN/NODATA locally for unknown names under the cluster domain (default true with a Kubernetes source, else false)", func(s string) error {
+	// A boolean flag (bare --authoritative is true) that also records whether
+	// it was given: its default depends on the other flags.
+	fs.BoolFunc("authoritative", "answer NXDOMAIN/NODATA locally for unknown names under the cluster domain (default true with a Kubernetes source, else false)", func(s string) error {
 		v, err := strconv.ParseBool(s)
 		if err != nil {
 			return fmt.Errorf("want true or false, got %q", s)
@@ -172,11 +183,14 @@ func (c *Config) RegisterFlags(fs *flag.FlagSet) {
 	fs.StringVar(&c.NodeName, "node-name", os.Getenv("NODE_NAME"), "this node's name: its Pods' IPs tell the agent each client's namespace (default $NODE_NAME)")
 	fs.StringVar(&c.ClusterDNSService, "cluster-dns-service", DefaultClusterDNSService, "with a Kubernetes source and no --nameservers: the Service (namespace/name) whose cluster IPs pods use as nameserver; those are captured")
 	c.registerMeshFlags(fs)
+	c.registerIstiodFlags(fs)
 	c.registerWorkloadFlags(fs)
 	fs.StringVar(&c.LinkName, "link", DefaultLinkName, "dummy link that carries the node-local listen address")
 	fs.IntVar(&c.CacheBytes, "cache-bytes", upstream.DefaultCacheBytes, "memory cap of the upstream answer cache, in bytes")
 	fs.IntVar(&c.MaxPending, "max-pending", resolver.DefaultMaxPending, "queries waiting for the upstream at once; over it: SERVFAIL at once")
 	fs.IntVar(&c.MaxTCPConns, "max-tcp-conns", resolver.DefaultMaxTCPConns, "open TCP client connections; at the bound the longest idle one is closed")
+	fs.StringVar(&c.memoryLimit, "memory-limit", os.Getenv(MemoryLimitEnv), "the container's memory limit in bytes: the Go memory limit (GOMEMLIMIT) is set to --memory-limit-ratio of it, unless GOMEMLIMIT is in the environment (default $"+MemoryLimitEnv+")")
+	fs.Float64Var(&c.MemoryLimitRatio, "memory-limit-ratio", DefaultMemoryLimitRatio, "share of --memory-limit the Go memory limit is set to")
 	fs.StringVar(&c.LogLevel, "log-level", "info", "debug, info, warn or error")
 	fs.StringVar(&c.LogFormat, "log-format", "text", "text or json")
 	fs.StringVar(&c.forceNoEBPF, "x-force-no-ebpf", "", "testing only: make auto mode behave as if the eBPF probe failed with this reason")
@@ -218,6 +232,14 @@ func (c *Config) Validate() error {
 	if c.CacheBytes < 0 || c.MaxPending < 0 || c.MaxTCPConns < 0 {
 		return fmt.Errorf("--cache-bytes, --max-pending and --max-tcp-conns must not be negative")
 	}
+	lim, err := parseMemoryLimit(c.memoryLimit)
+	if err != nil {
+		return err
+	}
+	c.MemoryLimit = lim
+	if !(c.MemoryLimitRatio > 0 && c.MemoryLimitRatio <= 1) {
+		return fmt.Errorf("--memory-limit-ratio %v: want more than 0 and at most 1", c.MemoryLimitRatio)
+	}
 	if c.Admin != "" {
 		a, err := normalizeAdmin(c.Admin)
 		if err != nil {
@@ -229,6 +251,9 @@ func (c *Config) Validate() error {
 		return fmt.Errorf("--kubeconfig and --kubernetes: give one (--kubernetes uses the in-cluster service account)")
 	}
 	if err := c.validateMesh(); err != nil {
+		return err
+	}
+	if err := c.validateIstiod(); err != nil {
 		return err
 	}
 	if err := c.validateWorkloads(); err != nil {
@@ -263,6 +288,58 @@ func normalizeAdmin(s string) (string, error) {
 		return "", fmt.Errorf("--admin %q: %q is neither an IP address nor a host name (an unset variable in the DaemonSet?)", s, host)
 	}
 	return net.JoinHostPort(host, port), nil
+}
+
+// IstiodConfig configures the NDS source: istiod's name table over xDS
+// (docs/istio.md). The flag names follow what an Istio agent is given.
+type IstiodConfig struct {
+	Addr      string // --istiod HOST:PORT
+	CAFile    string // --istiod-ca-file: TLS with this CA (else plaintext)
+	TokenFile string // --istiod-token-file: bearer token (TLS only)
+	SAN       string // --istiod-san: istiod's certificate name (default the host of --istiod)
+	ClusterID string // --istiod-cluster-id
+	View      string // --istiod-view agent|node ("" = node with a Kubernetes source, --node-name and plaintext)
+	ProxyName string // --istiod-proxy-name
+}
+
+// Istiod view modes.
+const (
+	IstiodViewAgent = "agent" // one view: a proxy of the agent's namespace, for every client
+	IstiodViewNode  = "node"  // plus one view per namespace of this node's Pods
+)
+
+func (c *Config) registerIstiodFlags(fs *flag.FlagSet) {
+	fs.StringVar(&c.Istiod.Addr, "istiod", "", "take the name table from istiod's NDS over xDS at HOST:PORT (15012 TLS with --istiod-ca-file, 15010 plaintext)")
+	fs.StringVar(&c.Istiod.CAFile, "istiod-ca-file", "", "CA certificate (PEM) that signed istiod's serving certificate, e.g. Istio's root-cert.pem: connect with TLS (default plaintext)")
+	fs.StringVar(&c.Istiod.TokenFile, "istiod-token-file", "", "Kubernetes service account token (audience istio-ca) sent to istiod as a bearer token, re-read on each connect; needs --istiod-ca-file")
+	fs.StringVar(&c.Istiod.SAN, "istiod-san", "", "name istiod's certificate must carry (default the host of --istiod, e.g. istiod.istio-system.svc)")
+	fs.StringVar(&c.Istiod.ClusterID, "istiod-cluster-id", "Kubernetes", "the cluster ID the agent's proxies claim (Istio's CLUSTER_ID)")
+	fs.Func("istiod-view", "whose name table: agent (one proxy of --namespace, for every client) or node (also one proxy per namespace of this node's Pods; default with a Kubernetes source, --node-name and plaintext)", func(s string) error {
+		switch s {
+		case IstiodViewAgent, IstiodViewNode:
+			c.Istiod.View = s
+			return nil
+		}
+		return fmt.Errorf("want agent or node, got %q", s)
+	})
+	fs.StringVar(&c.Istiod.ProxyName, "istiod-proxy-name", "", "pod-name part of the proxy IDs the agent presents to istiod: the view of namespace NS is NAME.NS (default meshdns-ebpf-<node name>)")
+}
+
+// validateIstiod checks the NDS flags against the rest.
+func (c *Config) validateIstiod() error {
+	if c.Istiod.Addr == "" {
+		return nil
+	}
+	if _, _, err := net.SplitHostPort(c.Istiod.Addr); err != nil {
+		return fmt.Errorf("--istiod %q: want HOST:PORT", c.Istiod.Addr)
+	}
+	if c.Istiod.TokenFile != "" && c.Istiod.CAFile == "" {
+		return fmt.Errorf("--istiod-token-file needs --istiod-ca-file: a token is only sent over TLS")
+	}
+	if c.Istiod.View == IstiodViewNode && (!c.Kubernetes() || c.NodeName == "") {
+		return fmt.Errorf("--istiod-view node needs a Kubernetes source and --node-name: the namespaces of this node's Pods choose the views")
+	}
+	return nil
 }
 
 // Kubernetes reports whether the Kubernetes source is on.

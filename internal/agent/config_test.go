@@ -14,16 +14,22 @@ import (
 	"testing"
 )
 
-func parseRun(t *testing.T, args ...string) (*Config, error) {
-	t.Helper()
+// runFlags is a Config with the flags of `run` registered on a silent flag set.
+func runFlags() (*Config, *flag.FlagSet) {
 	var c Config
 	fs := flag.NewFlagSet("run", flag.ContinueOnError)
 	fs.SetOutput(io.Discard)
 	c.RegisterFlags(fs)
+	return &c, fs
+}
+
+func parseRun(t *testing.T, args ...string) (*Config, error) {
+	t.Helper()
+	c, fs := runFlags()
 	if err := fs.Parse(args); err != nil {
 		return nil, err
 	}
-	return &c, c.Validate()
+	return c, c.Validate()
 }
 
 func TestFlags(t *testing.T) {
@@ -52,6 +58,13 @@ func TestFlags(t *testing.T) {
 			return reflect.DeepEqual(c.ProxyUIDs, []uint32{1337, 0})
 		}, ""},
 		{"mark hex", []string{"--upstream-mark", "0x10"}, func(c *Config) bool { return c.UpstreamMark == 0x10 }, ""},
+		{"istiod", []string{"--istiod", "istiod.istio-system.svc:15012", "--istiod-ca-file", "/ca.pem", "--istiod-token-file", "/tok", "--istiod-view", "agent"}, func(c *Config) bool {
+			return c.Istiod.Addr == "istiod.istio-system.svc:15012" && c.Istiod.View == IstiodViewAgent && c.Istiod.ClusterID == "Kubernetes"
+		}, ""},
+		{"istiod without port", []string{"--istiod", "istiod.istio-system.svc"}, nil, "--istiod"},
+		{"istiod token in plaintext", []string{"--istiod", "istiod:15010", "--istiod-token-file", "/tok"}, nil, "needs --istiod-ca-file"},
+		{"istiod node view without kubernetes", []string{"--istiod", "istiod:15010", "--istiod-view", "node"}, nil, "needs a Kubernetes source"},
+		{"istiod bad view", []string{"--istiod-view", "pod"}, nil, "want agent or node"},
 		{"bad mode", []string{"--mode", "magic"}, nil, "--mode"},
 		{"listen without port", []string{"--listen", "169.254.20.53"}, nil, "ADDR:PORT"},
 		{"two v4 listens", []string{"--listen", "127.0.0.1:53,127.0.0.2:53"}, nil, "at most one IPv4"},

@@ -1,9 +1,11 @@
 package agent
 
 import (
+	"fmt"
 	"log/slog"
 	"os"
 	"runtime/debug"
+	"strconv"
 )
 
 // defaultGCPercent is the agent's GOGC when the environment sets none.
@@ -15,14 +17,54 @@ import (
 // and keeps a node's peak memory close to what the table needs: 100k
 // Services peaked at 265 MiB with GOGC=50 and 239 MiB with 25 (by hand,
 // bench/kube's population and churn; make bench reports the peak).
-// GOGC and GOMEMLIMIT in the environment take precedence (the DaemonSet
-// sets GOMEMLIMIT below its memory limit).
 const defaultGCPercent = 25
 
-func tuneGC(log *slog.Logger) {
-	if _, set := os.LookupEnv("GOGC"); set {
+// MemoryLimitEnv is where the DaemonSet puts the container's memory limit,
+// in bytes (a resourceFieldRef of limits.memory): the default of
+// --memory-limit.
+const MemoryLimitEnv = "MESHDNS_MEMORY_LIMIT"
+
+// DefaultMemoryLimitRatio is the share of --memory-limit the Go runtime's
+// soft memory limit is set to: the heap is collected harder as it nears it,
+// and the rest is left for what the runtime does not count (stacks of the
+// OS, page tables, fragmentation). 0.9 of the DaemonSet's 256Mi is 230 MiB.
+const DefaultMemoryLimitRatio = 0.9
+
+// parseMemoryLimit reads --memory-limit: bytes, as a resourceFieldRef gives
+// them; "" is none.
+func parseMemoryLimit(s string) (int64, error) {
+	if s == "" {
+		return 0, nil
+	}
+	v, err := strconv.ParseInt(s, 10, 64)
+	if err != nil || v < 0 {
+		return 0, fmt.Errorf("--memory-limit %q (or $%s): want a number of bytes", s, MemoryLimitEnv)
+	}
+	return v, nil
+}
+
+// goMemLimit is the soft memory limit the agent sets: ratio of limit, or 0
+// (none) without a limit.
+func goMemLimit(limit int64, ratio float64) int64 {
+	if limit <= 0 {
+		return 0
+	}
+	return int64(float64(limit) * ratio)
+}
+
+// tuneGC sets GOGC (unless the environment does) and the Go memory limit
+// from the container's limit (unless GOMEMLIMIT is in the environment,
+// which takes precedence).
+func tuneGC(c *Config, log *slog.Logger) {
+	if _, set := os.LookupEnv("GOGC"); !set {
+		debug.SetGCPercent(defaultGCPercent)
+	}
+	if v, set := os.LookupEnv("GOMEMLIMIT"); set {
+		log.Info("Go memory limit from GOMEMLIMIT", "gomemlimit", v)
 		return
 	}
-	debug.SetGCPercent(defaultGCPercent)
-	log.Debug("garbage collector", "gogc", defaultGCPercent, "gomemlimit", os.Getenv("GOMEMLIMIT"))
+	if lim := goMemLimit(c.MemoryLimit, c.MemoryLimitRatio); lim > 0 {
+		debug.SetMemoryLimit(lim)
+		log.Info("Go memory limit", "gomemlimit_bytes", lim, "memory_limit_bytes", c.MemoryLimit, "ratio", c.MemoryLimitRatio)
+	}
 }

@@ -60,7 +60,9 @@ func (c *Config) addMeshSources(store *names.Store, kubeRest *rest.Config, log *
 		if err != nil {
 			return err
 		}
-		if err := store.Add(se, names.SourceOptions{Priority: names.PriorityServiceEntries}); err != nil {
+		// Optional: a cluster without Istio, or a role without the
+		// ServiceEntry rules, must not keep the node's DNS unready.
+		if err := store.Add(se, names.SourceOptions{Priority: names.PriorityServiceEntries, Optional: true}); err != nil {
 			return err
 		}
 	}
@@ -74,16 +76,9 @@ func (c *Config) addMeshSources(store *names.Store, kubeRest *rest.Config, log *
 		}
 	}
 	if c.Mesh.IstioRemoteSecrets {
-		ns := c.Mesh.Namespace
-		if ns == "" && c.InCluster {
-			b, err := os.ReadFile(inClusterNamespace)
-			if err != nil {
-				return fmt.Errorf("--istio-remote-secrets: no --namespace or $POD_NAMESPACE, and %w", err)
-			}
-			ns = strings.TrimSpace(string(b))
-		}
-		if ns == "" {
-			return fmt.Errorf("--istio-remote-secrets: give --namespace (or $POD_NAMESPACE): the namespace whose Secrets to read")
+		ns, err := c.Mesh.ownNamespace(c.InCluster)
+		if err != nil {
+			return fmt.Errorf("--istio-remote-secrets: %w", err)
 		}
 		cfg.Secrets, cfg.Namespace = kubeRest, ns
 	}
@@ -92,6 +87,23 @@ func (c *Config) addMeshSources(store *names.Store, kubeRest *rest.Config, log *
 		return err
 	}
 	return store.Add(m, names.SourceOptions{Priority: names.PriorityRemoteCluster, NonBlocking: true})
+}
+
+// ownNamespace is the agent's namespace: --namespace, else (in a pod)
+// the in-cluster service account's.
+func (m *MeshConfig) ownNamespace(inCluster bool) (string, error) {
+	ns := m.Namespace
+	if ns == "" && inCluster {
+		b, err := os.ReadFile(inClusterNamespace)
+		if err != nil {
+			return "", fmt.Errorf("no --namespace or $POD_NAMESPACE, and %w", err)
+		}
+		ns = strings.TrimSpace(string(b))
+	}
+	if ns == "" {
+		return "", fmt.Errorf("give --namespace (or $POD_NAMESPACE): the agent's own namespace")
+	}
+	return ns, nil
 }
 
 // debugHandler serves what `meshdns-ebpf table`, `status` and `stats` read

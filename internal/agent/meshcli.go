@@ -171,8 +171,11 @@ func writeSources(w io.Writer, srcs []names.SourceStatus) error {
 		if s.Synced {
 			synced = "yes"
 		}
-		if !s.Blocking {
+		switch {
+		case !s.Blocking:
 			synced += " (not blocking)"
+		case s.Optional && !s.Synced && !s.FailingSince.IsZero():
+			synced += " (optional, failing: not waited for)"
 		}
 		last := "-"
 		if !s.LastUpdate.IsZero() {
@@ -188,7 +191,15 @@ func writeSources(w io.Writer, srcs []names.SourceStatus) error {
 		}
 		fmt.Fprintf(tw, "%s\t%d\t%s\t%d\t%d\t%s\t%s\t%d\t%s\n", s.Name, s.Priority, synced, s.Objects, s.Clients, last, state, s.Errors, lastErr)
 	}
-	return tw.Flush()
+	if err := tw.Flush(); err != nil {
+		return err
+	}
+	for _, s := range srcs {
+		if s.Detail != "" {
+			fmt.Fprintf(w, "%s: %s\n", s.Name, s.Detail)
+		}
+	}
+	return nil
 }
 
 // roughly rounds d for people: tenths of a second below 10 s, else seconds.

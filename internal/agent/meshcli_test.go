@@ -1,9 +1,12 @@
 package agent
 
 import (
+	"strings"
 	"testing"
+	"time"
 
 	"github.com/meshdns/meshdns-ebpf/internal/kubesource"
+	"github.com/meshdns/meshdns-ebpf/internal/names"
 	"github.com/meshdns/meshdns-ebpf/internal/redirect"
 )
 
@@ -38,6 +41,31 @@ func TestNamePods(t *testing.T) {
 	for i, tt := range tests {
 		if got := s.Cgroups[i].Pod; got != tt.pod {
 			t.Errorf("pod of %q = %q, want %q", tt.path, got, tt.pod)
+		}
+	}
+}
+
+// `status` says when an optional source fails and is not waited for, and why.
+func TestStatusShowsDegradedOptionalSource(t *testing.T) {
+	var b strings.Builder
+	err := writeSources(&b, []names.SourceStatus{
+		{Name: "kubernetes", Priority: 80, Blocking: true, Synced: true, Objects: 3},
+		{Name: "serviceentries", Priority: 40, Blocking: true, Optional: true, Errors: 4,
+			FailingSince: time.Now().Add(-90 * time.Second), LastError: "serviceentries: serviceentries.networking.istio.io is forbidden"},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	lines := strings.Split(b.String(), "\n")
+	var se string
+	for _, l := range lines {
+		if strings.HasPrefix(l, "serviceentries") {
+			se = l
+		}
+	}
+	for _, want := range []string{"no (optional, failing: not waited for)", "down for 1m30s", "is forbidden"} {
+		if !strings.Contains(se, want) {
+			t.Errorf("status line %q lacks %q\n%s", se, want, b.String())
 		}
 	}
 }

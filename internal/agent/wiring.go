@@ -1,6 +1,7 @@
 package agent
 
 import (
+	"cmp"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -15,6 +16,7 @@ import (
 	"github.com/meshdns/meshdns-ebpf/internal/names"
 	"github.com/meshdns/meshdns-ebpf/internal/names/filesource"
 	"github.com/meshdns/meshdns-ebpf/internal/nametable"
+	"github.com/meshdns/meshdns-ebpf/internal/ndssource"
 	"github.com/meshdns/meshdns-ebpf/internal/redirect"
 	"github.com/meshdns/meshdns-ebpf/internal/resolver/upstream"
 )
@@ -167,6 +169,59 @@ func (c *Config) ctzoneConfig(log *slog.Logger) ctzone.Config {
 	return cc
 }
 
+// addIstiodSource adds the NDS source (--istiod): one view for the
+// agent's namespace and, in node mode, one per namespace of this node's
+// Pods, which the Kubernetes source knows.
+func (c *Config) addIstiodSource(store *names.Store, reg prometheus.Registerer, log *slog.Logger) error {
+	ic := c.Istiod
+	if ic.Addr == "" {
+		return nil
+	}
+	ns, err := c.Mesh.ownNamespace(c.InCluster)
+	if err != nil {
+		return fmt.Errorf("--istiod: %w", err)
+	}
+	if ic.ProxyName == "" && c.NodeName != "" {
+		ic.ProxyName = "meshdns-ebpf-" + c.NodeName
+	}
+	m, err := ndssource.NewMetrics(reg)
+	if err != nil {
+		return err
+	}
+	cfg := ndssource.Config{
+		Addr: ic.Addr, CAFile: ic.CAFile, TokenFile: ic.TokenFile, SAN: ic.SAN, ClusterID: ic.ClusterID,
+		Domain: c.ClusterDomain, ProxyName: ic.ProxyName, Namespace: ns, Metrics: m,
+		Logger: log.With("component", "names"),
+	}
+	for _, l := range c.Listen {
+		cfg.ProxyIPs = append(cfg.ProxyIPs, l.Addr())
+	}
+	// Node views by default where istiod can serve them: over TLS its
+	// identity check lets the agent's token claim its own namespace only.
+	view := ic.View
+	if view == "" && c.Mesh.local != nil && c.NodeName != "" && ic.CAFile == "" {
+		view = IstiodViewNode
+	}
+	if view == IstiodViewNode {
+		local := c.Mesh.local
+		cfg.Namespaces = func() []string {
+			var out []string
+			for _, p := range local.Pods() {
+				if !slices.Contains(out, p.Namespace) {
+					out = append(out, p.Namespace)
+				}
+			}
+			return out
+		}
+	}
+	src, err := ndssource.New(cfg)
+	if err != nil {
+		return err
+	}
+	log.Info("istiod name source", "istiod", ic.Addr, "tls", ic.CAFile != "", "view", cmp.Or(view, IstiodViewAgent), "namespace", ns)
+	return store.Add(src, names.SourceOptions{Priority: names.PriorityIstiod})
+}
+
 // newNameStore creates the name store with the configured sources: the
 // names file, the Kubernetes API server, or the embedded demo table when
 // no other source is given.
@@ -214,7 +269,10 @@ func (c *Config) newNameStore(reg prometheus.Registerer, kubeRest *rest.Config, 
 	if err := c.addMeshSources(store, kubeRest, log); err != nil {
 		return nil, err
 	}
-	if c.NamesFile == "" && kubeRest == nil && !c.meshSources() {
+	if err := c.addIstiodSource(store, reg, log); err != nil {
+		return nil, err
+	}
+	if c.NamesFile == "" && kubeRest == nil && !c.meshSources() && c.Istiod.Addr == "" {
 		demo, err := filesource.NewStatic("demo", defaultNames, store.Domain())
 		if err != nil {
 			return nil, err

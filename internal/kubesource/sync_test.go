@@ -258,9 +258,9 @@ func startSource(t *testing.T, rc *rest.Config) (*names.Store, *nametable.Table)
 		t.Fatal(err)
 	}
 	var first *nametable.Table
-	if !testenv.WaitFor(10*time.Second, func() bool { first = store.Table(); return first != nil }) {
+	if !testenv.WaitFor(30*time.Second, func() bool { first = store.Table(); return first != nil }) {
 		store.Close()
-		t.Fatalf("no table within 10 s: %v", store.Ready())
+		t.Fatalf("no table within 30 s: %v", store.Ready())
 	}
 	return store, first
 }

@@ -52,15 +52,7 @@ func (cp *ControlPlane) InstallServiceEntryCRD(t testing.TB) {
 	if _, err := cp.dynamic.Resource(crdGVR).Create(ctx, crd, metav1.CreateOptions{}); err != nil {
 		t.Fatalf("kubetest: create CRD %s: %v", ServiceEntryCRD, err)
 	}
-	cp.waitCRD(t, ServiceEntryCRD, func(u *unstructured.Unstructured, err error) error {
-		if err != nil {
-			return err
-		}
-		if !crdEstablished(u) {
-			return errors.New("not Established yet")
-		}
-		return nil
-	})
+	cp.waitEstablished(t, ServiceEntryCRD)
 	// Established means the API server serves it; a list through the new resource
 	// proves the discovery and storage paths are up too.
 	cp.waitCRD(t, ServiceEntryCRD, func(*unstructured.Unstructured, error) error {
@@ -125,6 +117,20 @@ func (cp *ControlPlane) waitCRD(t testing.TB, name string, check func(*unstructu
 	}
 }
 
+// waitEstablished waits until the API server serves the CRD name.
+func (cp *ControlPlane) waitEstablished(t testing.TB, name string) {
+	t.Helper()
+	cp.waitCRD(t, name, func(u *unstructured.Unstructured, err error) error {
+		if err != nil {
+			return err
+		}
+		if !crdEstablished(u) {
+			return errors.New("not Established yet")
+		}
+		return nil
+	})
+}
+
 func crdEstablished(u *unstructured.Unstructured) bool {
 	conds, _, _ := unstructured.NestedSlice(u.Object, "status", "conditions")
 	for _, c := range conds {
@@ -161,12 +167,25 @@ func loadIstioCRDs() (map[string]*unstructured.Unstructured, error) {
 	if err != nil {
 		return nil, err
 	}
-	path := filepath.Join(dir, istioCRDFile)
-	b, err := os.ReadFile(path)
+	list, err := readCRDs(filepath.Join(dir, istioCRDFile))
 	if err != nil {
-		return nil, fmt.Errorf("read Istio CRDs: %w", err)
+		return nil, err
 	}
 	crds := map[string]*unstructured.Unstructured{}
+	for _, u := range list {
+		crds[u.GetName()] = u
+	}
+	return crds, nil
+}
+
+// readCRDs returns the CustomResourceDefinitions of a multi-document YAML
+// file, in file order.
+func readCRDs(path string) ([]*unstructured.Unstructured, error) {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return nil, fmt.Errorf("read CRDs: %w", err)
+	}
+	var crds []*unstructured.Unstructured
 	dec := utilyaml.NewYAMLOrJSONDecoder(bytes.NewReader(b), 4096)
 	for {
 		var obj map[string]any
@@ -177,7 +196,7 @@ func loadIstioCRDs() (map[string]*unstructured.Unstructured, error) {
 		}
 		u := &unstructured.Unstructured{Object: obj}
 		if obj != nil && u.GetKind() == "CustomResourceDefinition" {
-			crds[u.GetName()] = u
+			crds = append(crds, u)
 		}
 	}
 	return crds, nil

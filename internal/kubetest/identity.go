@@ -61,6 +61,16 @@ func (cp *ControlPlane) Kubeconfig(t testing.TB, user string) string {
 // with it: the identity a DaemonSet's pod would have.
 func (cp *ControlPlane) ServiceAccountKubeconfig(t testing.TB, namespace, name string) string {
 	t.Helper()
+	token := cp.ServiceAccountToken(t, namespace, name)
+	user := "system:serviceaccount:" + namespace + ":" + name
+	return cp.writeKubeconfig(t, filepath.Join(t.TempDir(), fileSafe(user)+".kubeconfig"), user, token)
+}
+
+// ServiceAccountToken creates the ServiceAccount namespace/name if needed and
+// returns a token for it (TokenRequest, one hour) with the given audiences (none:
+// the API server's own), as kubelet projects one into a pod.
+func (cp *ControlPlane) ServiceAccountToken(t testing.TB, namespace, name string, audiences ...string) string {
+	t.Helper()
 	ctx, cancel := opContext(t)
 	defer cancel()
 	cp.EnsureNamespace(t, namespace)
@@ -70,12 +80,11 @@ func (cp *ControlPlane) ServiceAccountKubeconfig(t testing.TB, namespace, name s
 	}
 	expiry := int64(3600)
 	tr, err := cp.client.CoreV1().ServiceAccounts(namespace).CreateToken(ctx, name,
-		&authenticationv1.TokenRequest{Spec: authenticationv1.TokenRequestSpec{ExpirationSeconds: &expiry}}, metav1.CreateOptions{})
+		&authenticationv1.TokenRequest{Spec: authenticationv1.TokenRequestSpec{ExpirationSeconds: &expiry, Audiences: audiences}}, metav1.CreateOptions{})
 	if err != nil {
 		t.Fatalf("kubetest: token for ServiceAccount %s/%s: %v", namespace, name, err)
 	}
-	user := "system:serviceaccount:" + namespace + ":" + name
-	return cp.writeKubeconfig(t, filepath.Join(t.TempDir(), fileSafe(user)+".kubeconfig"), user, tr.Status.Token)
+	return tr.Status.Token
 }
 
 func (cp *ControlPlane) writeKubeconfig(t testing.TB, path, user, token string) string {

@@ -36,6 +36,8 @@ type Service struct {
 	// PublishNotReadyAddresses marks every endpoint ready, whatever its Pod says.
 	PublishNotReadyAddresses bool
 	Labels                   map[string]string
+	// Annotations, e.g. Istio's networking.istio.io/exportTo.
+	Annotations map[string]string
 }
 
 // CreateService creates s and returns it as stored (with its allocated ClusterIPs).
@@ -44,7 +46,7 @@ func (cp *ControlPlane) CreateService(t testing.TB, s Service) *corev1.Service {
 	ctx, cancel := opContext(t)
 	defer cancel()
 	svc := &corev1.Service{
-		ObjectMeta: metav1.ObjectMeta{Namespace: s.Namespace, Name: s.Name, Labels: s.Labels},
+		ObjectMeta: metav1.ObjectMeta{Namespace: s.Namespace, Name: s.Name, Labels: s.Labels, Annotations: s.Annotations},
 		Spec:       corev1.ServiceSpec{PublishNotReadyAddresses: s.PublishNotReadyAddresses},
 	}
 	if s.ExternalName != "" {

@@ -20,6 +20,7 @@ type process struct {
 	name    string
 	path    string
 	logPath string
+	env     []string // added to the test binary's environment
 
 	mu     sync.Mutex
 	cmd    *exec.Cmd
@@ -50,6 +51,9 @@ func (p *process) start(args []string) error {
 	}
 	fmt.Fprintf(f, "=== kubetest: %s start %s\n%s %s\n", p.name, time.Now().Format(time.RFC3339Nano), p.path, strings.Join(args, " "))
 	cmd := exec.Command(p.path, args...)
+	if len(p.env) > 0 {
+		cmd.Env = append(os.Environ(), p.env...)
+	}
 	cmd.Stdout, cmd.Stderr = f, f
 	cmd.SysProcAttr = dieWithParent()
 	if err := spawn(cmd); err != nil {

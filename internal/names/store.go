@@ -7,8 +7,12 @@
 //
 // The store is ready once every blocking source has delivered its first
 // complete state; before that Table returns nil and the resolver is not
-// ready. A source that later fails (an unreachable API server) keeps its
-// last state serving and reports the error in Status and metrics.
+// ready. An optional source (Istio ServiceEntries) blocks readiness only
+// while it works towards its first state: while it fails (its resources
+// forbidden, its origin unreachable) the store is ready without it, and it
+// comes in on its own when it recovers. A source that later fails (an
+// unreachable API server) keeps its last state serving and reports the
+// error in Status and metrics.
 //
 // Data flows one way: sources -> Sink -> Builder -> Table -> resolver.
 package names
@@ -32,6 +36,7 @@ import (
 // Source priorities (higher wins a name; see docs/kubernetes.md).
 const (
 	PriorityFile           = 100 // --names: the operator's own table
+	PriorityIstiod         = 90  // --istiod: istiod's NDS, what the Istio agent would answer
 	PriorityKubernetes     = 80  // this cluster
 	PriorityRemoteCluster  = 60  // clusters of --remote-kubeconfigs / Istio remote secrets
 	PriorityServiceEntries = 40  // Istio ServiceEntries (a Service of the same host wins)
@@ -90,6 +95,11 @@ type SourceOptions struct {
 	Priority int
 	// NonBlocking sources never hold back readiness (remote clusters).
 	NonBlocking bool
+	// Optional sources hold back readiness only while they are not failing:
+	// a failing optional source is degraded, not a reason to keep a node's
+	// DNS unready. Its first complete state, when it comes after the store
+	// is ready, is published in one snapshot.
+	Optional bool
 }
 
 // SourceStatus is a source's state, for `status` and metrics.
@@ -97,6 +107,7 @@ type SourceStatus struct {
 	Name       string    `json:"name"`
 	Priority   int       `json:"priority"`
 	Blocking   bool      `json:"blocking"`
+	Optional   bool      `json:"optional,omitempty"`
 	Synced     bool      `json:"synced"`
 	Objects    int       `json:"objects"`
 	Clients    int       `json:"clients"`
@@ -108,6 +119,15 @@ type SourceStatus struct {
 	AuditMismatches uint64 `json:"auditMismatches"`
 	// FailingSince is when the source lost its origin; zero while healthy.
 	FailingSince time.Time `json:"failingSince,omitzero"`
+	// Detail is what a source that has more to say reports about itself
+	// (see Detailer).
+	Detail string `json:"detail,omitempty"`
+}
+
+// Detailer is a source with more to say in its status than the store
+// knows (istiod's streams, say).
+type Detailer interface {
+	StatusDetail() string
 }
 
 // Config configures a Store.
@@ -271,6 +291,7 @@ func (s *Store) run(st *sourceState) {
 			if st.failing.IsZero() {
 				st.failing = time.Now()
 			}
+			s.checkReadyLocked() // an optional source that stopped is not waited for
 			s.mu.Unlock()
 		}
 	}()
@@ -305,7 +326,7 @@ func (s *Store) Ready() error {
 	defer s.mu.Unlock()
 	var waiting []string
 	for name, st := range s.srcs {
-		if !st.opts.NonBlocking && !st.synced {
+		if st.waitedFor() {
 			w := name
 			if st.lastErr != "" {
 				w += " (" + st.lastErr + ")"
@@ -349,10 +370,13 @@ func (s *Store) Status() []SourceStatus {
 			continue
 		}
 		out = append(out, SourceStatus{
-			Name: name, Priority: st.opts.Priority, Blocking: !st.opts.NonBlocking, Synced: st.synced,
+			Name: name, Priority: st.opts.Priority, Blocking: !st.opts.NonBlocking, Optional: st.opts.Optional, Synced: st.synced,
 			Objects: s.b.Objects(name), Clients: st.clients, LastUpdate: st.last, Errors: st.errors,
 			LastError: st.lastErr, FailingSince: st.failing, AuditMismatches: st.audits,
 		})
+		if d, ok := st.src.(Detailer); ok {
+			out[len(out)-1].Detail = d.StatusDetail()
+		}
 	}
 	slices.SortFunc(out, func(a, b SourceStatus) int { return strings.Compare(a.Name, b.Name) })
 	return out
@@ -373,18 +397,45 @@ func (s *Store) poke() {
 	}
 }
 
-// checkReadyLocked flips ready when every blocking source has synced.
+// waitedFor reports whether readiness waits for st: a blocking source
+// that has not synced, unless it is optional and failing.
+func (st *sourceState) waitedFor() bool {
+	return !st.opts.NonBlocking && !st.synced && !st.removed && !(st.opts.Optional && !st.failing.IsZero())
+}
+
+// checkReadyLocked flips ready when no source is waited for.
 func (s *Store) checkReadyLocked() {
 	if s.ready {
 		return
 	}
-	for _, st := range s.srcs {
-		if !st.opts.NonBlocking && !st.synced && !st.removed {
+	var degraded []string
+	for name, st := range s.srcs {
+		if st.waitedFor() {
 			return
+		}
+		if st.opts.Optional && !st.synced && !st.removed {
+			degraded = append(degraded, name+" ("+st.lastErr+")")
 		}
 	}
 	s.ready = true
+	if len(degraded) > 0 {
+		sort.Strings(degraded)
+		s.log.Warn("ready without optional name sources that fail; each comes in once it recovers", "sources", strings.Join(degraded, ", "))
+	}
 	s.poke()
+}
+
+// holdingLocked reports whether an optional source is delivering its first
+// complete state after the store became ready: publishing waits for its
+// Synced, so that state goes out in one snapshot (VIPs allocated in one
+// batch, as at start). A source that fails meanwhile is not waited for.
+func (s *Store) holdingLocked() bool {
+	for _, st := range s.srcs {
+		if st.opts.Optional && !st.synced && !st.removed && !st.last.IsZero() && st.failing.IsZero() {
+			return true
+		}
+	}
+	return false
 }
 
 // publisher publishes a change at once when the last publish is at least a
@@ -423,7 +474,7 @@ func (s *Store) publisher() {
 
 func (s *Store) publish() {
 	s.mu.Lock()
-	if !s.ready || (!s.b.Changed() && s.cur.Load() != nil) {
+	if !s.ready || (!s.b.Changed() && s.cur.Load() != nil) || s.holdingLocked() {
 		s.mu.Unlock()
 		return
 	}
@@ -552,6 +603,11 @@ func (k *sink) Failed(err error) {
 	k.st.lastErr = err.Error()
 	if k.st.failing.IsZero() {
 		k.st.failing = time.Now()
-		k.s.log.Warn("name source failing, serving its last state", "source", k.name, "err", err)
+		if k.st.synced {
+			k.s.log.Warn("name source failing, serving its last state", "source", k.name, "err", err)
+		} else {
+			k.s.log.Warn("name source failing before its first sync", "source", k.name, "optional", k.st.opts.Optional, "err", err)
+		}
+		k.s.checkReadyLocked()
 	}
 }

@@ -111,6 +111,69 @@ func TestReadiness(t *testing.T) {
 	}
 }
 
+// An optional source holds readiness back while it works towards its first
+// state, not while it fails: the store is ready without it, Status says so,
+// and when it recovers its first complete state is published in one
+// snapshot. A required source that fails still holds readiness back
+// (TestReadiness).
+func TestOptionalSourceFailingDoesNotBlock(t *testing.T) {
+	s, _ := newStore(t, DefaultWindow)
+	k, se := newFake("kubernetes"), newFake("serviceentries")
+	if err := s.Add(k, SourceOptions{Priority: 80}); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Add(se, SourceOptions{Priority: 40, Optional: true}); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Start(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	ks, ses := <-k.sink, <-se.sink
+	_ = ks.Set("default/web", host("web.default.svc.cluster.local", "10.96.0.10"))
+	ks.Synced()
+	// Not failing: still waited for (readiness is decided under the lock
+	// as the sources report, so no table can have been published).
+	if err := s.Ready(); err == nil || !strings.Contains(err.Error(), "serviceentries") || s.Table() != nil {
+		t.Fatalf("Ready = %v, table %v: want not ready, waiting for serviceentries", err, s.Table())
+	}
+	ses.Failed(errors.New("serviceentries is forbidden"))
+	waitTable(t, s, "ready without the failing optional source", func(tb *nametable.Table) bool {
+		return addr(tb, "web.default.svc.cluster.local.") == "10.96.0.10"
+	})
+	if err := s.Ready(); err != nil {
+		t.Fatalf("Ready = %v", err)
+	}
+	st := statusOf(t, s, "serviceentries")
+	if !st.Optional || st.Synced || st.FailingSince.IsZero() || !strings.Contains(st.LastError, "forbidden") {
+		t.Fatalf("status %+v: want optional, not synced, failing with the error", st)
+	}
+	// Allowed again: the whole first state goes out in one snapshot.
+	ses.Failed(nil)
+	_ = ses.Set("infra/a", host("a.example.com", "192.0.2.1"))
+	_ = ses.Set("infra/b", host("b.example.com", "192.0.2.2"))
+	if tb := s.Table(); addr(tb, "a.example.com.") != "" {
+		t.Fatalf("part of the optional source's first state was published before it synced")
+	}
+	ses.Synced()
+	waitTable(t, s, "the optional source's state", func(tb *nametable.Table) bool {
+		return addr(tb, "a.example.com.") == "192.0.2.1" && addr(tb, "b.example.com.") == "192.0.2.2"
+	})
+	if st := statusOf(t, s, "serviceentries"); !st.Synced || !st.FailingSince.IsZero() {
+		t.Fatalf("status %+v: want synced and healthy", st)
+	}
+}
+
+func statusOf(t *testing.T, s *Store, name string) SourceStatus {
+	t.Helper()
+	for _, st := range s.Status() {
+		if st.Name == name {
+			return st
+		}
+	}
+	t.Fatalf("no source %s in %+v", name, s.Status())
+	return SourceStatus{}
+}
+
 // An isolated update is published at once; a burst within the window is
 // one snapshot, and the last state wins. The window is long enough that "at
 // once" (under half of it) is told from "at the end of a window" on a machine

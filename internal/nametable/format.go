@@ -42,7 +42,11 @@ type HostInfo struct {
 	Shortname string   `json:"shortname,omitempty"`
 	Namespace string   `json:"namespace,omitempty"`
 	AltHosts  []string `json:"altHosts,omitempty"`
-	Ports     []Port   `json:"ports,omitempty"`
+	// AltHostsProto is alt_hosts, the proto field name of altHosts: protojson
+	// reads either (Istio's debug endpoints write the proto names), so the
+	// file does too. Giving both is an error, as it is to protojson.
+	AltHostsProto []string `json:"alt_hosts,omitempty"`
+	Ports         []Port   `json:"ports,omitempty"`
 }
 
 // Port is a named service port, answered as SRV _name._protocol.host.
@@ -181,10 +185,17 @@ func (info *HostInfo) host(k, svc string) (Host, error) {
 			return h, fmt.Errorf("table[%q].%s: %q does not match the host name (short names are derived from <short>.<ns>.svc.<domain>)", k, fld.n, fld.v)
 		}
 	}
-	for i, alt := range info.AltHosts {
+	alts, altField := info.AltHosts, "altHosts"
+	if info.AltHostsProto != nil {
+		if info.AltHosts != nil {
+			return h, fmt.Errorf("table[%q]: both altHosts and alt_hosts given (the JSON and the proto name of one field)", k)
+		}
+		alts, altField = info.AltHostsProto, "alt_hosts"
+	}
+	for i, alt := range alts {
 		n, err := NormName(alt)
 		if err != nil {
-			return h, fmt.Errorf("table[%q].altHosts[%d]: %w", k, i, err)
+			return h, fmt.Errorf("table[%q].%s[%d]: %w", k, altField, i, err)
 		}
 		h.AltNames = append(h.AltNames, n)
 	}

@@ -391,6 +391,7 @@ func (d *Datapath) Start(ctx context.Context) (err error) {
 		"target4", d.set.cfg.Target4, "target6", d.set.cfg.Target6, "nameservers", d.set.nameservers,
 		"capture_all", cfg.CaptureAll, "slot_ports", SlotPorts(d.set.cfg),
 		"adopted_links", adopted, "kept_maps", sortedNames(reused))
+	d.logCoexistence(ourIDs(d.programsLocked()))
 	return nil
 }
 
@@ -823,6 +824,11 @@ func (d *Datapath) Close() error {
 func (d *Datapath) Programs() []ProgramInfo {
 	d.mu.Lock()
 	defer d.mu.Unlock()
+	return d.programsLocked()
+}
+
+// programsLocked is Programs with d.mu held.
+func (d *Datapath) programsLocked() []ProgramInfo {
 	out := make([]ProgramInfo, 0, len(d.links))
 	progs := d.programsByName()
 	for _, a := range d.links {

@@ -304,6 +304,10 @@ type Status struct {
 	CaptureLoopback bool             `json:"capture_loopback"`
 	UpstreamMark    uint32           `json:"upstream_mark"`
 	ProxyUIDs       []uint32         `json:"proxy_uids"`
+	// CgroupPrograms are the programs that run for the capture cgroup's
+	// sockets on our hooks, ours and others', in order.
+	CgroupPrograms      []CgroupProgram `json:"cgroup_programs,omitempty"`
+	CgroupProgramsError string          `json:"cgroup_programs_error,omitempty"`
 }
 
 // ReadStatus reads what is attached and how it is configured from the links and
@@ -388,7 +392,31 @@ func ReadStatus(pinDir string) (*Status, error) {
 		return nil, err
 	}
 	st.Programs = progs
+	st.readCgroupPrograms()
 	return st, nil
+}
+
+// readCgroupPrograms lists what runs on the capture cgroup (the cgroup of the
+// pinned links) beside our pinned programs.
+func (st *Status) readCgroupPrograms() {
+	cgroup := ""
+	for _, p := range st.Programs {
+		if cgroup == "" && filepath.IsAbs(p.Cgroup) {
+			cgroup = p.Cgroup
+		}
+	}
+	if cgroup == "" {
+		if len(st.Programs) > 0 {
+			st.CgroupProgramsError = "the capture cgroup of the pinned links was not found"
+		}
+		return
+	}
+	progs, err := QueryCgroupPrograms(cgroup, ourIDs(st.Programs))
+	if err != nil {
+		st.CgroupProgramsError = err.Error()
+		return
+	}
+	st.CgroupPrograms = progs
 }
 
 // pinnedPrograms describes the links pinned under pinDir/links, in hook order.
@@ -475,5 +503,8 @@ func (s *Status) WriteText(w io.Writer) error {
 	for _, p := range s.Programs {
 		fmt.Fprintf(tw, "%s\t%d\t%d\t%s\n", p.Hook, p.ProgramID, p.LinkID, p.Cgroup)
 	}
-	return tw.Flush()
+	if err := tw.Flush(); err != nil {
+		return err
+	}
+	return writeCgroupPrograms(w, s.CgroupPrograms, s.CgroupProgramsError)
 }

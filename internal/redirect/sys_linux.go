@@ -11,6 +11,9 @@ const (
 	solSocket     = unix.SOL_SOCKET
 	soMark        = unix.SO_MARK
 	bpfNoPrealloc = unix.BPF_F_NO_PREALLOC
+	// bpfQueryEffective: BPF_PROG_QUERY lists what runs for the cgroup (its own
+	// programs, then its ancestors'), not only what is attached to it.
+	bpfQueryEffective = unix.BPF_F_QUERY_EFFECTIVE
 )
 
 // OnBPFFS reports p's filesystem type and whether it is a bpffs.

@@ -10,9 +10,10 @@ var errNotLinux = errors.New("the eBPF datapath needs Linux")
 // Values of Linux's ABI that only programs loaded on Linux use (the loads fail
 // here first).
 const (
-	solSocket     = 1
-	soMark        = 36
-	bpfNoPrealloc = 1
+	solSocket         = 1
+	soMark            = 36
+	bpfNoPrealloc     = 1
+	bpfQueryEffective = 1
 )
 
 // OnBPFFS fails: bpffs is Linux's.

@@ -25,10 +25,11 @@ const (
 	srcUpstream
 	srcStale
 	srcError
+	srcAutopath // a search-path expansion answered from the table in one round trip
 	nSources
 )
 
-var sourceNames = [nSources]string{"table", "cache", "upstream", "stale", "error"}
+var sourceNames = [nSources]string{"table", "cache", "upstream", "stale", "error", "autopath"}
 
 // qtypeLabels is the bounded qtype label set; anything else is "other".
 var qtypeLabels = []string{"A", "AAAA", "PTR", "SRV", "CNAME", "MX", "TXT", "NS", "SOA", "HTTPS", "SVCB", "ANY", "other"}

@@ -276,6 +276,9 @@ func (w *worker) serveUnpacked(r *request, out []byte) []byte {
 		return nil
 	}
 	src := srcTable
+	if ri.autopath {
+		src = srcAutopath
+	}
 	switch resp.Rcode {
 	case dns.RcodeFormatError, dns.RcodeNotImplemented, dns.RcodeRefused, dns.RcodeBadVers:
 		src = srcError

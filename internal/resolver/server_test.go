@@ -130,18 +130,26 @@ func TestMultipleListenersAndMetrics(t *testing.T) {
 	}
 	exchange(t, "udp", addrs[0], query("ext.example.org.", dns.TypeA)())
 	exchange(t, "tcp", addrs[0], query("productpage.ns1.svc.cluster.local.", dns.TypeMX)())
+	// Search-path expansions answered in one round trip: the packed path (A)
+	// and the general one (ANY).
+	for _, qt := range []uint16{dns.TypeA, dns.TypeANY} {
+		if resp := exchange(t, "udp", addrs[0], query("productpage.ns1.ns1.svc.cluster.local.", qt)()); len(resp.Answer) < 2 {
+			t.Fatalf("autopath %s: %v", dns.TypeToString[qt], resp)
+		}
+	}
 	for _, c := range []struct {
 		name   string
 		labels []string
 		want   float64
 	}{
-		{"meshdns_dns_requests_total", []string{"proto", "udp", "qtype", "A"}, 4},
+		{"meshdns_dns_requests_total", []string{"proto", "udp", "qtype", "A"}, 5},
 		{"meshdns_dns_requests_total", []string{"proto", "tcp", "qtype", "A"}, 3},
 		{"meshdns_dns_requests_total", []string{"proto", "tcp", "qtype", "MX"}, 1},
 		{"meshdns_dns_responses_total", []string{"rcode", "NOERROR", "source", "table"}, 7},
 		{"meshdns_dns_responses_total", []string{"rcode", "NOERROR", "source", "upstream"}, 1},
 		{"meshdns_dns_request_duration_seconds", []string{"source", "table"}, 7},
 		{"meshdns_dns_request_duration_seconds", []string{"source", "upstream"}, 1},
+		{"meshdns_dns_responses_total", []string{"rcode", "NOERROR", "source", "autopath"}, 2},
 	} {
 		var got float64
 		deadline := time.Now().Add(time.Second)

@@ -164,11 +164,11 @@ func (w *worker) tableWire(r *request, out []byte) (b []byte, done bool) {
 	if r.edns {
 		b = appendOPT(b, r.do, 0)
 	}
-	s.record(r.proto, qtype, rcode, srcTable, r.start)
-	kind := tap.Table
+	src, kind := srcTable, tap.Table
 	if target != "" {
-		kind = tap.Autopath
+		src, kind = srcAutopath, tap.Autopath
 	}
+	s.record(r.proto, qtype, rcode, src, r.start)
 	s.observeReq(r, lname, qtype, rcode, kind, len(b))
 	return b, true
 }

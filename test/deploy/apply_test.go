@@ -1,6 +1,7 @@
 package deploy
 
 import (
+	"bufio"
 	"context"
 	"encoding/json"
 	"fmt"
@@ -9,6 +10,8 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -61,6 +64,16 @@ func serviceMonitorCRD() *unstructured.Unstructured {
 				"schema": map[string]any{"openAPIV3Schema": map[string]any{"type": "object", "x-kubernetes-preserve-unknown-fields": true}}}},
 		},
 	}}
+}
+
+// prometheusRuleCRD stands in for the Prometheus Operator's PrometheusRule CRD, as
+// serviceMonitorCRD does for the ServiceMonitor.
+func prometheusRuleCRD() *unstructured.Unstructured {
+	crd := serviceMonitorCRD()
+	crd.SetName("prometheusrules.monitoring.coreos.com")
+	_ = unstructured.SetNestedStringMap(crd.Object, map[string]string{"plural": "prometheusrules", "singular": "prometheusrule",
+		"kind": "PrometheusRule", "listKind": "PrometheusRuleList"}, "spec", "names")
+	return crd
 }
 
 var crdGVR = schema.GroupVersionResource{Group: "apiextensions.k8s.io", Version: "v1", Resource: "customresourcedefinitions"}
@@ -143,6 +156,7 @@ func TestManifestsServerSideApply(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	installCRD(t, cp, serviceMonitorCRD())
+	installCRD(t, cp, prometheusRuleCRD())
 	sets := [][]string{nil}
 	for _, c := range components(t) {
 		sets = append(sets, []string{c})
@@ -201,14 +215,14 @@ type agentRun struct {
 	cmd   *exec.Cmd
 	addr  string
 	admin string
-	log   *syncBuffer
+	log   *testenv.SyncBuffer
 	done  chan error
 }
 
 func startAgent(t *testing.T, kubeconfig, upstream string) *agentRun {
 	t.Helper()
 	a := &agentRun{addr: fmt.Sprintf("127.0.0.1:%d", testenv.FreePort(t)), admin: fmt.Sprintf("127.0.0.1:%d", testenv.FreePort(t)),
-		log: &syncBuffer{}, done: make(chan error, 1)}
+		log: &testenv.SyncBuffer{}, done: make(chan error, 1)}
 	a.cmd = exec.Command(buildAgent(t), "run", "--mode", "off", "--kubeconfig", kubeconfig, "--node-name", "node-a",
 		"--listen", a.addr, "--admin", a.admin, "--upstream", upstream, "--state-dir", t.TempDir())
 	a.cmd.Stdout, a.cmd.Stderr = a.log, a.log
@@ -261,9 +275,13 @@ func (a *agentRun) lookup(name string) string {
 
 // The agent, run against the API server with the token of the shipped
 // ServiceAccount, bound by the shipped ClusterRole and nothing else, syncs
-// and answers. Removing any one rule of that ClusterRole makes it fail to
-// become ready, and it says which resource it may not read: the role is
-// exactly what the agent needs.
+// and answers. Removing any one rule of that ClusterRole shows it is
+// needed: without a rule of the required source (Services, EndpointSlices,
+// Pods) the agent does not become ready and /readyz names the resource it
+// may not read; without a rule of the optional ServiceEntry source (the CRD,
+// the ServiceEntries) the agent is ready all the same (a node's DNS does not
+// wait for Istio), the failure shows in the source's metrics and in the log,
+// and once the rule is granted again the ServiceEntries come in on their own.
 func TestShippedRBACIsExact(t *testing.T) {
 	testenv.RequirePrivileged(t)
 	cp := kubetest.Start(t, kubetest.Options{})
@@ -276,13 +294,15 @@ func TestShippedRBACIsExact(t *testing.T) {
 	}
 	role := find[*rbacv1.ClusterRole](t, objs, "ClusterRole", "meshdns-ebpf")
 	web := cp.CreateService(t, kubetest.Service{Namespace: "default", Name: "web"})
+	createServiceEntry(t, cp, "default", "api", "api.example.com", "192.0.2.10")
 	kubeconfig := cp.ServiceAccountKubeconfig(t, "meshdns-system", "meshdns-ebpf")
 	up := testenv.StartFakeDNS(t, nil, "127.0.0.1:0", nil)
 
 	a := startAgent(t, kubeconfig, up.Addr)
 	if !testenv.WaitFor(60*time.Second, func() bool {
 		code, _ := a.readyz()
-		return code == 200 && a.lookup("web.default.svc.cluster.local.") == web.Spec.ClusterIP
+		return code == 200 && a.lookup("web.default.svc.cluster.local.") == web.Spec.ClusterIP &&
+			a.lookup("api.example.com.") == "192.0.2.10"
 	}) {
 		code, body := a.readyz()
 		t.Fatalf("with the shipped ClusterRole the agent is not ready: %d %s\n%s", code, body, a.log.String())
@@ -293,18 +313,33 @@ func TestShippedRBACIsExact(t *testing.T) {
 	defer cancel()
 	for i, rule := range role.Rules {
 		what := strings.Join(rule.Resources, ",")
+		optional := slices.ContainsFunc(rule.APIGroups, func(g string) bool {
+			return g == "networking.istio.io" || g == "apiextensions.k8s.io"
+		})
 		t.Run("without "+what, func(t *testing.T) {
 			less := role.DeepCopy()
 			less.Rules = append(less.Rules[:i:i], role.Rules[i+1:]...)
 			if err := apply(t, cp, []object{{obj: less, kind: "ClusterRole", name: less.Name}}); err != nil {
 				t.Fatal(err)
 			}
-			t.Cleanup(func() {
+			restore := func() {
 				if err := apply(t, cp, []object{{obj: role, kind: "ClusterRole", name: role.Name}}); err != nil {
 					t.Errorf("restore the ClusterRole: %v", err)
 				}
-			})
+			}
+			t.Cleanup(restore)
 			a := startAgent(t, kubeconfig, up.Addr)
+			if optional {
+				checkDegraded(t, a, what, rule.Resources, web.Spec.ClusterIP)
+				restore()
+				if !testenv.WaitFor(30*time.Second, func() bool { return a.lookup("api.example.com.") == "192.0.2.10" }) {
+					t.Fatalf("the rule for %s granted again: the ServiceEntry is still not answered\n%s", what, a.log.String())
+				}
+				if m := a.metrics(t); m[`meshdns_names_source_stale_seconds{source="serviceentries"}`] != 0 {
+					t.Errorf("recovered, but stale_seconds{serviceentries} = %v", m[`meshdns_names_source_stale_seconds{source="serviceentries"}`])
+				}
+				return
+			}
 			var body string
 			ok := testenv.WaitFor(20*time.Second, func() bool {
 				var code int
@@ -322,6 +357,72 @@ func TestShippedRBACIsExact(t *testing.T) {
 			}
 		})
 	}
+}
+
+// checkDegraded: the agent is ready and answers the local cluster while the
+// optional ServiceEntry source is forbidden, and says so in its metrics and log.
+func checkDegraded(t *testing.T, a *agentRun, what string, resources []string, webIP string) {
+	t.Helper()
+	stale := `meshdns_names_source_stale_seconds{source="serviceentries"}`
+	if !testenv.WaitFor(30*time.Second, func() bool {
+		code, _ := a.readyz()
+		return code == http.StatusOK && a.lookup("web.default.svc.cluster.local.") == webIP && a.metrics(t)[stale] > 0
+	}) {
+		code, body := a.readyz()
+		t.Fatalf("without the rule for %s (an optional source): /readyz %d %q, %s = %v; want 200, the local Services answered and the source stale\n%s",
+			what, code, body, stale, a.metrics(t)[stale], a.log.String())
+	}
+	if a.lookup("api.example.com.") != "" {
+		t.Errorf("without the rule for %s, api.example.com is answered", what)
+	}
+	if m := a.metrics(t); m[`meshdns_names_source_synced{source="serviceentries"}`] != 0 || m[`meshdns_names_source_errors_total{source="serviceentries"}`] == 0 {
+		t.Errorf("serviceentries: synced %v, errors %v; want 0 and > 0", m[`meshdns_names_source_synced{source="serviceentries"}`], m[`meshdns_names_source_errors_total{source="serviceentries"}`])
+	}
+	if log := a.log.String(); !strings.Contains(log, "forbidden") || !mentionsAny(log, resources) {
+		t.Errorf("the log does not say %s is forbidden:\n%s", what, log)
+	}
+}
+
+// createServiceEntry creates a ServiceEntry of one host with one address.
+func createServiceEntry(t *testing.T, cp *kubetest.ControlPlane, ns, name, host, addr string) {
+	t.Helper()
+	u := &unstructured.Unstructured{Object: map[string]any{
+		"apiVersion": kubetest.ServiceEntryGVR.GroupVersion().String(),
+		"kind":       "ServiceEntry",
+		"metadata":   map[string]any{"name": name, "namespace": ns},
+		"spec": map[string]any{"hosts": []any{host}, "addresses": []any{addr}, "resolution": "STATIC",
+			"ports": []any{map[string]any{"number": int64(443), "name": "https", "protocol": "TLS"}}},
+	}}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	if _, err := cp.DynamicClient().Resource(kubetest.ServiceEntryGVR).Namespace(ns).Create(ctx, u, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// metrics scrapes the agent's /metrics: "name{labels}" (as exposed) -> value.
+func (a *agentRun) metrics(t *testing.T) map[string]float64 {
+	t.Helper()
+	c := http.Client{Timeout: 2 * time.Second}
+	resp, err := c.Get("http://" + a.admin + "/metrics")
+	if err != nil {
+		return nil
+	}
+	defer resp.Body.Close()
+	out := map[string]float64{}
+	sc := bufio.NewScanner(resp.Body)
+	sc.Buffer(make([]byte, 0, 64<<10), 1<<20)
+	for sc.Scan() {
+		line := sc.Text()
+		if line == "" || strings.HasPrefix(line, "#") {
+			continue
+		}
+		i := strings.LastIndexByte(line, ' ')
+		if v, err := strconv.ParseFloat(line[i+1:], 64); err == nil {
+			out[line[:i]] = v
+		}
+	}
+	return out
 }
 
 func mentionsAny(s string, words []string) bool {

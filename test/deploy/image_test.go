@@ -305,7 +305,7 @@ func TestImageIptablesFallback(t *testing.T) {
 	cmd := exec.CommandContext(ctx, "nsenter", "--net="+ns.Path(), "--", "unshare", "--mount", "--propagation", "private", "--",
 		"sh", "-c", script, root, "run", "--mode=iptables", "--nameservers=10.96.0.10", "--upstream="+up.Addr,
 		"--admin=127.0.0.1:9153", "--state-dir=/run/meshdns", "--log-level=debug")
-	var log syncBuffer
+	var log testenv.SyncBuffer
 	cmd.Stdout, cmd.Stderr = &log, &log
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
 	cmd.Cancel = func() error { return cmd.Process.Signal(syscall.SIGKILL) }
@@ -406,22 +406,4 @@ func TestImageIptablesFallback(t *testing.T) {
 	if _, err := os.Stat(filepath.Join(root, "run", "meshdns", "agent.json")); !errors.Is(err, os.ErrNotExist) {
 		t.Errorf("state file left after a clean stop: %v", err)
 	}
-}
-
-// syncBuffer collects a process's output from several goroutines.
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
 }

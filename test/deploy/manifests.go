@@ -9,6 +9,7 @@ import (
 	"os"
 	"path/filepath"
 	goruntime "runtime"
+	"slices"
 	"strings"
 
 	appsv1 "k8s.io/api/apps/v1"
@@ -86,7 +87,10 @@ type object struct {
 
 // crdKinds may appear only as unstructured objects (their schemas live in CRDs,
 // checked against the API server).
-var crdKinds = map[string]bool{"monitoring.coreos.com/v1, Kind=ServiceMonitor": true}
+var crdKinds = map[string]bool{
+	"monitoring.coreos.com/v1, Kind=ServiceMonitor": true,
+	"monitoring.coreos.com/v1, Kind=PrometheusRule": true,
+}
 
 // decodeStrict decodes every YAML document strictly: an unknown or duplicated
 // field, or a kind the API types do not have, is an error.
@@ -140,4 +144,21 @@ func isComment(doc []byte) bool {
 		}
 	}
 	return true
+}
+
+// imageArches are the architectures `make image` builds by default: the
+// Makefile's IMAGE_ARCHES, sorted.
+func imageArches() []string {
+	b, err := os.ReadFile(filepath.Join(repoRoot(), "Makefile"))
+	if err != nil {
+		panic(err)
+	}
+	for _, l := range strings.Split(string(b), "\n") {
+		if f := strings.Fields(l); len(f) >= 3 && f[0] == "IMAGE_ARCHES" && f[1] == "?=" {
+			arches := slices.Clone(f[2:])
+			slices.Sort(arches)
+			return arches
+		}
+	}
+	panic("no IMAGE_ARCHES ?= line in the Makefile")
 }

@@ -270,8 +270,13 @@ func TestComponents(t *testing.T) {
 				t.Errorf("Service selector %v does not select the agent's pods %v", svc.Spec.Selector, ds.Spec.Template.Labels)
 			}
 		}
-		if len(ds.Spec.Template.Annotations) != 0 {
-			t.Errorf("pod annotations %v: the agents would be scraped twice", ds.Spec.Template.Annotations)
+		for k := range ds.Spec.Template.Annotations {
+			if strings.HasPrefix(k, "prometheus.io/") {
+				t.Errorf("pod annotation %s: the agents would be scraped twice", k)
+			}
+		}
+		if ds.Spec.Template.Annotations[apparmorAnnotation+"agent"] != "unconfined" {
+			t.Errorf("pod annotations %v: the AppArmor one was removed with the scrape ones", ds.Spec.Template.Annotations)
 		}
 		sm := find[*unstructured.Unstructured](t, objs, "ServiceMonitor", "meshdns-ebpf")
 		sel, _, _ := unstructured.NestedStringMap(sm.Object, "spec", "selector", "matchLabels")
@@ -297,7 +302,7 @@ func TestComponents(t *testing.T) {
 		}
 	})
 	t.Run("all", func(t *testing.T) {
-		renderChecked(t, "ebpf-only", "istio-remote-secrets", "prometheus-operator", "names-configmap")
+		renderChecked(t, "ebpf-only", "istio-remote-secrets", "prometheus-operator", "names-configmap", "prometheus-rules", "grafana-dashboard")
 	})
 }
 
@@ -371,6 +376,33 @@ func TestPolicyCatchesViolations(t *testing.T) {
 		}},
 		{"node name", "NODE_NAME", func(d *appsv1.DaemonSet) {
 			d.Spec.Template.Spec.Containers[0].Env = nil
+		}},
+		{"any OS", "kubernetes.io/os", func(d *appsv1.DaemonSet) { d.Spec.Template.Spec.NodeSelector = nil }},
+		{"any architecture", "architectures", func(d *appsv1.DaemonSet) { d.Spec.Template.Spec.Affinity = nil }},
+		{"an architecture the image lacks", "architectures", func(d *appsv1.DaemonSet) {
+			e := &d.Spec.Template.Spec.Affinity.NodeAffinity.RequiredDuringSchedulingIgnoredDuringExecution.NodeSelectorTerms[0].MatchExpressions[0]
+			e.Values = append(e.Values, "s390x")
+		}},
+		{"AppArmor runtime default", "appArmorProfile", func(d *appsv1.DaemonSet) {
+			d.Spec.Template.Spec.Containers[0].SecurityContext.AppArmorProfile = &corev1.AppArmorProfile{Type: corev1.AppArmorProfileTypeRuntimeDefault}
+		}},
+		{"no AppArmor annotation", "annotation " + apparmorAnnotation, func(d *appsv1.DaemonSet) {
+			delete(d.Spec.Template.Annotations, apparmorAnnotation+"agent")
+		}},
+		{"no SELinux type", "spc_t", func(d *appsv1.DaemonSet) {
+			d.Spec.Template.Spec.Containers[0].SecurityContext.SELinuxOptions = nil
+		}},
+		{"hard-coded GOMEMLIMIT", "GOMEMLIMIT is set", func(d *appsv1.DaemonSet) {
+			c := &d.Spec.Template.Spec.Containers[0]
+			c.Env = append(c.Env, corev1.EnvVar{Name: "GOMEMLIMIT", Value: "230MiB"})
+		}},
+		{"memory limit not from the container", "MESHDNS_MEMORY_LIMIT", func(d *appsv1.DaemonSet) {
+			c := &d.Spec.Template.Spec.Containers[0]
+			for i := range c.Env {
+				if c.Env[i].Name == "MESHDNS_MEMORY_LIMIT" {
+					c.Env[i] = corev1.EnvVar{Name: "MESHDNS_MEMORY_LIMIT", Value: "268435456"}
+				}
+			}
 		}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {

@@ -24,6 +24,9 @@ var (
 	// The agent's memory must fit under the limit: its caches are sized for 256 MiB.
 	minMemoryLimit = resource.MustParse("256Mi")
 	readOnlyVerbs  = []string{"get", "list", "watch"}
+	// apparmorAnnotation is the pre-1.30 form of the agent container's
+	// appArmorProfile field.
+	apparmorAnnotation = "container.apparmor.security.beta.kubernetes.io/"
 )
 
 // checkPolicy returns every violation in objs; none is the pass.
@@ -109,6 +112,7 @@ func checkDaemonSet(ds *appsv1.DaemonSet, bad func(string, ...any)) {
 	if sc := p.SecurityContext; sc != nil && sc.SeccompProfile != nil && sc.SeccompProfile.Type != corev1.SeccompProfileTypeRuntimeDefault {
 		bad("pod seccompProfile %q: want RuntimeDefault", sc.SeccompProfile.Type)
 	}
+	checkPlacement(p, bad)
 	for _, vol := range p.Volumes {
 		if hp := vol.HostPath; hp != nil && !slices.Contains(allowedHostPaths, hp.Path) {
 			bad("volume %q mounts host path %s: allowed are %v", vol.Name, hp.Path, allowedHostPaths)
@@ -118,7 +122,71 @@ func checkDaemonSet(ds *appsv1.DaemonSet, bad func(string, ...any)) {
 		bad("no init or ephemeral containers")
 	}
 	for _, c := range p.Containers {
-		checkContainer(c, p.SecurityContext, func(f string, a ...any) { bad("container "+c.Name+": "+f, a...) })
+		cbad := func(f string, a ...any) { bad("container "+c.Name+": "+f, a...) }
+		checkContainer(c, p.SecurityContext, cbad)
+		checkLSM(c, ds.Spec.Template.Annotations, cbad)
+		checkMemoryLimitEnv(c, cbad)
+	}
+}
+
+// checkPlacement: Linux nodes only, of the architectures the image is built
+// for (imageArches), through a required node affinity on kubernetes.io/arch.
+func checkPlacement(p corev1.PodSpec, bad func(string, ...any)) {
+	if p.NodeSelector["kubernetes.io/os"] != "linux" {
+		bad("nodeSelector must hold kubernetes.io/os: linux, has %v", p.NodeSelector)
+	}
+	var arches []string
+	if a := p.Affinity; a != nil && a.NodeAffinity != nil && a.NodeAffinity.RequiredDuringSchedulingIgnoredDuringExecution != nil {
+		for _, term := range a.NodeAffinity.RequiredDuringSchedulingIgnoredDuringExecution.NodeSelectorTerms {
+			for _, e := range term.MatchExpressions {
+				if e.Key == "kubernetes.io/arch" && e.Operator == corev1.NodeSelectorOpIn {
+					arches = append(arches, e.Values...)
+				}
+			}
+		}
+	}
+	if v, ok := p.NodeSelector["kubernetes.io/arch"]; ok {
+		arches = append(arches, v)
+	}
+	slices.Sort(arches)
+	if want := imageArches(); !slices.Equal(arches, want) {
+		bad("nodes of architectures %v are selected (kubernetes.io/arch node affinity), the image is built for %v", arches, want)
+	}
+}
+
+// checkLSM: AppArmor unconfined (the field, and the annotation that API
+// servers before 1.30 read, agreeing) and SELinux type spc_t: the runtime's
+// default profiles deny the agent's bpffs writes (docs/kubernetes.md).
+func checkLSM(c corev1.Container, annotations map[string]string, bad func(string, ...any)) {
+	sc := c.SecurityContext
+	if sc == nil || sc.AppArmorProfile == nil || sc.AppArmorProfile.Type != corev1.AppArmorProfileTypeUnconfined {
+		bad("appArmorProfile must be Unconfined (the runtime default denies writes under /sys/fs/bpf)")
+	}
+	if a := annotations[apparmorAnnotation+c.Name]; a != "unconfined" {
+		bad("annotation %s%s is %q: API servers before 1.30 need it, unconfined, as the field", apparmorAnnotation, c.Name, a)
+	}
+	if sc == nil || sc.SELinuxOptions == nil || sc.SELinuxOptions.Type != "spc_t" {
+		bad("seLinuxOptions.type must be spc_t")
+	}
+}
+
+// checkMemoryLimitEnv: the Go memory limit follows the container's memory
+// limit (resourceFieldRef), never a number written beside it.
+func checkMemoryLimitEnv(c corev1.Container, bad func(string, ...any)) {
+	var ref *corev1.ResourceFieldSelector
+	for _, e := range c.Env {
+		switch e.Name {
+		case "GOMEMLIMIT":
+			bad("GOMEMLIMIT is set (%q): it would not follow the memory limit; the agent derives it from MESHDNS_MEMORY_LIMIT", e.Value)
+		case "MESHDNS_MEMORY_LIMIT":
+			if e.ValueFrom != nil {
+				ref = e.ValueFrom.ResourceFieldRef
+			}
+		}
+	}
+	if ref == nil || ref.Resource != "limits.memory" || (ref.ContainerName != "" && ref.ContainerName != c.Name) ||
+		(!ref.Divisor.IsZero() && ref.Divisor.Cmp(resource.MustParse("1")) != 0) {
+		bad("MESHDNS_MEMORY_LIMIT must be the container's limits.memory in bytes (resourceFieldRef), is %+v", ref)
 	}
 }
 

@@ -127,8 +127,10 @@ func startAgent(t *testing.T, c *cluster, node string, extra ...string) *agent {
 	a.addr = fmt.Sprintf("127.0.0.1:%d", testenv.FreePort(t))
 	a.admin = fmt.Sprintf("127.0.0.1:%d", testenv.FreePort(t))
 	args := []string{"run", "--mode", "off", "--listen", a.addr, "--admin", a.admin,
-		"--upstream", a.up.Addr, "--kubeconfig", c.kubeconfig, "--node-name", node,
-		"--state-dir", t.TempDir(), "--log-level", "debug"}
+		"--upstream", a.up.Addr, "--state-dir", t.TempDir(), "--log-level", "debug"}
+	if node != "" { // "": no Kubernetes source
+		args = append(args, "--kubeconfig", c.kubeconfig, "--node-name", node)
+	}
 	a.cmd = exec.Command(bin, append(args, extra...)...)
 	a.cmd.Stdout, a.cmd.Stderr = a.stderr, a.stderr
 	a.cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}

@@ -433,6 +433,11 @@ func TestCacheBytesCap(t *testing.T) {
 	if used > float64(cfg.CacheBytes) || n >= 200 || n == 0 {
 		t.Errorf("cache holds %v entries and %v bytes, want fewer than 200 and at most %d bytes", n, used, cfg.CacheBytes)
 	}
+	// The cap is exported, so an alert can tell a full cache: here it is full.
+	capBytes := metrictest.Value(t, reg, "meshdns_cache_max_bytes")
+	if capBytes > float64(cfg.CacheBytes) || capBytes < float64(cfg.CacheBytes)*0.99 || used < capBytes*0.8 {
+		t.Errorf("meshdns_cache_max_bytes %v for --cache-bytes %d, cache at %v bytes: want the cap, and the cache near it", capBytes, cfg.CacheBytes, used)
+	}
 }
 
 // inFlight is the number of upstream resolutions running.

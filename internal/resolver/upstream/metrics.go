@@ -74,6 +74,16 @@ func newMetrics(reg prometheus.Registerer, c *cache, servers []*server) (*metric
 		}
 		return float64(c.bytes.Load())
 	})
+	// The cap the cache evicts at: its shards' byte budgets summed.
+	cacheMax := prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+		Name: "meshdns_cache_max_bytes",
+		Help: "Memory cap of the upstream cache (--cache-bytes): meshdns_cache_bytes stays below it by evicting.",
+	}, func() float64 {
+		if c == nil {
+			return 0
+		}
+		return float64(c.shardBytes * len(c.shards))
+	})
 	prefetch := prometheus.NewCounter(prometheus.CounterOpts{
 		Name: "meshdns_cache_prefetch_total",
 		Help: "Popular cache entries refreshed before they expired.",
@@ -97,7 +107,7 @@ func newMetrics(reg prometheus.Registerer, c *cache, servers []*server) (*metric
 	}, []string{"upstream"})
 
 	m := &metrics{
-		collectors: []prometheus.Collector{hits, misses, entries, cacheBytes, evictions, prefetch, requests, failures, healthy, duration},
+		collectors: []prometheus.Collector{hits, misses, entries, cacheBytes, cacheMax, evictions, prefetch, requests, failures, healthy, duration},
 		hitSuccess: hits.WithLabelValues("success"),
 		hitDenial:  hits.WithLabelValues("denial"),
 		hitStale:   hits.WithLabelValues("stale"),

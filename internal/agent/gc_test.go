@@ -1,0 +1,73 @@
+package agent
+
+import (
+	"log/slog"
+	"os"
+	"runtime/debug"
+	"strings"
+	"testing"
+)
+
+// The Go memory limit follows the container's memory limit (the DaemonSet's
+// resourceFieldRef in $MESHDNS_MEMORY_LIMIT) times the ratio; GOMEMLIMIT in
+// the environment takes precedence; no limit sets none.
+func TestMemoryLimitFromContainerLimit(t *testing.T) {
+	prev := debug.SetMemoryLimit(-1)
+	t.Cleanup(func() { debug.SetMemoryLimit(prev) })
+	unsetEnv(t, "GOMEMLIMIT")
+	for _, tc := range []struct {
+		name, env string
+		args      []string
+		want      int64
+		wantErr   string
+	}{
+		{"256Mi from the env", "268435456", nil, 241591910, ""}, // 0.9 of 256 MiB
+		{"384Mi, ratio 0.8", "402653184", []string{"--memory-limit-ratio", "0.8"}, 322122547, ""},
+		{"flag over env", "268435456", []string{"--memory-limit", "1073741824"}, 966367641, ""},
+		{"no limit", "", nil, prev, ""},
+		{"not bytes", "256Mi", nil, 0, "want a number of bytes"},
+		{"ratio 0", "268435456", []string{"--memory-limit-ratio", "0"}, 0, "--memory-limit-ratio"},
+		{"ratio above 1", "268435456", []string{"--memory-limit-ratio", "1.5"}, 0, "--memory-limit-ratio"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			debug.SetMemoryLimit(prev)
+			t.Setenv(MemoryLimitEnv, tc.env)
+			c, err := parseRun(t, tc.args...)
+			if tc.wantErr != "" {
+				if err == nil || !strings.Contains(err.Error(), tc.wantErr) {
+					t.Fatalf("err %v, want %q", err, tc.wantErr)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			tuneGC(c, slog.New(slog.DiscardHandler))
+			if got := debug.SetMemoryLimit(-1); got != tc.want {
+				t.Errorf("Go memory limit %d, want %d", got, tc.want)
+			}
+		})
+	}
+	t.Run("GOMEMLIMIT wins", func(t *testing.T) {
+		debug.SetMemoryLimit(prev)
+		t.Setenv("GOMEMLIMIT", "100MiB")
+		t.Setenv(MemoryLimitEnv, "268435456")
+		c, err := parseRun(t)
+		if err != nil {
+			t.Fatal(err)
+		}
+		tuneGC(c, slog.New(slog.DiscardHandler))
+		if got := debug.SetMemoryLimit(-1); got != prev {
+			t.Errorf("Go memory limit %d: set although GOMEMLIMIT is in the environment", got)
+		}
+	})
+}
+
+// unsetEnv removes name for the test, restoring it after.
+func unsetEnv(t *testing.T, name string) {
+	t.Helper()
+	if v, ok := os.LookupEnv(name); ok {
+		t.Setenv(name, v) // registers the restore
+		os.Unsetenv(name)
+	}
+}

@@ -1,0 +1,128 @@
+package redirect
+
+import (
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"testing"
+
+	"github.com/cilium/ebpf"
+	"github.com/cilium/ebpf/asm"
+	"github.com/cilium/ebpf/link"
+)
+
+// namedPassProgram is passProgram with a program name, as another datapath's.
+func namedPassProgram(t *testing.T, name string, attach ebpf.AttachType) *ebpf.Program {
+	t.Helper()
+	prog, err := ebpf.NewProgram(&ebpf.ProgramSpec{
+		Name: name, Type: ebpf.CGroupSockAddr, AttachType: attach, License: "GPL",
+		Instructions: asm.Instructions{asm.Mov.Imm(asm.R0, 1), asm.Return()},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { prog.Close() })
+	return prog
+}
+
+func attachForeign(t *testing.T, cgroup, name string, attach ebpf.AttachType) uint32 {
+	t.Helper()
+	prog := namedPassProgram(t, name, attach)
+	l, err := link.AttachCgroup(link.CgroupOptions{Path: cgroup, Attach: attach, Program: prog})
+	if err != nil {
+		t.Fatalf("attach %s to %s: %v", name, cgroup, err)
+	}
+	t.Cleanup(func() { l.Close() })
+	info, err := prog.Info()
+	if err != nil {
+		t.Fatal(err)
+	}
+	id, _ := info.ID()
+	return uint32(id)
+}
+
+// Other programs on the capture cgroup's hooks (another datapath: Cilium's socket
+// LB, Calico's) are listed with the order the kernel runs them in, ours among
+// them, by the running datapath and by the CLI's status (from the pins), and
+// counted before and after ours.
+func TestForeignProgramsListed(t *testing.T) {
+	n := newTestNet(t)
+	// The capture cgroup is a child of the test cgroup, so a program attached to
+	// the parent is inherited (it runs after the child's own).
+	capture := filepath.Join(n.cg.Path, "capture")
+	if err := os.Mkdir(capture, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = os.Remove(capture) })
+	before := attachForeign(t, capture, "other_lb", ebpf.AttachCGroupInet4Connect)
+	parent := attachForeign(t, n.cg.Path, "parent_connect", ebpf.AttachCGroupInet4Connect)
+
+	cfg := n.config()
+	cfg.Cgroup = capture
+	d := n.start(t, cfg)
+	after := attachForeign(t, capture, "late_sendmsg", ebpf.AttachCGroupUDP4Sendmsg)
+
+	ours := map[string]uint32{}
+	for _, p := range d.Programs() {
+		ours[p.Hook] = p.ProgramID
+	}
+	type row struct {
+		id              uint32
+		name            string
+		ours, inherited bool
+	}
+	want := map[string][]row{
+		"connect4": {{before, "other_lb", false, false}, {ours["connect4"], "connect4", true, false}, {parent, "parent_connect", false, true}},
+		"sendmsg4": {{ours["sendmsg4"], "sendmsg4", true, false}, {after, "late_sendmsg", false, false}},
+		"recvmsg4": {{ours["recvmsg4"], "recvmsg4", true, false}},
+	}
+	check := func(what string, progs []CgroupProgram) {
+		t.Helper()
+		got := map[string][]row{}
+		for _, p := range progs {
+			if p.Position != len(got[p.Hook])+1 {
+				t.Errorf("%s: %s program %d at position %d, want %d", what, p.Hook, p.ProgramID, p.Position, len(got[p.Hook])+1)
+			}
+			got[p.Hook] = append(got[p.Hook], row{p.ProgramID, p.Name, p.Ours, p.Inherited})
+		}
+		for hook, w := range want {
+			if !slices.Equal(got[hook], w) {
+				t.Errorf("%s: %s runs %+v, want %+v", what, hook, got[hook], w)
+			}
+		}
+		counts := ForeignPrograms(progs)
+		if c := counts["connect4"]; c.Before != 1 || c.After != 1 {
+			t.Errorf("%s: connect4 foreign programs %+v, want 1 before and 1 after", what, c)
+		}
+		if c := counts["sendmsg4"]; c.Before != 0 || c.After != 1 {
+			t.Errorf("%s: sendmsg4 foreign programs %+v, want 1 after", what, c)
+		}
+		if c := counts["recvmsg6"]; c.Before != 0 || c.After != 0 {
+			t.Errorf("%s: recvmsg6 foreign programs %+v, want none", what, c)
+		}
+	}
+	progs, err := d.CgroupPrograms()
+	if err != nil {
+		t.Fatal(err)
+	}
+	check("datapath", progs)
+	st, err := ReadStatus(n.pinDir())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st.CgroupProgramsError != "" {
+		t.Fatalf("status: %s", st.CgroupProgramsError)
+	}
+	check("status", st.CgroupPrograms)
+	var out strings.Builder
+	if err := st.WriteText(&out); err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range []string{"ORDER", "OWNER", "other_lb", "parent_connect", "an ancestor", "late_sendmsg"} {
+		if !strings.Contains(out.String(), want) {
+			t.Errorf("status text lacks %q:\n%s", want, out.String())
+		}
+	}
+	t.Logf("status:\n%s", out.String())
+}

@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# build-istiod.sh: builds pilot-discovery (istiod) from the tools module tools/istiod
+# into a cache directory that internal/kubetest's istiod fixture starts it from. The
+# NDS tests (internal/ndssource) and the bench run it on the test API server.
+# `make istiod-bin` and `make test` run it.
+#
+#   default output: $repo/.cache/istiod-bin/<istio version>/  (ignored by git)
+#   MESHDNS_ISTIOD_BIN=DIR   build into DIR instead (kubetest reads the same variable)
+#
+# Idempotent: when the binary exists and the stamp written after the last build
+# matches the tools module (go.mod, go.sum and the build flags), it prints "up to
+# date" and builds nothing.
+set -euo pipefail
+
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+mod="$repo/tools/istiod"
+
+log() { printf 'build-istiod: %s\n' "$*" >&2; }
+
+export PATH="$PATH:/usr/local/go/bin"
+export GOTOOLCHAIN=local GOWORK=off CGO_ENABLED=0
+export GOFLAGS="-trimpath -buildvcs=false -mod=readonly"
+
+version="$(awk '$1 == "require" && $2 == "istio.io/istio" {print $3; exit} $1 == "istio.io/istio" && $2 ~ /^v/ {print $2; exit}' "$mod/go.mod")"
+[ -n "$version" ] || { log "no 'require istio.io/istio vX' line in $mod/go.mod"; exit 1; }
+
+out="${MESHDNS_ISTIOD_BIN:-$repo/.cache/istiod-bin/$version}"
+ldflags="-s -w"
+
+stamp() {
+	{
+		echo "go $(go env GOVERSION) GOFLAGS=$GOFLAGS ldflags=$ldflags"
+		cat "$mod/go.mod" "$mod/go.sum"
+	} | sha256sum | cut -d' ' -f1
+}
+up_to_date() { [ -x "$out/pilot-discovery" ] && [ -f "$out/.stamp" ] && [ "$(cat "$out/.stamp")" = "$want" ]; }
+
+mkdir -p "$out"
+want="$(stamp)"
+if up_to_date; then
+	log "up to date in $out (istio $version)"
+	exit 0
+fi
+exec 9>"$out/.lock"
+flock 9
+if up_to_date; then
+	log "up to date in $out (built by a concurrent run)"
+	exit 0
+fi
+rm -f "$out/.stamp"
+
+start=$(date +%s)
+log "building pilot-discovery (istio.io/istio $version) ..."
+rc=0
+if [ -x /usr/bin/time ]; then
+	(cd "$mod" && /usr/bin/time -f '%M' -o "$out/.rss" \
+		go build -p 2 -ldflags "$ldflags" -o "$out/.pilot-discovery.tmp" istio.io/istio/pilot/cmd/pilot-discovery) || rc=$?
+else
+	(cd "$mod" && go build -p 2 -ldflags "$ldflags" -o "$out/.pilot-discovery.tmp" istio.io/istio/pilot/cmd/pilot-discovery) || rc=$?
+fi
+rss="$(tail -1 "$out/.rss" 2>/dev/null || true)"
+rm -f "$out/.rss"
+if [ "$rc" -ne 0 ]; then
+	rm -f "$out/.pilot-discovery.tmp"
+	log "building pilot-discovery failed (exit $rc)"
+	exit "$rc"
+fi
+mv -f "$out/.pilot-discovery.tmp" "$out/pilot-discovery"
+# The CRDs istiod needs on the test API server come from the same module version.
+crds="$(cd "$mod" && go list -m -f '{{.Dir}}' istio.io/istio)/manifests/charts/base/files/crd-all.gen.yaml"
+cp -f "$crds" "$out/.crd-all.gen.yaml.tmp" && mv -f "$out/.crd-all.gen.yaml.tmp" "$out/crd-all.gen.yaml"
+echo "$want" >"$out/.stamp"
+log "built pilot-discovery in $(($(date +%s) - start))s, $(du -m "$out/pilot-discovery" | cut -f1) MB${rss:+, peak RSS of the largest build process $((rss / 1024)) MB}: $out"
