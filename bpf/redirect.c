@@ -45,6 +45,25 @@
  * capture-all, each distinct destination of a socket takes one of the
  * capture-all slot ports.
  *
+ * Attribution. The resolver sees a query's source address and port, not who
+ * sent it. The forward programs record in the socket's storage the cgroup v2 id
+ * and process of the task that connects or sends (note_sender). At connect time
+ * a UDP socket has no source port yet (connect4/6 run before the kernel binds
+ * one) and connected sends run no sock_addr program, so the record the resolver
+ * reads is written where the port and the routed source address are known: on
+ * the way out. attribute (cgroup_skb/egress) returns at once for any socket the
+ * forward programs did not redirect (no socket storage); for a redirected one,
+ * a packet to a target on a slot port (UDP: every datagram; TCP: every segment)
+ * records, in flows, (source address, source port, protocol) -> (cgroup id,
+ * process, socket cookie), unless the entry already says so. flows is a
+ * BPF_F_MMAPABLE array of 4-way buckets indexed by a hash of the port and
+ * protocol; the resolver reads it from its own memory, without a system call,
+ * and checks each entry's checksum (a write in progress fails it). A new flow
+ * takes a free way (never used or closed) or else the one written longest ago
+ * (flow_evicted). sock_release marks the entries of a closed socket free
+ * without erasing them: a query its sender gave up on is still attributed if
+ * the resolver reads it late, until another socket takes the way or the port.
+ *
  * All configuration lives in maps the agent writes; nothing is compiled in. The
  * enums and structs below are exported to Go by bpf2go (-type).
  */
@@ -60,6 +79,9 @@ enum meshdns_limits {
 	SOCK_ENTRIES = 4,     /* slot ports one socket can be redirected to */
 	MAX_PROXY_UIDS = 64,
 	RESOLVER_SOCKS = 4 * MAX_SLOTS, /* (family, protocol, slot) */
+	FLOW_WAYS = 4,                  /* entries per flows bucket */
+	FLOW_BUCKET_BITS = 13,
+	FLOW_BUCKETS = 1 << FLOW_BUCKET_BITS,
 };
 
 /* config.flags */
@@ -70,6 +92,7 @@ enum meshdns_flags {
 	FLAG_CAPTURE_LOOPBACK = 1 << 3, /* also capture loopback destinations */
 	FLAG_TARGET4_LOOPBACK = 1 << 4, /* target4 is in 127.0.0.0/8 */
 	FLAG_TARGET6_LOOPBACK = 1 << 5, /* target6 is ::1 */
+	FLAG_ATTRIBUTION = 1 << 6,      /* attribute records flows */
 };
 
 /* Rows of the stats map. */
@@ -82,6 +105,8 @@ enum hook {
 	HOOK_RECVMSG6,
 	HOOK_GETPEERNAME4,
 	HOOK_GETPEERNAME6,
+	HOOK_EGRESS,
+	HOOK_SOCK_RELEASE,
 	NUM_HOOKS,
 };
 
@@ -99,6 +124,9 @@ enum counter {
 	COUNTER_SKIP_OTHER_NETNS,
 	COUNTER_SKIP_NO_STATE,
 	COUNTER_MAP_MISS,
+	COUNTER_FLOW_RECORDED, /* attribute wrote a flows entry */
+	COUNTER_FLOW_EVICTED,  /* ... over the entry of another open socket */
+	COUNTER_FLOW_RELEASED, /* sock_release freed a socket's entry */
 	NUM_COUNTERS,
 };
 
@@ -174,6 +202,29 @@ struct sock_entry {
 
 struct sock_origs {
 	struct sock_entry e[SOCK_ENTRIES];
+	__u64 cgroup_id; /* cgroup v2 id of the task that last connected or sent; 0: none */
+	__u32 tgid;      /* its process */
+	__u16 flow_port; /* source port of the socket's flows entry (host byte order); 0: none */
+	__u8 flow_proto; /* its protocol */
+	__u8 pad0;
+};
+
+/* Who sent from a source address and port (see Attribution above). */
+struct flow_entry {
+	__u32 addr[4];   /* source address as the resolver sees it; IPv4 as ::ffff:a.b.c.d */
+	__u16 port;      /* source port, host byte order */
+	__u8 proto;      /* IPPROTO_UDP or IPPROTO_TCP */
+	__u8 pad0;
+	__u32 tgid;      /* process that connected or sent */
+	__u64 cgroup_id; /* its cgroup v2 id */
+	__u64 cookie;    /* the socket's cookie */
+	__u64 stamp;     /* bpf_ktime_get_ns of the write; 0: free (socket closed, or never used) */
+	__u64 check;     /* flow_check of the fields from addr to cookie; 0 while being written */
+	__u64 pad1;
+};
+
+struct flow_bucket {
+	struct flow_entry e[FLOW_WAYS];
 };
 
 struct hook_counters {
@@ -230,6 +281,15 @@ struct {
 	__type(key, int);
 	__type(value, struct sock_origs);
 } sock_state SEC(".maps");
+
+/* Source address, port, protocol -> sender; memory-mapped by the resolver. */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(map_flags, BPF_F_MMAPABLE);
+	__type(key, __u32);
+	__type(value, struct flow_bucket);
+	__uint(max_entries, FLOW_BUCKETS);
+} flows SEC(".maps");
 
 /* Indexed by enum hook. */
 struct {
@@ -366,6 +426,8 @@ static __always_inline int v6_equal(const __u32 *a, const __u32 *b)
 #define barrier_var(var) asm volatile("" : "+r"(var))
 
 _Static_assert(SOCK_ENTRIES == 4, "claim_entry and copy_entry calls list every entry");
+_Static_assert(FLOW_WAYS == 4, "record_flow and sock_release list every way");
+_Static_assert(sizeof(struct flow_entry) == 64, "one flows entry per cache line");
 
 /* Fills e with dst for slot want1 - 1 if e is free. */
 static __always_inline int claim_entry(struct sock_entry *e, const __u32 *dst, __u32 want1)
@@ -453,6 +515,18 @@ static __always_inline int record_orig(struct meshdns_config *cfg, struct sock_o
 		return 0;
 	}
 	return -1; /* taken meanwhile by another thread of this socket */
+}
+
+/* Records in the socket's storage who connects or sends through it. */
+static __always_inline void note_sender(struct sock_origs *st)
+{
+	__u64 cg = bpf_get_current_cgroup_id();
+	__u32 tgid = bpf_get_current_pid_tgid() >> 32;
+
+	if (st->cgroup_id != cg)
+		st->cgroup_id = cg;
+	if (st->tgid != tgid)
+		st->tgid = tgid;
 }
 
 /*
@@ -549,6 +623,7 @@ static __always_inline __u16 decide(struct bpf_sock_addr *ctx, __u32 hook, struc
 		skip(hook, COUNTER_SKIP_NO_STATE);
 		return 0;
 	}
+	note_sender(st);
 	return cfg->base_port + slot;
 }
 
@@ -709,6 +784,234 @@ static __always_inline int reverse6(struct bpf_sock_addr *ctx, __u32 hook)
 	ctx->user_port = (__u32)bpf_htons(DNS_PORT);
 	count(hook, COUNTER_REPLY_REWRITTEN);
 	count_cgroup(CGROUP_REPLY_REWRITTEN);
+	return 1;
+}
+
+/* The flows bucket of a source port and protocol (the resolver computes the same). */
+static __always_inline __u32 flow_bucket(__u32 port, __u32 proto)
+{
+	return ((port << 8 | proto) * 2654435761U) >> (32 - FLOW_BUCKET_BITS);
+}
+
+static __always_inline __u64 flow_mix(__u64 h, __u64 v)
+{
+	h ^= v;
+	h *= 0xff51afd7ed558ccdULL;
+	return h ^ (h >> 32);
+}
+
+/* The checksum of an entry's content; never 0 (0 marks a write in progress). */
+static __always_inline __u64 flow_check(const struct flow_entry *e)
+{
+	__u64 h = 0x9e3779b97f4a7c15ULL;
+
+	h = flow_mix(h, (__u64)e->addr[0] << 32 | e->addr[1]);
+	h = flow_mix(h, (__u64)e->addr[2] << 32 | e->addr[3]);
+	h = flow_mix(h, (__u64)e->port << 40 | (__u64)e->proto << 32 | e->tgid);
+	h = flow_mix(h, e->cgroup_id);
+	h = flow_mix(h, e->cookie);
+	return h | 1;
+}
+
+/*
+ * Fills n's source address, port and protocol from a packet to a target on a
+ * slot port; returns -1 for any other packet. The packet starts at its IP
+ * header.
+ */
+static __always_inline int parse_query(struct __sk_buff *skb, struct meshdns_config *cfg, struct flow_entry *n)
+{
+	__u32 eth = skb->protocol, off;
+	__be16 ports[2];
+	__u16 dport;
+
+	if (eth == bpf_htons(ETH_P_IP)) {
+		struct ip4_hdr ip;
+
+		if (!(cfg->flags & FLAG_TARGET4) || bpf_skb_load_bytes(skb, 0, &ip, sizeof(ip)))
+			return -1;
+		if (ip.daddr != cfg->target4 || (ip.frag_off & bpf_htons(0x1fff)))
+			return -1;
+		n->addr[0] = 0;
+		n->addr[1] = 0;
+		n->addr[2] = bpf_htonl(0x0000ffff);
+		n->addr[3] = ip.saddr;
+		n->proto = ip.protocol;
+		off = (ip.ver_ihl & 0xf) * 4;
+	} else if (eth == bpf_htons(ETH_P_IPV6)) {
+		struct ip6_hdr ip6;
+
+		if (!(cfg->flags & FLAG_TARGET6) || bpf_skb_load_bytes(skb, 0, &ip6, sizeof(ip6)))
+			return -1;
+		if (!v6_equal(ip6.daddr, cfg->target6))
+			return -1;
+		n->addr[0] = ip6.saddr[0];
+		n->addr[1] = ip6.saddr[1];
+		n->addr[2] = ip6.saddr[2];
+		n->addr[3] = ip6.saddr[3];
+		n->proto = ip6.nexthdr; /* extension headers: not a query of ours */
+		off = sizeof(ip6);
+	} else {
+		return -1;
+	}
+	if (n->proto != IPPROTO_UDP && n->proto != IPPROTO_TCP)
+		return -1;
+	if (bpf_skb_load_bytes(skb, off, ports, sizeof(ports)))
+		return -1;
+	dport = bpf_ntohs(ports[1]);
+	if (dport < cfg->base_port || dport >= (__u32)cfg->base_port + cfg->num_slots)
+		return -1;
+	n->port = bpf_ntohs(ports[0]);
+	return 0;
+}
+
+/* Writes n into e: the checksum last, cleared first, so a reader never takes a half-written entry. */
+static __always_inline void flow_write(struct flow_entry *e, const struct flow_entry *n)
+{
+	barrier_var(e);
+	e->check = 0;
+	barrier();
+	e->addr[0] = n->addr[0];
+	e->addr[1] = n->addr[1];
+	e->addr[2] = n->addr[2];
+	e->addr[3] = n->addr[3];
+	e->port = n->port;
+	e->proto = n->proto;
+	e->tgid = n->tgid;
+	e->cgroup_id = n->cgroup_id;
+	e->cookie = n->cookie;
+	e->stamp = n->stamp;
+	barrier();
+	e->check = n->check;
+}
+
+/* When e is n's flow, brings it up to date and returns 1. */
+static __always_inline int flow_update(struct flow_entry *e, const struct flow_entry *n)
+{
+	barrier_var(e);
+	if (e->port != n->port || e->proto != n->proto || e->addr[0] != n->addr[0] || e->addr[1] != n->addr[1] ||
+	    e->addr[2] != n->addr[2] || e->addr[3] != n->addr[3])
+		return 0;
+	if (e->check != n->check || e->stamp == 0) {
+		flow_write(e, n);
+		count(HOOK_EGRESS, COUNTER_FLOW_RECORDED);
+	}
+	return 1;
+}
+
+static __always_inline __u64 flow_stamp(struct flow_entry *e)
+{
+	barrier_var(e);
+	return e->stamp;
+}
+
+/* Records n in its bucket: in its own way, or a free one, or the one written longest ago. */
+static __always_inline void record_flow(struct flow_entry *n)
+{
+	__u32 b = flow_bucket(n->port, n->proto), way = 0;
+	struct flow_bucket *fb = bpf_map_lookup_elem(&flows, &b);
+	__u64 s, oldest;
+
+	if (!fb)
+		return;
+	n->check = flow_check(n);
+	if (flow_update(&fb->e[0], n) || flow_update(&fb->e[1], n) || flow_update(&fb->e[2], n) ||
+	    flow_update(&fb->e[3], n))
+		return;
+	oldest = flow_stamp(&fb->e[0]);
+	s = flow_stamp(&fb->e[1]);
+	if (s < oldest) {
+		oldest = s;
+		way = 1;
+	}
+	s = flow_stamp(&fb->e[2]);
+	if (s < oldest) {
+		oldest = s;
+		way = 2;
+	}
+	s = flow_stamp(&fb->e[3]);
+	if (s < oldest) {
+		oldest = s;
+		way = 3;
+	}
+	switch (way) {
+	case 0:
+		flow_write(&fb->e[0], n);
+		break;
+	case 1:
+		flow_write(&fb->e[1], n);
+		break;
+	case 2:
+		flow_write(&fb->e[2], n);
+		break;
+	default:
+		flow_write(&fb->e[3], n);
+	}
+	count(HOOK_EGRESS, COUNTER_FLOW_RECORDED);
+	if (oldest != 0)
+		count(HOOK_EGRESS, COUNTER_FLOW_EVICTED);
+}
+
+/* Every packet a socket in the cgroup sends; see Attribution above. Never drops. */
+SEC("cgroup_skb/egress")
+int attribute(struct __sk_buff *skb)
+{
+	struct bpf_sock *sk = skb->sk;
+	struct meshdns_config *cfg;
+	struct sock_origs *st;
+	struct flow_entry n = {};
+
+	if (!sk)
+		return 1;
+	sk = bpf_sk_fullsock(sk);
+	if (!sk)
+		return 1;
+	st = bpf_sk_storage_get(&sock_state, sk, 0, 0);
+	if (!st || st->cgroup_id == 0)
+		return 1; /* not a socket the forward programs redirected */
+	cfg = get_config();
+	if (!cfg || !(cfg->flags & FLAG_ATTRIBUTION) || parse_query(skb, cfg, &n) != 0)
+		return 1;
+	n.cgroup_id = st->cgroup_id;
+	n.tgid = st->tgid;
+	n.cookie = bpf_get_socket_cookie(skb);
+	n.stamp = bpf_ktime_get_ns();
+	record_flow(&n);
+	if (st->flow_port != n.port || st->flow_proto != n.proto) {
+		st->flow_port = n.port;
+		st->flow_proto = n.proto;
+	}
+	return 1;
+}
+
+static __always_inline void flow_release(struct flow_entry *e, __u64 cookie)
+{
+	barrier_var(e);
+	if (e->cookie == cookie && e->stamp != 0) {
+		e->stamp = 0;
+		count(HOOK_SOCK_RELEASE, COUNTER_FLOW_RELEASED);
+	}
+}
+
+/* A socket closes: its flows entry becomes free (still readable until reused). */
+SEC("cgroup/sock_release")
+int sock_release(struct bpf_sock *ctx)
+{
+	struct sock_origs *st = bpf_sk_storage_get(&sock_state, ctx, 0, 0);
+	struct flow_bucket *fb;
+	__u64 cookie;
+	__u32 b;
+
+	if (!st || st->flow_port == 0)
+		return 1;
+	b = flow_bucket(st->flow_port, st->flow_proto);
+	fb = bpf_map_lookup_elem(&flows, &b);
+	if (!fb)
+		return 1;
+	cookie = bpf_get_socket_cookie(ctx);
+	flow_release(&fb->e[0], cookie);
+	flow_release(&fb->e[1], cookie);
+	flow_release(&fb->e[2], cookie);
+	flow_release(&fb->e[3], cookie);
 	return 1;
 }
 

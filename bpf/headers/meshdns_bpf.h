@@ -54,6 +54,8 @@ typedef __u32 __be32;
 #define IPPROTO_UDP 17
 #define SOL_SOCKET 1
 #define SO_MARK 36
+#define ETH_P_IP 0x0800
+#define ETH_P_IPV6 0x86DD
 
 
 struct bpf_sock {
@@ -87,6 +89,64 @@ struct bpf_sock_addr {
 	__bpf_md_ptr(struct bpf_sock *, sk);
 };
 
+/* struct __sk_buff up to its sk pointer (cgroup_skb programs). */
+struct __sk_buff {
+	__u32 len;
+	__u32 pkt_type;
+	__u32 mark;
+	__u32 queue_mapping;
+	__u32 protocol; /* ethertype, network byte order */
+	__u32 vlan_present;
+	__u32 vlan_tci;
+	__u32 vlan_proto;
+	__u32 priority;
+	__u32 ingress_ifindex;
+	__u32 ifindex;
+	__u32 tc_index;
+	__u32 cb[5];
+	__u32 hash;
+	__u32 tc_classid;
+	__u32 data;
+	__u32 data_end;
+	__u32 napi_id;
+	__u32 family;
+	__u32 remote_ip4;
+	__u32 local_ip4;
+	__u32 remote_ip6[4];
+	__u32 local_ip6[4];
+	__u32 remote_port;
+	__u32 local_port;
+	__u32 data_meta;
+	__bpf_md_ptr(void *, flow_keys);
+	__u64 tstamp;
+	__u32 wire_len;
+	__u32 gso_segs;
+	__bpf_md_ptr(struct bpf_sock *, sk);
+};
+
+/* The start of an IPv4 header (no options) and of an IPv6 header. */
+struct ip4_hdr {
+	__u8 ver_ihl; /* version << 4 | header length in words */
+	__u8 tos;
+	__be16 tot_len;
+	__be16 id;
+	__be16 frag_off;
+	__u8 ttl;
+	__u8 protocol;
+	__u16 check;
+	__be32 saddr;
+	__be32 daddr;
+};
+
+struct ip6_hdr {
+	__be32 ver_tc_flow;
+	__be16 payload_len;
+	__u8 nexthdr;
+	__u8 hop_limit;
+	__u32 saddr[4];
+	__u32 daddr[4];
+};
+
 #define SEC(name) __attribute__((section(name), used))
 #define __always_inline inline __attribute__((always_inline))
 #define __uint(name, val) int(*name)[val]
@@ -98,10 +158,14 @@ static void *(*bpf_map_lookup_elem)(void *map, const void *key) = (void *)1;
 static long (*bpf_map_update_elem)(void *map, const void *key, const void *value, __u64 flags) = (void *)2;
 static long (*bpf_map_delete_elem)(void *map, const void *key) = (void *)3;
 static __u64 (*bpf_ktime_get_ns)(void) = (void *)5;
+static __u64 (*bpf_get_current_pid_tgid)(void) = (void *)14;
 static __u64 (*bpf_get_current_uid_gid)(void) = (void *)15;
+static long (*bpf_skb_load_bytes)(const void *skb, __u32 offset, void *to, __u32 len) = (void *)26;
+static __u64 (*bpf_get_socket_cookie)(void *ctx) = (void *)46;
 static long (*bpf_getsockopt)(void *bpf_socket, int level, int optname, void *optval, int optlen) = (void *)57;
 static __u64 (*bpf_get_current_cgroup_id)(void) = (void *)80;
 static long (*bpf_sk_release)(void *sock) = (void *)86;
+static struct bpf_sock *(*bpf_sk_fullsock)(struct bpf_sock *sk) = (void *)95;
 static void *(*bpf_sk_storage_get)(void *map, void *sk, void *value, __u64 flags) = (void *)107;
 static __u64 (*bpf_get_netns_cookie)(void *ctx) = (void *)122;
 

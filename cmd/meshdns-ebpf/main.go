@@ -26,6 +26,7 @@ Usage:
   meshdns-ebpf stats [flags]     datapath counters per hook, in total and per cgroup
   meshdns-ebpf status [flags]    what is attached where, mode, resolver, readiness, name sources, conntrack
   meshdns-ebpf table [flags]     the running agent's merged name table (-o json, or -o ndsz: Istio's format)
+  meshdns-ebpf tap [flags]       a live stream of answered queries: who asked, what, the answer and how long it took
   meshdns-ebpf cleanup [flags]   remove what a crashed agent left (pins, links, rules, addresses)
   meshdns-ebpf version
 `
@@ -58,6 +59,8 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		return runStatus(args, stdout, stderr)
 	case "table":
 		return runTable(args, stdout, stderr)
+	case "tap":
+		return runTap(ctx, args, stdout, stderr)
 	case "cleanup":
 		return runCleanup(args, stdout, stderr)
 	case "version":

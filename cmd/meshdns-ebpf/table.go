@@ -67,6 +67,9 @@ func writeJSON(w io.Writer, v any) error {
 	return enc.Encode(v)
 }
 
+// writeJSONLine writes v as JSON on one line.
+func writeJSONLine(w io.Writer, v any) error { return json.NewEncoder(w).Encode(v) }
+
 // namePods names the pod of each cgroup from the Pods of this node the
 // agent knows. Without an agent (or one without a Kubernetes source) the
 // paths stay; that is only worth a note when the address was given.

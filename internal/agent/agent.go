@@ -24,6 +24,7 @@ import (
 	"github.com/meshdns/meshdns-ebpf/internal/redirect"
 	"github.com/meshdns/meshdns-ebpf/internal/resolver"
 	"github.com/meshdns/meshdns-ebpf/internal/resolver/upstream"
+	"github.com/meshdns/meshdns-ebpf/internal/workload"
 )
 
 //go:embed default-names.yaml
@@ -56,6 +57,7 @@ type Agent struct {
 	st           *State
 	nodes        *nodeAddrs
 	store        *names.Store
+	work         *workloads
 	fwd          *upstream.Forwarder
 	srv          *resolver.Server
 	dp           *redirect.Datapath
@@ -259,6 +261,18 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 		}
 	}
 
+	// Who asked: workload names, top talkers, the tap.
+	var pods workload.PodIndex
+	if cfg.Mesh.local != nil {
+		pods = cfg.Mesh.local
+	}
+	if a.work, err = cfg.newWorkloads(pods, reg); err != nil {
+		return err
+	}
+	if err := a.work.Start(ctx); err != nil {
+		return err
+	}
+
 	// Upstream forwarder.
 	ucfg := upstream.NewConfig(cfg.Upstreams...)
 	ucfg.Mark = cfg.UpstreamMark
@@ -304,9 +318,12 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 		Registerer:    reg,
 		Logger:        log.With("component", "resolver"),
 	}
+	var flows *redirect.Flows
 	if a.dp != nil {
 		rc.OnDequeue = a.dp.Dequeued
+		flows = a.dp.Flows()
 	}
+	a.work.configure(&rc, flows)
 	if a.inherit != nil {
 		rc.Inherited, a.inherit.listeners = a.inherit.listeners, nil
 	}
@@ -333,7 +350,7 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 		if a.inherit != nil {
 			inherited, a.inherit.admin = a.inherit.admin, nil
 		}
-		a.admin = newAdminServer(cfg.Admin, reg, a, cfg.debugHandler(a.store), inherited, log.With("component", "admin"))
+		a.admin = newAdminServer(cfg.Admin, reg, a, cfg.debugHandler(a.store, a.work.tapHandler(log.With("component", "tap"))), inherited, log.With("component", "admin"))
 		if err := a.admin.Start(ctx); err != nil {
 			return err
 		}
@@ -811,6 +828,7 @@ func (a *Agent) shutdown(handoff bool) {
 		if a.fwd != nil {
 			add("upstream", a.fwd.Close())
 		}
+		add("workload names and top talkers", a.work.Close())
 		if a.store != nil {
 			add("name sources", a.store.Close())
 		}

@@ -60,6 +60,8 @@ type Config struct {
 
 	// ServiceEntries and remote clusters (mesh.go).
 	Mesh MeshConfig
+	// Who asked: attribution, top talkers, the tap (workloads.go).
+	Workloads WorkloadConfig
 
 	// Istiod is the NDS source (--istiod and its flags).
 	Istiod IstiodConfig
@@ -182,6 +184,7 @@ func (c *Config) RegisterFlags(fs *flag.FlagSet) {
 	fs.StringVar(&c.ClusterDNSService, "cluster-dns-service", DefaultClusterDNSService, "with a Kubernetes source and no --nameservers: the Service (namespace/name) whose cluster IPs pods use as nameserver; those are captured")
 	c.registerMeshFlags(fs)
 	c.registerIstiodFlags(fs)
+	c.registerWorkloadFlags(fs)
 	fs.StringVar(&c.LinkName, "link", DefaultLinkName, "dummy link that carries the node-local listen address")
 	fs.IntVar(&c.CacheBytes, "cache-bytes", upstream.DefaultCacheBytes, "memory cap of the upstream answer cache, in bytes")
 	fs.IntVar(&c.MaxPending, "max-pending", resolver.DefaultMaxPending, "queries waiting for the upstream at once; over it: SERVFAIL at once")
@@ -251,6 +254,9 @@ func (c *Config) Validate() error {
 		return err
 	}
 	if err := c.validateIstiod(); err != nil {
+		return err
+	}
+	if err := c.validateWorkloads(); err != nil {
 		return err
 	}
 	if c.Kubernetes() && !c.authoritativeSet {

@@ -41,6 +41,8 @@ func TestBooleanFlagsOfRun(t *testing.T) {
 		"authoritative":        func(c *Config) bool { return c.Authoritative },
 		"service-entries":      func(c *Config) bool { return c.Mesh.ServiceEntries },
 		"istio-remote-secrets": func(c *Config) bool { return c.Mesh.IstioRemoteSecrets },
+		"attribution":          func(c *Config) bool { return c.Workloads.Attribution },
+		"namespace-metrics":    func(c *Config) bool { return c.Workloads.Namespaces },
 	}
 	newFS := func() *flag.FlagSet { _, fs := runFlags(); return fs }
 	if got, want := boolLike(newFS), slices.Sorted(maps.Keys(fields)); !slices.Equal(got, want) {

@@ -115,7 +115,11 @@ func (m *MeshConfig) ownNamespace(inCluster bool) (string, error) {
 //	                ?namespace=NS (or Istio's ?proxyID=POD.NS) sees it
 //	/debug/sources  the name sources and their sync state
 //	/debug/pods     the Pods of this node (UID, namespace, name)
-func (c *Config) debugHandler(store *names.Store) http.Handler {
+//	/debug/tap      the live stream of answered queries (internal/tap):
+//	                newline-delimited JSON records; filter parameters
+//	                namespace, pod, cgroup, suffix, qtype, rcode, answer,
+//	                min-latency, unanswered
+func (c *Config) debugHandler(store *names.Store, tapHandler http.Handler) http.Handler {
 	local := c.Mesh.local
 	mux := http.NewServeMux()
 	table := func(w http.ResponseWriter) bool {
@@ -149,6 +153,7 @@ func (c *Config) debugHandler(store *names.Store) http.Handler {
 	mux.HandleFunc("GET /debug/sources", func(w http.ResponseWriter, _ *http.Request) {
 		writeJSON(w, store.Status())
 	})
+	mux.Handle("GET /debug/tap", tapHandler)
 	mux.HandleFunc("GET /debug/pods", func(w http.ResponseWriter, _ *http.Request) {
 		pods := []kubesource.PodRef{}
 		if local != nil {

@@ -1,6 +1,7 @@
 package agent
 
 import (
+	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -9,7 +10,6 @@ import (
 	"net/http"
 	"net/url"
 	"os"
-	"regexp"
 	"strings"
 	"text/tabwriter"
 	"time"
@@ -18,6 +18,8 @@ import (
 	"github.com/meshdns/meshdns-ebpf/internal/names"
 	"github.com/meshdns/meshdns-ebpf/internal/nameview"
 	"github.com/meshdns/meshdns-ebpf/internal/redirect"
+	"github.com/meshdns/meshdns-ebpf/internal/tap"
+	"github.com/meshdns/meshdns-ebpf/internal/workload"
 )
 
 // What the CLI (`table`, `status`, `stats`) reads from the running agent's
@@ -58,20 +60,57 @@ func getJSON(admin, path string, v any) error {
 }
 
 func getJSONWithin(admin, path string, v any, timeout time.Duration) error {
-	c := http.Client{Timeout: timeout}
-	resp, err := c.Get(adminURL(admin, path))
+	ctx, cancel := context.WithTimeout(context.Background(), timeout)
+	defer cancel()
+	resp, err := adminGet(ctx, admin, path)
 	if err != nil {
-		return fmt.Errorf("ask the agent: %w", err)
+		return err
 	}
 	defer resp.Body.Close()
-	if resp.StatusCode != http.StatusOK {
-		b, _ := io.ReadAll(io.LimitReader(resp.Body, 1024))
-		return fmt.Errorf("agent %s: %s: %s", path, resp.Status, strings.TrimSpace(string(b)))
-	}
 	if err := json.NewDecoder(resp.Body).Decode(v); err != nil {
 		return fmt.Errorf("agent %s: %w", path, err)
 	}
 	return nil
+}
+
+// adminGet GETs path from the agent's admin endpoint: the one way the CLI
+// talks to a running agent (JSON answers and the tap's stream alike). A
+// status other than 200 is an error with the agent's message.
+func adminGet(ctx context.Context, admin, path string) (*http.Response, error) {
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, adminURL(admin, path), nil)
+	if err != nil {
+		return nil, err
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return nil, fmt.Errorf("ask the agent: %w", err)
+	}
+	if resp.StatusCode != http.StatusOK {
+		b, _ := io.ReadAll(io.LimitReader(resp.Body, 1024))
+		resp.Body.Close()
+		return nil, fmt.Errorf("agent %s: %s: %s", path, resp.Status, strings.TrimSpace(string(b)))
+	}
+	return resp, nil
+}
+
+// StreamTap streams the agent's answered queries that f selects (/debug/tap)
+// to fn, until ctx ends (then it returns nil), the agent goes away, or fn
+// fails. Records the agent could not hand over because this reader was too
+// slow arrive as notices (Record.Lost).
+func StreamTap(ctx context.Context, admin string, f tap.Filter, fn func(*tap.Record) error) error {
+	resp, err := adminGet(ctx, admin, "/debug/tap?"+f.Values().Encode())
+	if err != nil {
+		return err
+	}
+	defer resp.Body.Close()
+	err = tap.Read(resp.Body, fn)
+	if ctx.Err() != nil {
+		return nil
+	}
+	if err == nil {
+		return errors.New("the agent ended the tap stream (did it stop?)")
+	}
+	return err
 }
 
 // ReadTable lists the agent's name table.
@@ -99,20 +138,8 @@ func ReadSources(admin string) ([]names.SourceStatus, error) {
 	return out, getJSONWithin(admin, "/debug/sources", &out, 2*time.Second)
 }
 
-// podUID finds a Pod UID in a cgroup path as kubelet names them: with the
-// cgroupfs driver .../pod<uid>/<container>, with the systemd driver
-// ...-pod<uid with '_' for '-'>.slice/...; a static Pod's UID is a hash
-// of 32 hex digits.
-var podUID = regexp.MustCompile(`pod([0-9a-f]{8}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{12}|[0-9a-f]{32})`)
-
 // PodUID returns the UID of the Pod a cgroup path belongs to, or "".
-func PodUID(cgroupPath string) string {
-	m := podUID.FindAllStringSubmatch(cgroupPath, -1)
-	if len(m) == 0 {
-		return ""
-	}
-	return strings.ReplaceAll(m[len(m)-1][1], "_", "-")
-}
+func PodUID(cgroupPath string) string { return workload.PodUID(cgroupPath) }
 
 // NamePods sets the Pod of each cgroup of s whose path names a Pod the
 // agent knows (the Pods of this node).

@@ -136,6 +136,7 @@ func (c *Config) redirectConfig(log *slog.Logger) redirect.Config {
 		CaptureLoopback: c.CaptureLoopback,
 		ProxyUIDs:       c.ProxyUIDs,
 		UpstreamMark:    c.UpstreamMark,
+		Attribution:     c.Workloads.Attribution,
 		Logger:          log.With("component", "redirect"),
 	}
 	rc.Target4, rc.Target6 = c.targets()

@@ -117,7 +117,10 @@ func CheckDir(dir string) error {
 // caller that names the same cgroups again and again (a metrics scrape, a
 // status loop) walks the hierarchy only when it meets an id it has not seen.
 // An id a walk did not find is not looked for again (cgroup ids are never
-// reused); that memory is bounded. Safe for concurrent use.
+// reused); that memory is bounded. A remembered path counts only while its
+// directory is still that cgroup: a cgroup removed and made again at the same
+// path is a new cgroup with a new id, and the old id is gone. Safe for
+// concurrent use.
 type Namer struct {
 	mu      sync.Mutex
 	paths   map[uint64]string
@@ -142,11 +145,11 @@ func (n *Namer) Paths(ids []uint64) map[uint64]string {
 	var want []uint64
 	for _, id := range ids {
 		if p, ok := n.paths[id]; ok {
-			if _, err := os.Stat(p); err == nil {
+			if fi, err := os.Stat(p); err == nil && inode(fi) == id {
 				out[id] = p
 				continue
 			}
-			delete(n.paths, id) // removed (or the id's directory was reused)
+			delete(n.paths, id) // removed, or its path is another cgroup's now
 		}
 		if !n.missing[id] {
 			want = append(want, id)
@@ -169,6 +172,13 @@ func (n *Namer) Paths(ids []uint64) map[uint64]string {
 		}
 	}
 	return out
+}
+
+func inode(fi fs.FileInfo) uint64 {
+	if st, ok := fi.Sys().(*syscall.Stat_t); ok {
+		return st.Ino
+	}
+	return 0
 }
 
 // Walks is how many times the Namer walked the hierarchy.
@@ -207,8 +217,8 @@ func Walk(ids []uint64) map[uint64]string {
 		if err != nil {
 			return nil
 		}
-		if st, ok := fi.Sys().(*syscall.Stat_t); ok && want[st.Ino] {
-			out[st.Ino] = p
+		if ino := inode(fi); want[ino] {
+			out[ino] = p
 			if len(out) == len(want) {
 				return fs.SkipAll
 			}

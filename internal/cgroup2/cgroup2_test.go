@@ -66,3 +66,37 @@ func TestCheckDir(t *testing.T) {
 		}
 	}
 }
+
+// A cgroup removed and made again at the same path is a new cgroup with a new
+// id: the cached path of the old id must not name the new one.
+func TestNamerForgetsAReplacedCgroup(t *testing.T) {
+	testenv.RequirePrivileged(t)
+	cg := testenv.NewCgroup(t)
+	p := filepath.Join(cg.Path, "unit")
+	if err := os.Mkdir(p, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	old := inode(t, p)
+	n := cgroup2.NewNamer()
+	if got := n.Paths([]uint64{old})[old]; got != p {
+		t.Fatalf("Paths(%d) = %q, want %s", old, got, p)
+	}
+	if err := os.Remove(p); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Mkdir(p, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = os.Remove(p) })
+	renewed := inode(t, p)
+	if renewed == old {
+		t.Fatalf("the kernel gave the new cgroup the old id %d", old)
+	}
+	got := n.Paths([]uint64{old, renewed})
+	if q, ok := got[old]; ok {
+		t.Errorf("Paths names removed cgroup %d as %s, which is now cgroup %d", old, q, renewed)
+	}
+	if got[renewed] != p {
+		t.Errorf("Paths(%d) = %q, want %s", renewed, got[renewed], p)
+	}
+}

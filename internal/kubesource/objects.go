@@ -75,8 +75,9 @@ func (s *endpointSlice) DeepCopyObject() runtime.Object { return s }
 // pod is a Pod of this node: its IPs are clients of its namespace.
 type pod struct {
 	meta
-	uid string
-	ips []netip.Addr
+	uid        string
+	ips        []netip.Addr
+	containers map[string]string // container id (without the runtime prefix) -> name
 }
 
 // DeepCopyObject implements runtime.Object; the object is immutable.
@@ -235,6 +236,16 @@ func transformPod(obj any) (any, error) {
 	out := &pod{meta: meta{name: p.Name, namespace: internStr(p.Namespace)}, uid: string(p.UID)}
 	if m := p.Annotations[corev1.MirrorPodAnnotationKey]; m != "" {
 		out.uid = m // a static Pod's mirror: kubelet's cgroup carries the static Pod's UID
+	}
+	for _, list := range [][]corev1.ContainerStatus{p.Status.InitContainerStatuses, p.Status.ContainerStatuses, p.Status.EphemeralContainerStatuses} {
+		for _, cs := range list {
+			if _, id, ok := strings.Cut(cs.ContainerID, "://"); ok && id != "" {
+				if out.containers == nil {
+					out.containers = map[string]string{}
+				}
+				out.containers[id] = cs.Name
+			}
+		}
 	}
 	if p.Spec.HostNetwork || p.Status.Phase == corev1.PodSucceeded || p.Status.Phase == corev1.PodFailed {
 		return out, nil

@@ -1,11 +1,14 @@
 package kubesource
 
 import (
+	"net/netip"
 	"slices"
 	"strings"
 	"sync"
 
 	"k8s.io/client-go/tools/cache"
+
+	"github.com/meshdns/meshdns-ebpf/internal/workload"
 )
 
 // PodRef is a Pod of this node: what `meshdns-ebpf stats` needs to name the
@@ -33,6 +36,31 @@ func (s *Source) Pods() []PodRef {
 		return strings.Compare(a.Namespace+"/"+a.Name, b.Namespace+"/"+b.Name)
 	})
 	return out
+}
+
+// PodByUID finds a Pod of this node by UID (a cgroup path carries it): the
+// workload index of internal/workload.
+func (s *Source) PodByUID(uid string) (workload.Pod, bool) {
+	return s.findPod(func(p *pod) bool { return p.uid == uid })
+}
+
+// PodByIP finds the Pod of this node that has ip (host-network Pods have
+// none of their own).
+func (s *Source) PodByIP(ip netip.Addr) (workload.Pod, bool) {
+	return s.findPod(func(p *pod) bool { return slices.Contains(p.ips, ip) })
+}
+
+func (s *Source) findPod(match func(*pod) bool) (workload.Pod, bool) {
+	st := s.pods.get()
+	if st == nil {
+		return workload.Pod{}, false
+	}
+	for _, o := range st.List() {
+		if p, ok := o.(*pod); ok && match(p) {
+			return workload.Pod{Namespace: p.namespace, Name: p.name, UID: p.uid, Containers: p.containers}, true
+		}
+	}
+	return workload.Pod{}, false
 }
 
 // podIndex holds the pod informer's store once Run made it.

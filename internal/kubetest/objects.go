@@ -110,6 +110,11 @@ type Pod struct {
 	Hostname, Subdomain string
 	// Ports are the container's ports (for a Service's targetPort by name).
 	Ports []corev1.ContainerPort
+	// HostNetwork is spec.hostNetwork.
+	HostNetwork bool
+	// ContainerID, when set, is the status's id of the container "app"
+	// ("containerd://<ContainerID>"), as a kubelet reports it.
+	ContainerID string
 }
 
 // CreatePod creates p (and its Node if missing), sets its status and returns it.
@@ -124,9 +129,10 @@ func (cp *ControlPlane) CreatePod(t testing.TB, p Pod) *corev1.Pod {
 	pod := &corev1.Pod{
 		ObjectMeta: metav1.ObjectMeta{Namespace: p.Namespace, Name: p.Name, Labels: p.Labels},
 		Spec: corev1.PodSpec{
-			NodeName:  p.Node,
-			Hostname:  p.Hostname,
-			Subdomain: p.Subdomain,
+			NodeName:    p.Node,
+			Hostname:    p.Hostname,
+			Subdomain:   p.Subdomain,
+			HostNetwork: p.HostNetwork,
 			Containers: []corev1.Container{{
 				Name:  "app",
 				Image: "kubetest.invalid/app:none", // never pulled: no kubelet runs
@@ -139,6 +145,9 @@ func (cp *ControlPlane) CreatePod(t testing.TB, p Pod) *corev1.Pod {
 		t.Fatalf("kubetest: create Pod %s/%s: %v", p.Namespace, p.Name, err)
 	}
 	created.Status = podStatus(t, p.IPs, p.Ready)
+	if p.ContainerID != "" {
+		created.Status.ContainerStatuses = []corev1.ContainerStatus{{Name: "app", ContainerID: "containerd://" + p.ContainerID, Ready: p.Ready}}
+	}
 	out, err := cp.client.CoreV1().Pods(p.Namespace).UpdateStatus(ctx, created, metav1.UpdateOptions{})
 	if err != nil {
 		t.Fatalf("kubetest: set status of Pod %s/%s: %v", p.Namespace, p.Name, err)

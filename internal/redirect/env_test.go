@@ -230,6 +230,7 @@ func (n *testNet) progressTo(d *Datapath) {
 type proc struct {
 	uid  int
 	mark uint32
+	cg   *testenv.Cgroup // nil: the test cgroup
 }
 
 // clientCmd builds the client command in the test cgroup and node namespace.
@@ -237,7 +238,11 @@ func (n *testNet) clientCmd(ctx context.Context, p proc, args ...string) *exec.C
 	if p.mark != 0 {
 		args = append(args, fmt.Sprintf("-mark=%d", p.mark))
 	}
-	cmd := testenv.Command(ctx, testenv.Proc{Netns: n.node, Cgroup: n.cg, UID: p.uid, GID: p.uid}, clientBin, args...)
+	cg := p.cg
+	if cg == nil {
+		cg = n.cg
+	}
+	cmd := testenv.Command(ctx, testenv.Proc{Netns: n.node, Cgroup: cg, UID: p.uid, GID: p.uid}, clientBin, args...)
 	// No async preemption signals: a blocking connect interrupted by one would
 	// go on in the background and fail the query spuriously.
 	cmd.Env = append(os.Environ(), clientEnv+"=1", "GODEBUG=asyncpreemptoff=1")
@@ -246,6 +251,13 @@ func (n *testNet) clientCmd(ctx context.Context, p proc, args ...string) *exec.C
 
 // query runs the client to completion and returns its results.
 func (n *testNet) query(t *testing.T, p proc, args ...string) []clientResult {
+	t.Helper()
+	rs, _ := n.queryPID(t, p, args...)
+	return rs
+}
+
+// queryPID is query that also returns the client's process id.
+func (n *testNet) queryPID(t *testing.T, p proc, args ...string) ([]clientResult, int) {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
@@ -256,7 +268,16 @@ func (n *testNet) query(t *testing.T, p proc, args ...string) []clientResult {
 	if err != nil {
 		t.Fatalf("client %v: %v\nstdout: %s\nstderr: %s", args, err, out, stderr.String())
 	}
-	return parseResults(t, out)
+	return parseResults(t, out), cmd.Process.Pid
+}
+
+// resolver is the fake resolver of family fam (4 or 6) on slot.
+func (n *testNet) resolver(fam, slot int) *testenv.FakeDNS {
+	i := 2 * slot
+	if fam == 6 {
+		i++
+	}
+	return n.resolvers[i]
 }
 
 func parseResults(t *testing.T, out []byte) []clientResult {

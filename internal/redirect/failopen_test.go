@@ -311,7 +311,7 @@ func TestKilledAgentFailsOpenAndCleanup(t *testing.T) {
 	if err != nil {
 		t.Fatalf("Cleanup: %v", err)
 	}
-	if want := len(hooks) + 8; len(removed) != want {
+	if want := len(hooks) + len(new(Datapath).mapsByName()); len(removed) != want {
 		t.Errorf("Cleanup removed %d pins, want %d: %v", len(removed), want, removed)
 	}
 	if got := attachedPrograms(t, n.cg); got != 0 {
@@ -349,13 +349,13 @@ func TestStartAdoptsPinnedLinks(t *testing.T) {
 	}
 	wantOriginal(t, n.query(t, proc{uid: userUID}, "-dst="+hp(ns1, 53))[0])
 
-	// What an older version left: a sock_release link and an orig_dst map.
-	old := passProgram(t, ebpf.CGroupSock, ebpf.AttachCgroupInetSockRelease)
-	oldLink, err := link.AttachRawLink(link.RawLinkOptions{Target: n.cg.FD(), Program: old, Attach: ebpf.AttachCgroupInetSockRelease})
+	// What an older version left: a sock_create link and an orig_dst map.
+	old := passProgram(t, ebpf.CGroupSock, ebpf.AttachCGroupInetSockCreate)
+	oldLink, err := link.AttachRawLink(link.RawLinkOptions{Target: n.cg.FD(), Program: old, Attach: ebpf.AttachCGroupInetSockCreate})
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := oldLink.Pin(n.pinDir() + "/links/sock_release"); err != nil {
+	if err := oldLink.Pin(n.pinDir() + "/links/sock_create"); err != nil {
 		t.Fatal(err)
 	}
 	oldLink.Close()
@@ -385,12 +385,12 @@ func TestStartAdoptsPinnedLinks(t *testing.T) {
 	if got := attachedPrograms(t, n.cg); got != len(hooks) {
 		t.Errorf("%d programs attached after adoption, want %d", got, len(hooks))
 	}
-	res, err := link.QueryPrograms(link.QueryOptions{Target: n.cg.FD(), Attach: ebpf.AttachCgroupInetSockRelease})
+	res, err := link.QueryPrograms(link.QueryOptions{Target: n.cg.FD(), Attach: ebpf.AttachCGroupInetSockCreate})
 	if err != nil || len(res.Programs) != 0 {
-		t.Errorf("the older version's sock_release program is still attached (%v)", err)
+		t.Errorf("the older version's sock_create program is still attached (%v)", err)
 	}
 	for _, p := range pinsUnder(t, n.bpffs) {
-		if strings.HasSuffix(p, "/sock_release") || strings.HasSuffix(p, "/orig_dst") {
+		if strings.HasSuffix(p, "/sock_create") || strings.HasSuffix(p, "/orig_dst") {
 			t.Errorf("older version's pin %s left", p)
 		}
 	}

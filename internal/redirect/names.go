@@ -29,6 +29,8 @@ var hooks = []hook{
 	{"recvmsg6", "cgroup/recvmsg6", ebpf.AttachCGroupUDP6Recvmsg, "BPF_CGROUP_UDP6_RECVMSG", redirectHookHOOK_RECVMSG6},
 	{"getpeername4", "cgroup/getpeername4", ebpf.AttachCgroupInet4GetPeername, "BPF_CGROUP_INET4_GETPEERNAME", redirectHookHOOK_GETPEERNAME4},
 	{"getpeername6", "cgroup/getpeername6", ebpf.AttachCgroupInet6GetPeername, "BPF_CGROUP_INET6_GETPEERNAME", redirectHookHOOK_GETPEERNAME6},
+	{"attribute", "cgroup_skb/egress", ebpf.AttachCGroupInetEgress, "BPF_CGROUP_INET_EGRESS", redirectHookHOOK_EGRESS},
+	{"sock_release", "cgroup/sock_release", ebpf.AttachCgroupInetSockRelease, "BPF_CGROUP_INET_SOCK_RELEASE", redirectHookHOOK_SOCK_RELEASE},
 }
 
 // Limits of bpf/redirect.c (enum meshdns_limits, exported by bpf2go).
@@ -38,6 +40,9 @@ const (
 	maxSlots       = int(redirectMeshdnsLimitsMAX_SLOTS)
 	maxProxyUIDs   = int(redirectMeshdnsLimitsMAX_PROXY_UIDS)
 	sockEntries    = int(redirectMeshdnsLimitsSOCK_ENTRIES)
+	flowWays       = int(redirectMeshdnsLimitsFLOW_WAYS)
+	flowBucketBits = int(redirectMeshdnsLimitsFLOW_BUCKET_BITS)
+	flowBuckets    = int(redirectMeshdnsLimitsFLOW_BUCKETS)
 )
 
 // CaptureAllSlots is how many slot ports capture-all adds (see SlotPorts).
@@ -51,6 +56,7 @@ const (
 	flagCaptureLoopback = uint32(redirectMeshdnsFlagsFLAG_CAPTURE_LOOPBACK)
 	flagTarget4Loopback = uint32(redirectMeshdnsFlagsFLAG_TARGET4LOOPBACK)
 	flagTarget6Loopback = uint32(redirectMeshdnsFlagsFLAG_TARGET6LOOPBACK)
+	flagAttribution     = uint32(redirectMeshdnsFlagsFLAG_ATTRIBUTION)
 )
 
 // resolverSockIndex is the resolver_socks key of a socket (enum

@@ -92,6 +92,12 @@ func Probe() (Features, error) {
 		{"connect4", "bpf_map_lookup_elem on a SOCKMAP, bpf_sk_release", sockmapLookup, "resolver sockets, in cgroup/connect4"},
 		{"sendmsg4", "bpf_sk_storage_get", skStorageGet, "per-socket state, in cgroup/sendmsg4"},
 		{"recvmsg4", "bpf_sk_storage_get", skStorageGet, "per-socket state, in cgroup/recvmsg4"},
+		{"connect4", "bpf_get_current_pid_tgid", plain(callCtx(asm.FnGetCurrentPidTgid)), "the sender's process, in cgroup/connect4"},
+		{"attribute", "bpf_sk_fullsock, bpf_sk_storage_get", skbStorageGet, "per-socket state, in cgroup_skb/egress"},
+		{"attribute", "bpf_skb_load_bytes", skbLoadBytes, "the packet's addresses, in cgroup_skb/egress"},
+		{"attribute", "bpf_get_socket_cookie", plain(callCtx(asm.FnGetSocketCookie)), "in cgroup_skb/egress"},
+		{"sock_release", "bpf_sk_storage_get", sockStorageGet, "per-socket state, in cgroup/sock_release"},
+		{"sock_release", "bpf_get_socket_cookie", plain(callCtx(asm.FnGetSocketCookie)), "in cgroup/sock_release"},
 	}
 	for _, p := range helperProbes {
 		h := hookByName[p.hook]
@@ -175,24 +181,80 @@ func sockmapLookup() (asm.Instructions, func(), error) {
 
 // skStorageGet reads the socket-local storage of ctx->sk without creating it.
 func skStorageGet() (asm.Instructions, func(), error) {
-	m, err := ebpf.NewMap(&ebpf.MapSpec{
-		Type: ebpf.SkStorage, KeySize: 4, ValueSize: 8, Flags: bpfNoPrealloc,
-		Key: &btf.Int{Name: "int", Size: 4, Encoding: btf.Signed}, Value: &btf.Int{Name: "long long unsigned int", Size: 8},
-	})
+	m, err := skStorageMap()
 	if err != nil {
-		return nil, nil, fmt.Errorf("create an SK_STORAGE map: %w", err)
+		return nil, nil, err
 	}
-	return asm.Instructions{
+	return storageGet(m, asm.Instructions{
 		asm.LoadMem(asm.R2, asm.R1, int16(unsafe.Offsetof(sockAddrCtx{}.sk)), asm.DWord),
 		asm.JEq.Imm(asm.R2, 0, "out"),
+	}), func() { m.Close() }, nil
+}
+
+// storageGet is find (which leaves a socket in R2, or jumps to "out"), then
+// bpf_sk_storage_get on m without creating, then return 1 ("out").
+func storageGet(m *ebpf.Map, find asm.Instructions) asm.Instructions {
+	return append(find,
 		asm.LoadMapPtr(asm.R1, m.FD()),
 		asm.Mov.Imm(asm.R3, 0),
 		asm.Mov.Imm(asm.R4, 0),
 		asm.FnSkStorageGet.Call(),
 		asm.Mov.Imm(asm.R0, 1).WithSymbol("out"),
 		asm.Return(),
-	}, func() { m.Close() }, nil
+	)
 }
+
+// skStorageMap is an SK_STORAGE map like sock_state, for a probe.
+func skStorageMap() (*ebpf.Map, error) {
+	m, err := ebpf.NewMap(&ebpf.MapSpec{
+		Type: ebpf.SkStorage, KeySize: 4, ValueSize: 8, Flags: bpfNoPrealloc,
+		Key: &btf.Int{Name: "int", Size: 4, Encoding: btf.Signed}, Value: &btf.Int{Name: "long long unsigned int", Size: 8},
+	})
+	if err != nil {
+		return nil, fmt.Errorf("create an SK_STORAGE map: %w", err)
+	}
+	return m, nil
+}
+
+// skbStorageGet reads the socket-local storage of a packet's full socket, as
+// attribute does.
+func skbStorageGet() (asm.Instructions, func(), error) {
+	m, err := skStorageMap()
+	if err != nil {
+		return nil, nil, err
+	}
+	return storageGet(m, asm.Instructions{
+		asm.LoadMem(asm.R1, asm.R1, skbSkOffset, asm.DWord),
+		asm.JEq.Imm(asm.R1, 0, "out"),
+		asm.FnSkFullsock.Call(),
+		asm.JEq.Imm(asm.R0, 0, "out"),
+		asm.Mov.Reg(asm.R2, asm.R0),
+	}), func() { m.Close() }, nil
+}
+
+// skbLoadBytes copies 4 bytes of the packet to the stack.
+func skbLoadBytes() (asm.Instructions, func(), error) {
+	return append(asm.Instructions{
+		asm.Mov.Imm(asm.R2, 0),
+		asm.Mov.Reg(asm.R3, asm.R10),
+		asm.Add.Imm(asm.R3, -4),
+		asm.Mov.Imm(asm.R4, 4),
+		asm.FnSkbLoadBytes.Call(),
+	}, returnOne()...), func() {}, nil
+}
+
+// sockStorageGet reads the socket-local storage of the socket that
+// sock_release is given.
+func sockStorageGet() (asm.Instructions, func(), error) {
+	m, err := skStorageMap()
+	if err != nil {
+		return nil, nil, err
+	}
+	return storageGet(m, asm.Instructions{asm.Mov.Reg(asm.R2, asm.R1)}), func() { m.Close() }, nil
+}
+
+// skbSkOffset is the offset of sk in struct __sk_buff.
+const skbSkOffset = 168
 
 // sockAddrCtx is struct bpf_sock_addr up to its sk pointer.
 type sockAddrCtx struct {
@@ -233,8 +295,11 @@ func probeHook(h hook, insns asm.Instructions) error {
 		insns = returnOne()
 	}
 	typ := ebpf.CGroupSockAddr
-	if h.attach == ebpf.AttachCgroupInetSockRelease {
+	switch h.attach {
+	case ebpf.AttachCgroupInetSockRelease:
 		typ = ebpf.CGroupSock
+	case ebpf.AttachCGroupInetEgress:
+		typ = ebpf.CGroupSKB
 	}
 	prog, err := ebpf.NewProgramWithOptions(&ebpf.ProgramSpec{
 		Name:         "meshdns_probe",

@@ -58,6 +58,9 @@ type Config struct {
 	ProxyUIDs       []uint32       // UIDs whose sockets are never captured
 	UpstreamMark    uint32         // SO_MARK of the resolver's own upstream sockets; must be non-zero
 	StallAfter      time.Duration  // 0: DefaultStallAfter
+	// Attribution makes the programs record who sends each redirected query
+	// (see Flows); without it the attribute program returns at once.
+	Attribution bool
 	// Detach makes Close detach the programs and remove every pin. Without it
 	// they stay attached and pinned for the next agent (inert meanwhile).
 	Detach bool
@@ -195,6 +198,9 @@ func validate(cfg Config) (*settings, error) {
 	if cfg.CaptureLoopback {
 		s.flags |= flagCaptureLoopback
 	}
+	if cfg.Attribution {
+		s.flags |= flagAttribution
+	}
 	s.basePort = basePort(s.cfg)
 	if int(s.basePort)+slots-1 > 65535 {
 		return nil, fmt.Errorf("slot ports %d..%d run past 65535", s.basePort, int(s.basePort)+slots-1)
@@ -220,6 +226,7 @@ type Datapath struct {
 	links    []attached
 	progress *progress
 	dequeued atomic.Pointer[uint64] // progress.dequeued while mapped
+	flows    *Flows                 // the flows map, memory-mapped
 	served   []uint32               // resolver_socks keys we registered
 	cgroups  *cgroup2.Namer
 	probe    *net.UDPConn // the watchdog's, opened in Start's network namespace
@@ -327,6 +334,8 @@ func (d *Datapath) Start(ctx context.Context) (err error) {
 			d.progress.close()
 			d.progress = nil
 		}
+		d.flows.close()
+		d.flows = nil
 		_ = d.objs.Close()
 		d.objs = redirectObjects{}
 		if createdPinDir {
@@ -349,6 +358,9 @@ func (d *Datapath) Start(ctx context.Context) (err error) {
 		return err
 	}
 	d.dequeued.Store(d.progress.field(unsafe.Offsetof(redirectMeshdnsProgress{}.Dequeued)))
+	if d.flows, err = mapFlows(d.objs.Flows); err != nil {
+		return err
+	}
 	if pinned, err = d.pinMaps(reused); err != nil {
 		return err
 	}
@@ -511,6 +523,7 @@ func (d *Datapath) mapsByName() map[string]*ebpf.Map {
 	return map[string]*ebpf.Map{
 		redirectMapCgroupStats:   m.CgroupStats,
 		redirectMapConfig:        m.Config,
+		redirectMapFlows:         m.Flows,
 		redirectMapNameservers:   m.Nameservers,
 		redirectMapProgress:      m.Progress,
 		redirectMapProxyUids:     m.ProxyUids,
@@ -531,6 +544,8 @@ func (d *Datapath) programsByName() map[string]*ebpf.Program {
 		redirectProgRecvmsg6:     p.Recvmsg6,
 		redirectProgGetpeername4: p.Getpeername4,
 		redirectProgGetpeername6: p.Getpeername6,
+		redirectProgAttribute:    p.Attribute,
+		redirectProgSockRelease:  p.SockRelease,
 	}
 }
 
@@ -646,7 +661,7 @@ func removeForeignPins(pinDir string) error {
 	for _, h := range hooks {
 		ours[filepath.Join(pinDir, linksDir, h.name)] = true
 	}
-	for _, name := range []string{redirectMapCgroupStats, redirectMapConfig, redirectMapNameservers, redirectMapProgress,
+	for _, name := range []string{redirectMapCgroupStats, redirectMapConfig, redirectMapFlows, redirectMapNameservers, redirectMapProgress,
 		redirectMapProxyUids, redirectMapResolverSocks, redirectMapSockState, redirectMapStats} {
 		ours[filepath.Join(pinDir, mapsDir, name)] = true
 	}
@@ -785,6 +800,8 @@ func (d *Datapath) Close() error {
 		d.progress.close()
 		d.progress = nil
 	}
+	d.flows.close()
+	d.flows = nil
 	if err := d.objs.Close(); err != nil {
 		errs = append(errs, fmt.Errorf("close eBPF objects: %w", err))
 	}

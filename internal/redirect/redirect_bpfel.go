@@ -43,8 +43,30 @@ const (
 	redirectCounterCOUNTER_SKIP_OTHER_NETNS  redirectCounter = 9
 	redirectCounterCOUNTER_SKIP_NO_STATE     redirectCounter = 10
 	redirectCounterCOUNTER_MAP_MISS          redirectCounter = 11
-	redirectCounterNUM_COUNTERS              redirectCounter = 12
+	redirectCounterCOUNTER_FLOW_RECORDED     redirectCounter = 12
+	redirectCounterCOUNTER_FLOW_EVICTED      redirectCounter = 13
+	redirectCounterCOUNTER_FLOW_RELEASED     redirectCounter = 14
+	redirectCounterNUM_COUNTERS              redirectCounter = 15
 )
+
+type redirectFlowBucket struct {
+	_ structs.HostLayout
+	E [4]redirectFlowEntry
+}
+
+type redirectFlowEntry struct {
+	_        structs.HostLayout
+	Addr     [4]uint32
+	Port     uint16
+	Proto    uint8
+	Pad0     uint8
+	Tgid     uint32
+	CgroupId uint64
+	Cookie   uint64
+	Stamp    uint64
+	Check    uint64
+	Pad1     uint64
+}
 
 type redirectHook uint32
 
@@ -57,12 +79,14 @@ const (
 	redirectHookHOOK_RECVMSG6     redirectHook = 5
 	redirectHookHOOK_GETPEERNAME4 redirectHook = 6
 	redirectHookHOOK_GETPEERNAME6 redirectHook = 7
-	redirectHookNUM_HOOKS         redirectHook = 8
+	redirectHookHOOK_EGRESS       redirectHook = 8
+	redirectHookHOOK_SOCK_RELEASE redirectHook = 9
+	redirectHookNUM_HOOKS         redirectHook = 10
 )
 
 type redirectHookCounters struct {
 	_        structs.HostLayout
-	Counters [12]uint64
+	Counters [15]uint64
 }
 
 type redirectMeshdnsConfig struct {
@@ -89,17 +113,21 @@ const (
 	redirectMeshdnsFlagsFLAG_CAPTURE_LOOPBACK redirectMeshdnsFlags = 8
 	redirectMeshdnsFlagsFLAG_TARGET4LOOPBACK  redirectMeshdnsFlags = 16
 	redirectMeshdnsFlagsFLAG_TARGET6LOOPBACK  redirectMeshdnsFlags = 32
+	redirectMeshdnsFlagsFLAG_ATTRIBUTION      redirectMeshdnsFlags = 64
 )
 
 type redirectMeshdnsLimits uint32
 
 const (
-	redirectMeshdnsLimitsMAX_NAMESERVERS redirectMeshdnsLimits = 32
-	redirectMeshdnsLimitsMAX_ALL_SLOTS   redirectMeshdnsLimits = 4
-	redirectMeshdnsLimitsMAX_SLOTS       redirectMeshdnsLimits = 36
-	redirectMeshdnsLimitsSOCK_ENTRIES    redirectMeshdnsLimits = 4
-	redirectMeshdnsLimitsMAX_PROXY_UIDS  redirectMeshdnsLimits = 64
-	redirectMeshdnsLimitsRESOLVER_SOCKS  redirectMeshdnsLimits = 144
+	redirectMeshdnsLimitsMAX_NAMESERVERS  redirectMeshdnsLimits = 32
+	redirectMeshdnsLimitsMAX_ALL_SLOTS    redirectMeshdnsLimits = 4
+	redirectMeshdnsLimitsMAX_SLOTS        redirectMeshdnsLimits = 36
+	redirectMeshdnsLimitsSOCK_ENTRIES     redirectMeshdnsLimits = 4
+	redirectMeshdnsLimitsMAX_PROXY_UIDS   redirectMeshdnsLimits = 64
+	redirectMeshdnsLimitsRESOLVER_SOCKS   redirectMeshdnsLimits = 144
+	redirectMeshdnsLimitsFLOW_WAYS        redirectMeshdnsLimits = 4
+	redirectMeshdnsLimitsFLOW_BUCKET_BITS redirectMeshdnsLimits = 13
+	redirectMeshdnsLimitsFLOW_BUCKETS     redirectMeshdnsLimits = 8192
 )
 
 type redirectMeshdnsProgress struct {
@@ -134,8 +162,13 @@ type redirectSockEntry struct {
 }
 
 type redirectSockOrigs struct {
-	_ structs.HostLayout
-	E [4]redirectSockEntry
+	_         structs.HostLayout
+	E         [4]redirectSockEntry
+	CgroupId  uint64
+	Tgid      uint32
+	FlowPort  uint16
+	FlowProto uint8
+	Pad0      uint8
 }
 
 // Names of all BPF objects in the ELF.
@@ -144,12 +177,14 @@ type redirectSockOrigs struct {
 const (
 	redirectMapCgroupStats        = "cgroup_stats"
 	redirectMapConfig             = "config"
+	redirectMapFlows              = "flows"
 	redirectMapNameservers        = "nameservers"
 	redirectMapProgress           = "progress"
 	redirectMapProxyUids          = "proxy_uids"
 	redirectMapResolverSocks      = "resolver_socks"
 	redirectMapSockState          = "sock_state"
 	redirectMapStats              = "stats"
+	redirectProgAttribute         = "attribute"
 	redirectProgConnect4          = "connect4"
 	redirectProgConnect6          = "connect6"
 	redirectProgGetpeername4      = "getpeername4"
@@ -158,6 +193,7 @@ const (
 	redirectProgRecvmsg6          = "recvmsg6"
 	redirectProgSendmsg4          = "sendmsg4"
 	redirectProgSendmsg6          = "sendmsg6"
+	redirectProgSockRelease       = "sock_release"
 	redirectVarMeshdnsEnumsAnchor = "meshdns_enums_anchor"
 )
 
@@ -203,6 +239,7 @@ type redirectSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type redirectProgramSpecs struct {
+	Attribute    *ebpf.ProgramSpec `ebpf:"attribute"`
 	Connect4     *ebpf.ProgramSpec `ebpf:"connect4"`
 	Connect6     *ebpf.ProgramSpec `ebpf:"connect6"`
 	Getpeername4 *ebpf.ProgramSpec `ebpf:"getpeername4"`
@@ -211,6 +248,7 @@ type redirectProgramSpecs struct {
 	Recvmsg6     *ebpf.ProgramSpec `ebpf:"recvmsg6"`
 	Sendmsg4     *ebpf.ProgramSpec `ebpf:"sendmsg4"`
 	Sendmsg6     *ebpf.ProgramSpec `ebpf:"sendmsg6"`
+	SockRelease  *ebpf.ProgramSpec `ebpf:"sock_release"`
 }
 
 // redirectMapSpecs contains maps before they are loaded into the kernel.
@@ -219,6 +257,7 @@ type redirectProgramSpecs struct {
 type redirectMapSpecs struct {
 	CgroupStats   *ebpf.MapSpec `ebpf:"cgroup_stats"`
 	Config        *ebpf.MapSpec `ebpf:"config"`
+	Flows         *ebpf.MapSpec `ebpf:"flows"`
 	Nameservers   *ebpf.MapSpec `ebpf:"nameservers"`
 	Progress      *ebpf.MapSpec `ebpf:"progress"`
 	ProxyUids     *ebpf.MapSpec `ebpf:"proxy_uids"`
@@ -256,6 +295,7 @@ func (o *redirectObjects) Close() error {
 type redirectMaps struct {
 	CgroupStats   *ebpf.Map `ebpf:"cgroup_stats"`
 	Config        *ebpf.Map `ebpf:"config"`
+	Flows         *ebpf.Map `ebpf:"flows"`
 	Nameservers   *ebpf.Map `ebpf:"nameservers"`
 	Progress      *ebpf.Map `ebpf:"progress"`
 	ProxyUids     *ebpf.Map `ebpf:"proxy_uids"`
@@ -268,6 +308,7 @@ func (m *redirectMaps) Close() error {
 	return _RedirectClose(
 		m.CgroupStats,
 		m.Config,
+		m.Flows,
 		m.Nameservers,
 		m.Progress,
 		m.ProxyUids,
@@ -288,6 +329,7 @@ type redirectVariables struct {
 //
 // It can be passed to loadRedirectObjects or ebpf.CollectionSpec.LoadAndAssign.
 type redirectPrograms struct {
+	Attribute    *ebpf.Program `ebpf:"attribute"`
 	Connect4     *ebpf.Program `ebpf:"connect4"`
 	Connect6     *ebpf.Program `ebpf:"connect6"`
 	Getpeername4 *ebpf.Program `ebpf:"getpeername4"`
@@ -296,10 +338,12 @@ type redirectPrograms struct {
 	Recvmsg6     *ebpf.Program `ebpf:"recvmsg6"`
 	Sendmsg4     *ebpf.Program `ebpf:"sendmsg4"`
 	Sendmsg6     *ebpf.Program `ebpf:"sendmsg6"`
+	SockRelease  *ebpf.Program `ebpf:"sock_release"`
 }
 
 func (p *redirectPrograms) Close() error {
 	return _RedirectClose(
+		p.Attribute,
 		p.Connect4,
 		p.Connect6,
 		p.Getpeername4,
@@ -308,6 +352,7 @@ func (p *redirectPrograms) Close() error {
 		p.Recvmsg6,
 		p.Sendmsg4,
 		p.Sendmsg6,
+		p.SockRelease,
 	)
 }
 

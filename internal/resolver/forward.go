@@ -11,6 +11,8 @@ import (
 
 	"github.com/meshdns/meshdns-ebpf/internal/nametable"
 	"github.com/meshdns/meshdns-ebpf/internal/resolver/upstream"
+	"github.com/meshdns/meshdns-ebpf/internal/tap"
+	"github.com/meshdns/meshdns-ebpf/internal/workload"
 )
 
 // The forward stage: cache hits are answered inline from the answer's packed records;
@@ -70,7 +72,10 @@ type pending struct {
 	reply  replyTo
 	proto  proto
 	client netip.Addr
-	start  int64 // unix nanoseconds
+	port   uint16
+	who    workload.Key
+	qname  string // the question's name (for the tap)
+	start  int64  // unix nanoseconds
 	qtype  uint16
 	edns   bool
 	do     bool
@@ -109,6 +114,11 @@ func (w *worker) forwardWire(r *request, out []byte, name, cname string) []byte 
 			b = s.truncated(out, r.pkt[:r.qend], r.edns, r.do, r.limit, cname, &a)
 		}
 		s.record(r.proto, r.qtype, rcodeOf(&a, r.edns), srcCache, r.start)
+		kind := tap.Cache
+		if cname != "" {
+			kind = tap.Autopath
+		}
+		s.observeReq(r, r.lname, r.qtype, rcodeOf(&a, r.edns), kind, len(b))
 		return b
 	}
 	p := s.newPending(r)
@@ -120,8 +130,10 @@ func (w *worker) forwardWire(r *request, out []byte, name, cname string) []byte 
 	if cname != "" {
 		p.cname = strings.Clone(cname)
 		pq.Name = p.cname
+		p.qname = strings.Clone(r.lname)
 	} else {
 		pq.Name = strings.Clone(name)
+		p.qname = pq.Name
 	}
 	s.fwd.ForwardAsync(&pq, p.done)
 	return nil
@@ -135,13 +147,14 @@ func (w *worker) forwardMsg(r *request, out []byte) []byte {
 	if a, ok := s.fwd.Cached(&q); ok {
 		b := s.pack(s.answerMsg(r.msg, r.opt, r.limit, r.prefix, &a), out)
 		s.record(r.proto, r.qtype, a.Rcode, srcCache, r.start)
+		s.observeReq(r, question(r.msg), r.qtype, a.Rcode, tap.Cache, len(b))
 		return b
 	}
 	p := s.newPending(r)
 	if p == nil {
 		return w.overload(r, out)
 	}
-	p.msg, p.opt, p.prefix = r.msg, r.opt, r.prefix
+	p.msg, p.opt, p.prefix, p.qname = r.msg, r.opt, r.prefix, question(r.msg)
 	s.fwd.ForwardAsync(&q, p.done)
 	return nil
 }
@@ -158,7 +171,7 @@ func (s *Server) newPending(r *request) *pending {
 	s.pending.Add(1)
 	r.pending = true
 	return &pending{
-		s: s, reply: r.client.reply, proto: r.proto, client: r.client.addr, start: r.start.UnixNano(),
+		s: s, reply: r.client.reply, proto: r.proto, client: r.client.addr, port: r.client.port, who: r.client.who, start: r.start.UnixNano(),
 		qtype: r.qtype, edns: r.edns, do: r.do, limit: r.limit,
 	}
 }
@@ -188,6 +201,11 @@ func (w *worker) overload(r *request, out []byte) []byte {
 		}
 	}
 	s.record(r.proto, r.qtype, rc, srcError, r.start)
+	name := r.lname
+	if r.msg != nil {
+		name = question(r.msg)
+	}
+	s.observeReq(r, name, r.qtype, rc, tap.Shed, len(b))
 	return b
 }
 
@@ -217,7 +235,18 @@ func (p *pending) done(a upstream.Answer, err error) {
 	}
 	// Counted before sending, as on the inline path: a client that has its answer
 	// sees it in the metrics.
-	s.record(p.proto, p.qtype, rcodeOf(&a, p.edns || p.opt != nil), src, unixTime(p.start))
+	rc := rcodeOf(&a, p.edns || p.opt != nil)
+	s.record(p.proto, p.qtype, rc, src, unixTime(p.start))
+	kind, up := tap.Upstream, a.Server
+	switch {
+	case src == srcError:
+		kind, up = tap.Failed, netip.AddrPort{}
+	case src == srcStale:
+		kind = tap.Fallback
+	case p.cname != "":
+		kind = tap.Autopath
+	}
+	s.observe(p.who, p.port, p.proto, p.qname, p.qtype, rc, kind, unixTime(p.start), len(b), up)
 	p.reply.send(b)
 }
 

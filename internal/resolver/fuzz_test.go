@@ -11,6 +11,9 @@ import (
 
 	"github.com/meshdns/meshdns-ebpf/internal/nametable"
 	"github.com/meshdns/meshdns-ebpf/internal/resolver/upstream"
+	"github.com/meshdns/meshdns-ebpf/internal/talkers"
+	"github.com/meshdns/meshdns-ebpf/internal/tap"
+	"github.com/meshdns/meshdns-ebpf/internal/workload"
 )
 
 // cannedForwarder answers every forwarded query at once without the network:
@@ -114,15 +117,19 @@ func FuzzServeDNS(f *testing.F) {
 	})
 }
 
-func benchServer(b *testing.B) *worker {
+func benchServer(b *testing.B, mod func(*Config)) *worker {
 	tb, err := nametable.Build(testFile(), nametable.Options{})
 	if err != nil {
 		b.Fatal(err)
 	}
 	st := &staticTable{}
 	st.t.Store(tb)
-	s, err := New(Config{Listen: []string{"127.0.0.1:0"}, Table: st, Forwarder: newCannedForwarder(),
-		Authoritative: true, Logger: slog.New(slog.DiscardHandler)})
+	cfg := Config{Listen: []string{"127.0.0.1:0"}, Table: st, Forwarder: newCannedForwarder(),
+		Authoritative: true, Logger: slog.New(slog.DiscardHandler)}
+	if mod != nil {
+		mod(&cfg)
+	}
+	s, err := New(cfg)
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -132,28 +139,10 @@ func benchServer(b *testing.B) *worker {
 // BenchmarkServe measures the real entry point (what the sockets call) per message,
 // without sockets: 0 allocs/op on the in-table and cache paths.
 func BenchmarkServe(b *testing.B) {
-	w := benchServer(b)
-	for _, c := range []struct {
-		name  string
-		qname string
-		qtype uint16
-		proto proto
-	}{
-		{"table/A", "reviews.ns2.svc.cluster.local.", dns.TypeA, protoUDP},
-		{"table/autopath", "reviews.ns2.ns1.svc.cluster.local.", dns.TypeA, protoUDP},
-		{"table/A-tcp", "reviews.ns2.svc.cluster.local.", dns.TypeA, protoTCP},
-		{"table/NODATA", "productpage.ns1.svc.cluster.local.", dns.TypeAAAA, protoUDP},
-		{"table/NXDOMAIN", "nope.ns1.svc.cluster.local.", dns.TypeA, protoUDP},
-		{"cache/A", "www.example.com.", dns.TypeA, protoUDP},
-		{"cache/autopath", "www.example.com.ns1.svc.cluster.local.", dns.TypeA, protoUDP},
-		{"unpacked/SRV", "_http._tcp.reviews.ns2.svc.cluster.local.", dns.TypeSRV, protoUDP},
-	} {
+	w := benchServer(b, nil)
+	for _, c := range benchQueries {
 		b.Run(c.name, func(b *testing.B) {
-			m := new(dns.Msg)
-			m.SetQuestion(c.qname, c.qtype)
-			m.SetEdns0(1232, false)
-			pkt, _ := m.Pack()
-			out := make([]byte, dns.MaxMsgSize)
+			pkt, out := benchPacket(c.qname, c.qtype)
 			b.ReportAllocs()
 			for b.Loop() {
 				if handlePacket(w, pkt, out, c.proto) == nil {
@@ -162,4 +151,74 @@ func BenchmarkServe(b *testing.B) {
 			}
 		})
 	}
+}
+
+// BenchmarkServeAttributed is BenchmarkServe with who-asked on, as the agent
+// runs it: every datagram's sender looked up (a stand-in for the datapath's
+// flow records, which are a few loads of mapped memory) and counted per
+// workload; "idle tap" has no tap subscriber, "tap" one that takes
+// everything (and is drained as it goes). 0 allocs/op on the in-table path.
+func BenchmarkServeAttributed(b *testing.B) {
+	tr, err := talkers.New(talkers.Config{Name: func(workload.Key) workload.Identity { return workload.Identity{} }})
+	if err != nil {
+		b.Fatal(err)
+	}
+	hub := tap.NewHub(1, 0)
+	w := benchServer(b, func(c *Config) { c.Senders, c.Talkers, c.Tap = portSenders, tr.Counter(), hub })
+	src := netip.MustParseAddrPort("10.0.0.7:40000")
+	for _, tapped := range []bool{false, true} {
+		mode := "idle tap"
+		if tapped {
+			mode = "tap"
+		}
+		for _, c := range benchQueries {
+			b.Run(mode+"/"+c.name, func(b *testing.B) {
+				var sub *tap.Sub
+				if tapped {
+					if sub, err = hub.Subscribe(tap.Filter{}); err != nil {
+						b.Fatal(err)
+					}
+					defer sub.Close()
+				}
+				pkt, out := benchPacket(c.qname, c.qtype)
+				cl := &client{proto: c.proto}
+				var ev tap.Event
+				b.ReportAllocs()
+				for b.Loop() {
+					cl.setSender(w.s, src)
+					if w.serve(pkt, out, cl, time.Now()) == nil {
+						b.Fatal("no reply")
+					}
+					if sub != nil {
+						sub.Next(&ev)
+					}
+				}
+			})
+		}
+	}
+}
+
+func benchPacket(qname string, qtype uint16) (pkt, out []byte) {
+	m := new(dns.Msg)
+	m.SetQuestion(qname, qtype)
+	m.SetEdns0(1232, false)
+	pkt, _ = m.Pack()
+	return pkt, make([]byte, dns.MaxMsgSize)
+}
+
+// benchQueries are BenchmarkServe's cases.
+var benchQueries = []struct {
+	name  string
+	qname string
+	qtype uint16
+	proto proto
+}{
+	{"table/A", "reviews.ns2.svc.cluster.local.", dns.TypeA, protoUDP},
+	{"table/autopath", "reviews.ns2.ns1.svc.cluster.local.", dns.TypeA, protoUDP},
+	{"table/A-tcp", "reviews.ns2.svc.cluster.local.", dns.TypeA, protoTCP},
+	{"table/NODATA", "productpage.ns1.svc.cluster.local.", dns.TypeAAAA, protoUDP},
+	{"table/NXDOMAIN", "nope.ns1.svc.cluster.local.", dns.TypeA, protoUDP},
+	{"cache/A", "www.example.com.", dns.TypeA, protoUDP},
+	{"cache/autopath", "www.example.com.ns1.svc.cluster.local.", dns.TypeA, protoUDP},
+	{"unpacked/SRV", "_http._tcp.reviews.ns2.svc.cluster.local.", dns.TypeSRV, protoUDP},
 }

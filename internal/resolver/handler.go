@@ -33,7 +33,7 @@ type reqInfo struct {
 	// place of the question; prefix are the records that lead to it.
 	chase  string
 	prefix []dns.RR
-	// autopath is set when a search-path expansion was answered (metrics).
+	// autopath is set when a search-path expansion was answered (metrics, the tap).
 	autopath bool
 }
 

@@ -8,6 +8,7 @@ import (
 	"github.com/miekg/dns"
 
 	"github.com/meshdns/meshdns-ebpf/internal/resolver/upstream"
+	"github.com/meshdns/meshdns-ebpf/internal/tap"
 )
 
 // The one query path. Every transport (the UDP readers, the TCP connections, ServeDNS)
@@ -245,6 +246,7 @@ func (w *worker) serveUnpacked(r *request, out []byte) []byte {
 			return nil
 		}
 		s.record(r.proto, 0, dns.RcodeFormatError, srcError, r.start)
+		s.observeReq(r, "", 0, dns.RcodeFormatError, tap.Error, len(b))
 		return b
 	}
 	r.msg = msg
@@ -284,6 +286,14 @@ func (w *worker) serveUnpacked(r *request, out []byte) []byte {
 	s.finish(resp, &ri)
 	b := s.pack(resp, out)
 	s.record(r.proto, qt, resp.Rcode, src, r.start)
+	kind := tap.Table
+	switch {
+	case src == srcError:
+		kind = tap.Error
+	case ri.autopath:
+		kind = tap.Autopath
+	}
+	s.observeReq(r, question(msg), qt, resp.Rcode, kind, len(b))
 	return b
 }
 

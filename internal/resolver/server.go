@@ -28,6 +28,9 @@ import (
 
 	"github.com/meshdns/meshdns-ebpf/internal/nametable"
 	"github.com/meshdns/meshdns-ebpf/internal/resolver/upstream"
+	"github.com/meshdns/meshdns-ebpf/internal/talkers"
+	"github.com/meshdns/meshdns-ebpf/internal/tap"
+	"github.com/meshdns/meshdns-ebpf/internal/workload"
 )
 
 // Forwarder answers what the table does not know (*upstream.Forwarder).
@@ -74,8 +77,16 @@ type Config struct {
 	MaxTCPConns int
 	// Inherited are pre-bound sockets from a predecessor, served instead of
 	// binding; OnDequeue is told of every read (see handover.go).
-	Inherited  []InheritedListener
-	OnDequeue  func(n int)
+	Inherited []InheritedListener
+	OnDequeue func(n int)
+	// Senders tells who sent from a source address and port (the datapath's
+	// flow records, redirect.Flows); nil: senders are known by address only.
+	// It runs for every query and must neither block nor allocate.
+	Senders func(src netip.AddrPort, tcp bool) (cgroup uint64, pid uint32, ok bool)
+	// Talkers counts every answered query per sender; nil: no counting.
+	Talkers *talkers.Counter
+	// Tap gets every answered query while someone subscribes; nil: none.
+	Tap        *tap.Hub
 	Registerer prometheus.Registerer
 	Logger     *slog.Logger
 }
@@ -114,6 +125,10 @@ type Server struct {
 
 	inherited map[string]InheritedListener // by listen address, until Start
 	onDequeue func(n int)
+
+	senders func(src netip.AddrPort, tcp bool) (uint64, uint32, bool)
+	talkers *talkers.Counter
+	tap     *tap.Hub
 
 	started  atomic.Bool
 	stopping atomic.Bool
@@ -159,6 +174,9 @@ func New(cfg Config) (*Server, error) {
 		limits:        &pendingLimits{max: int32(cfg.MaxPending), perClient: int32(cfg.MaxPendingPerClient), seed: maphash.MakeSeed()},
 		inherited:     map[string]InheritedListener{},
 		onDequeue:     cfg.OnDequeue,
+		senders:       cfg.Senders,
+		talkers:       cfg.Talkers,
+		tap:           cfg.Tap,
 	}
 	for _, in := range cfg.Inherited {
 		s.inherited[in.Addr] = in
@@ -435,7 +453,7 @@ func (s *Server) ServeDNS(w dns.ResponseWriter, req *dns.Msg) {
 	}
 	if a := w.RemoteAddr(); a != nil {
 		if ap, err := netip.ParseAddrPort(a.String()); err == nil {
-			c.addr = ap.Addr().Unmap()
+			c.setSender(s, ap)
 		}
 	}
 	ch := make(chan []byte, 1)
@@ -462,7 +480,20 @@ func (s *Server) ServeDNS(w dns.ResponseWriter, req *dns.Msg) {
 type client struct {
 	proto proto
 	addr  netip.Addr // unmapped
+	port  uint16
+	who   workload.Key // who sent it
 	reply replyTo
+}
+
+// setSender records the client's address and who sent from it.
+func (c *client) setSender(s *Server, src netip.AddrPort) {
+	c.addr, c.port = src.Addr().Unmap(), src.Port()
+	c.who = workload.Key{Addr: c.addr}
+	if s.senders != nil {
+		if cg, pid, ok := s.senders(netip.AddrPortFrom(c.addr, c.port), c.proto == protoTCP); ok {
+			c.who.Cgroup, c.who.PID = cg, pid
+		}
+	}
 }
 
 // replyTo sends a later response: over UDP (udpReply, per platform), on a TCP

@@ -8,6 +8,7 @@ import (
 	"github.com/miekg/dns"
 
 	"github.com/meshdns/meshdns-ebpf/internal/nametable"
+	"github.com/meshdns/meshdns-ebpf/internal/tap"
 )
 
 // maxFastAddrs is the most addresses the wire table path writes; larger answers take
@@ -163,11 +164,12 @@ func (w *worker) tableWire(r *request, out []byte) (b []byte, done bool) {
 	if r.edns {
 		b = appendOPT(b, r.do, 0)
 	}
-	src := srcTable
+	src, kind := srcTable, tap.Table
 	if target != "" {
-		src = srcAutopath
+		src, kind = srcAutopath, tap.Autopath
 	}
 	s.record(r.proto, qtype, rcode, src, r.start)
+	s.observeReq(r, lname, qtype, rcode, kind, len(b))
 	return b, true
 }
 

@@ -91,7 +91,7 @@ func (tc *tcpConn) serve() {
 	}()
 	c := &client{proto: protoTCP}
 	if ap, err := netip.ParseAddrPort(tc.c.RemoteAddr().String()); err == nil {
-		c.addr = ap.Addr().Unmap()
+		c.setSender(s, ap) // once: a connection has one sender
 	}
 	c.reply.tcp = tc
 	w := newWorker(s)

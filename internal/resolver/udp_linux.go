@@ -4,6 +4,7 @@ package resolver
 
 import (
 	"context"
+	"encoding/binary"
 	"fmt"
 	"net"
 	"net/netip"
@@ -274,7 +275,7 @@ func (s *Server) readUDP(u *udpSock) {
 			h := &r.in[i].hdr
 			c := &r.clients[i]
 			*c = client{proto: protoUDP}
-			c.addr = rawAddr(&r.names[i])
+			c.setSender(s, rawAddrPort(&r.names[i]))
 			c.reply.sock = u
 			c.reply.name = r.names[i]
 			c.reply.namelen = h.Namelen
@@ -325,16 +326,17 @@ func (s *Server) readUDP(u *udpSock) {
 //go:noinline
 func safePoint() { runtime.Gosched() }
 
-// rawAddr returns the unmapped address of a received sockaddr.
-func rawAddr(sa *unix.RawSockaddrInet6) netip.Addr {
+// rawAddrPort returns the unmapped address and the port of a received sockaddr.
+func rawAddrPort(sa *unix.RawSockaddrInet6) netip.AddrPort {
+	port := binary.BigEndian.Uint16((*[2]byte)(unsafe.Pointer(&sa.Port))[:]) // network byte order in both families
 	switch sa.Family {
 	case unix.AF_INET:
 		a := (*unix.RawSockaddrInet4)(unsafe.Pointer(sa))
-		return netip.AddrFrom4(a.Addr)
+		return netip.AddrPortFrom(netip.AddrFrom4(a.Addr), port)
 	case unix.AF_INET6:
-		return netip.AddrFrom16(sa.Addr).Unmap()
+		return netip.AddrPortFrom(netip.AddrFrom16(sa.Addr).Unmap(), port)
 	}
-	return netip.Addr{}
+	return netip.AddrPort{}
 }
 
 // replyPktinfo turns the received packet-info control message into one

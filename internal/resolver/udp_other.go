@@ -73,7 +73,8 @@ func (s *Server) readUDP(u *udpSock) {
 		if n == 0 {
 			continue // a liveness probe (handover.go): counted, not answered
 		}
-		*c = client{proto: protoUDP, addr: from.Addr().Unmap()}
+		*c = client{proto: protoUDP}
+		c.setSender(s, from)
 		c.reply.sock, c.reply.to = u, from
 		if b := w.serve(in[:n], out, c, time.Now()); b != nil {
 			c.reply.send(b)

@@ -30,7 +30,13 @@ func NewCgroup(t testing.TB) *Cgroup {
 		Skip(t, "needs cgroup2: %v", err)
 	}
 	sweepCgroupsOnce.Do(func() { sweepStaleCgroups(t, root) })
-	path := filepath.Join(root, OwnedName("meshdns-test", 8))
+	return makeCgroup(t, filepath.Join(root, OwnedName("meshdns-test", 8)))
+}
+
+// makeCgroup creates the cgroup directory path and removes it at cleanup
+// (killing what is left in it).
+func makeCgroup(t testing.TB, path string) *Cgroup {
+	t.Helper()
 	if err := os.Mkdir(path, 0o755); err != nil {
 		t.Fatalf("create cgroup %s: %v", path, err)
 	}
@@ -47,6 +53,24 @@ func NewCgroup(t testing.TB) *Cgroup {
 		}
 	})
 	return cg
+}
+
+// Child creates the cgroup name below c (programs attached to c apply to it)
+// and removes it at cleanup, before c.
+func (c *Cgroup) Child(t testing.TB, name string) *Cgroup {
+	t.Helper()
+	return makeCgroup(t, filepath.Join(c.Path, name))
+}
+
+// ID is the cgroup's id: the inode number of its directory, what
+// bpf_get_current_cgroup_id returns for its tasks.
+func (c *Cgroup) ID(t testing.TB) uint64 {
+	t.Helper()
+	var st syscall.Stat_t
+	if err := syscall.Fstat(int(c.dir.Fd()), &st); err != nil {
+		t.Fatalf("stat cgroup %s: %v", c.Path, err)
+	}
+	return st.Ino
 }
 
 // FD is the open directory of the cgroup, for exec.Cmd SysProcAttr.CgroupFD.

@@ -26,6 +26,7 @@ type FakeDNS struct {
 	mu      sync.Mutex
 	records map[string][]netip.Addr
 	delays  map[string]time.Duration
+	silent  map[string]bool
 }
 
 // Query is one query a FakeDNS saw.
@@ -35,12 +36,18 @@ type Query = dnsfake.Query
 // TCP) inside ns (nil: the test's own namespace) until the test ends.
 func StartFakeDNS(t testing.TB, ns *Netns, addr string, records map[string][]netip.Addr) *FakeDNS {
 	t.Helper()
-	f := &FakeDNS{records: map[string][]netip.Addr{}, delays: map[string]time.Duration{}}
+	f := &FakeDNS{records: map[string][]netip.Addr{}, delays: map[string]time.Duration{}, silent: map[string]bool{}}
 	for name, ips := range records {
 		f.records[dns.CanonicalName(name)] = ips
 	}
 	listen := func() error {
-		s, err := dnsfake.Listen(dnsfake.Config{Addr: addr, Respond: dnsfake.Records(5, f.lookup)})
+		answer := dnsfake.Records(5, f.lookup)
+		s, err := dnsfake.Listen(dnsfake.Config{Addr: addr, Respond: func(proto string, req *dns.Msg) []*dns.Msg {
+			if len(req.Question) == 1 && f.isSilent(req.Question[0].Name) {
+				return nil // a black hole: the query is recorded, never answered
+			}
+			return answer(proto, req)
+		}})
 		if err != nil {
 			return err
 		}
@@ -94,6 +101,26 @@ func (f *FakeDNS) SetNameDelay(name string, d time.Duration) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	f.delays[dns.CanonicalName(name)] = d
+}
+
+// SetNameSilent makes the server never answer name ("*.zone": every name
+// under zone), as an upstream that drops a zone's queries; it still records
+// them.
+func (f *FakeDNS) SetNameSilent(name string) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.silent[dns.CanonicalName(name)] = true
+}
+
+func (f *FakeDNS) isSilent(name string) bool {
+	name = dns.CanonicalName(name)
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.silent[name] {
+		return true
+	}
+	_, zone, found := strings.Cut(name, ".")
+	return found && f.silent["*."+zone]
 }
 
 // Count returns how many queries for name (any type) were seen.

@@ -443,7 +443,7 @@ func (n *node) attached() []string {
 		ebpf.AttachCGroupUDP4Sendmsg, ebpf.AttachCGroupUDP6Sendmsg,
 		ebpf.AttachCGroupUDP4Recvmsg, ebpf.AttachCGroupUDP6Recvmsg,
 		ebpf.AttachCgroupInet4GetPeername, ebpf.AttachCgroupInet6GetPeername,
-		ebpf.AttachCgroupInetSockRelease,
+		ebpf.AttachCgroupInetSockRelease, ebpf.AttachCGroupInetEgress,
 	} {
 		res, err := link.QueryPrograms(link.QueryOptions{Target: int(n.cg.FD()), Attach: at})
 		if err != nil {

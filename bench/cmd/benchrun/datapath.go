@@ -184,20 +184,9 @@ func newDPEnv(work string) (*dpEnv, error) {
 	e.cgroup = filepath.Join(mnt, "meshdns-bench-"+id)
 	e.direct = filepath.Join(mnt, "meshdns-bench-"+id+"-direct")
 	for _, cg := range []string{e.cgroup, e.direct} {
-		if err := os.Mkdir(cg, 0o755); err != nil {
-			return fail(fmt.Errorf("create cgroup: %w", err))
+		if err := e.addCgroup(cg); err != nil {
+			return fail(err)
 		}
-		e.undo = append(e.undo, func() error {
-			// dnsperf has exited by now; retry briefly while the kernel reaps it.
-			var err error
-			for range 50 {
-				if err = os.Remove(cg); err == nil || errors.Is(err, os.ErrNotExist) {
-					return nil
-				}
-				time.Sleep(100 * time.Millisecond)
-			}
-			return fmt.Errorf("remove cgroup %s: %w", cg, err)
-		})
 	}
 
 	if err := runCmd("ip", "netns", "add", e.ns); err != nil {
@@ -227,6 +216,25 @@ func newDPEnv(work string) (*dpEnv, error) {
 		return nil
 	})
 	return e, nil
+}
+
+// addCgroup creates cgroup directory cg, removed at cleanup.
+func (e *dpEnv) addCgroup(cg string) error {
+	if err := os.Mkdir(cg, 0o755); err != nil {
+		return fmt.Errorf("create cgroup: %w", err)
+	}
+	e.undo = append(e.undo, func() error {
+		// dnsperf has exited by now; retry briefly while the kernel reaps it.
+		var err error
+		for range 50 {
+			if err = os.Remove(cg); err == nil || errors.Is(err, os.ErrNotExist) {
+				return nil
+			}
+			time.Sleep(100 * time.Millisecond)
+		}
+		return fmt.Errorf("remove cgroup %s: %w", cg, err)
+	})
+	return nil
 }
 
 // nsPrefix runs a command inside the network namespace only. nsenter execs (the
@@ -286,17 +294,11 @@ func (b *bench) runDatapath(ctx context.Context) datapathReport {
 			fmt.Fprintln(os.Stderr, "benchrun: datapath cleanup:", e)
 		}
 	}()
-	fakePort := b.cfg.basePort + offUpstream
-	up, err := start("dp-fakeupstream", b.cfg.genCPU, append(env.nsPrefix(), b.cfg.fakeBin,
-		"-listen", fmt.Sprintf("%s:%d", upstreamIP, fakePort), "-ttl", "300", "-nx", meshdata.NXSuffix+","+meshdata.Zone), nil, b.logDir)
+	up, fakePort, resolv, err := b.startDPUpstream(env)
 	if err != nil {
-		return datapathReport{skipped: "fake upstream: " + err.Error()}
-	}
-	defer up.stop()
-	resolv := filepath.Join(env.dir, "resolv.conf")
-	if err := os.WriteFile(resolv, []byte("nameserver "+dpNameserver+"\n"), 0o644); err != nil {
 		return datapathReport{skipped: err.Error()}
 	}
+	defer up.stop()
 	rep := datapathReport{rows: []datapathRow{
 		{path: "direct", conntrack: -1}, {path: "ebpf", conntrack: -1}, {path: "iptables", conntrack: -1}}}
 	port := b.cfg.basePort + 20
@@ -331,12 +333,78 @@ func (b *bench) runDatapath(ctx context.Context) datapathReport {
 	return rep
 }
 
+// startDPUpstream starts the fake upstream inside env's namespace and writes
+// the agents' resolv.conf; it returns the upstream, its port and that file.
+func (b *bench) startDPUpstream(env *dpEnv) (up *proc, port int, resolv string, err error) {
+	port = b.cfg.basePort + offUpstream
+	up, err = start("dp-fakeupstream", b.cfg.genCPU, append(env.nsPrefix(), b.cfg.fakeBin,
+		"-listen", fmt.Sprintf("%s:%d", upstreamIP, port), "-ttl", "300", "-nx", meshdata.NXSuffix+","+meshdata.Zone), nil, b.logDir)
+	if err != nil {
+		return nil, 0, "", fmt.Errorf("fake upstream: %w", err)
+	}
+	resolv = filepath.Join(env.dir, "resolv.conf")
+	if err := os.WriteFile(resolv, []byte("nameserver "+dpNameserver+"\n"), 0o644); err != nil {
+		up.stop()
+		return nil, 0, "", err
+	}
+	return up, port, resolv, nil
+}
+
 // dpClient is one way of reaching the agent.
 type dpClient struct {
 	row    *datapathRow
 	target string
 	port   int
 	prefix []string
+}
+
+// dpAgent is how one agent of the datapath environment runs: mode, the
+// cgroup it captures, its listen port, admin port, pins and state (defaults:
+// dpAgentIn).
+type dpAgent struct {
+	mode, name, cgroup, pins, state string
+	port, admin                     int
+	extra                           []string
+}
+
+// dpAgentIn is the usual agent of env: it captures env.cgroup, pins under
+// meshdns and keeps its state per mode.
+func (b *bench) dpAgentIn(env *dpEnv, mode string, port int, name string, extra ...string) dpAgent {
+	return dpAgent{mode: mode, name: name, cgroup: env.cgroup, pins: filepath.Join(env.bpffs, "meshdns"),
+		state: filepath.Join(env.dir, "state-"+mode), port: port, admin: b.cfg.basePort + offMeshAdmin, extra: extra}
+}
+
+// startDPAgent starts agent a inside env's namespace and waits until it
+// answers on its listen address and has had its first heartbeat.
+func (b *bench) startDPAgent(ctx context.Context, env *dpEnv, fakePort int, resolv string, a dpAgent) (*proc, error) {
+	port, name := a.port, a.name
+	args := []string{b.cfg.meshBin, "run", "--mode", a.mode,
+		"--listen", fmt.Sprintf("%s:%d", dpListenIP, port),
+		"--upstream", fmt.Sprintf("%s:%d", upstreamIP, fakePort),
+		"--names", b.path("nametable.json"),
+		"--admin", fmt.Sprintf("127.0.0.1:%d", a.admin),
+		"--resolv-conf", resolv,
+		"--state-dir", a.state,
+		"--cgroup", a.cgroup, "--nameservers", dpNameserver, "--bpffs", a.pins}
+	args = append(append(args, strings.Fields(b.cfg.meshArgs)...), a.extra...)
+	srv, err := start(name, b.cfg.serverCPU, append(env.nsPrefix(), args...), nil, b.logDir)
+	if err != nil {
+		return nil, err
+	}
+	svc := b.tab.Services[len(b.tab.Services)-1]
+	// Readiness from inside the namespace on the listen address (dig runs
+	// outside the client cgroups); capture is judged by the callers' warm-up.
+	deadline := time.Now().Add(30 * time.Second)
+	for env.digIn(dpListenIP, port, svc.FQDN()) != svc.IP.String() {
+		if srv.exited() || time.Now().After(deadline) || ctx.Err() != nil {
+			srv.stop()
+			return nil, fmt.Errorf("agent not answering on %s:%d (exited=%v); see %s", dpListenIP, port, srv.exited(), srv.log.Name())
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	// Give the agent its first heartbeat/ready before judging capture.
+	time.Sleep(500 * time.Millisecond)
+	return srv, nil
 }
 
 // datapathRound starts the agent in mode and runs one round for each client
@@ -359,37 +427,14 @@ func (b *bench) datapathRound(ctx context.Context, env *dpEnv, mode string, port
 		}
 		fmt.Fprintf(os.Stderr, "benchrun: datapath %s: %s\n", mode, err)
 	}
-	args := []string{b.cfg.meshBin, "run", "--mode", mode,
-		"--listen", fmt.Sprintf("%s:%d", dpListenIP, port),
-		"--upstream", fmt.Sprintf("%s:%d", upstreamIP, fakePort),
-		"--names", b.path("nametable.json"),
-		"--admin", fmt.Sprintf("127.0.0.1:%d", b.cfg.basePort+offMeshAdmin),
-		"--resolv-conf", resolv,
-		"--state-dir", filepath.Join(env.dir, "state-"+mode),
-		"--cgroup", env.cgroup, "--nameservers", dpNameserver, "--bpffs", filepath.Join(env.bpffs, "meshdns")}
-	args = append(args, strings.Fields(b.cfg.meshArgs)...)
 	fmt.Fprintf(os.Stderr, "benchrun: datapath round %d: agent --mode %s in netns %s\n", round+1, mode, env.ns)
 	env.conntrackFlush()
-	srv, err := start(fmt.Sprintf("dp-%s-%d", mode, round+1), b.cfg.serverCPU, append(env.nsPrefix(), args...), nil, b.logDir)
+	srv, err := b.startDPAgent(ctx, env, fakePort, resolv, b.dpAgentIn(env, mode, port, fmt.Sprintf("dp-%s-%d", mode, round+1)))
 	if err != nil {
 		fail(err.Error())
 		return
 	}
 	defer srv.stop()
-
-	svc := b.tab.Services[len(b.tab.Services)-1]
-	// Readiness from inside the namespace on the listen address (dig runs
-	// outside the client cgroups); capture is judged by the warm-up below.
-	deadline := time.Now().Add(30 * time.Second)
-	for env.digIn(dpListenIP, port, svc.FQDN()) != svc.IP.String() {
-		if srv.exited() || time.Now().After(deadline) || ctx.Err() != nil {
-			fail(fmt.Sprintf("agent not answering on %s:%d (exited=%v); see %s", dpListenIP, port, srv.exited(), srv.log.Name()))
-			return
-		}
-		time.Sleep(100 * time.Millisecond)
-	}
-	// Give the agent its first heartbeat/ready before judging capture.
-	time.Sleep(500 * time.Millisecond)
 	opts := func(c dpClient) dnsperf.Options {
 		return dnsperf.Options{Server: c.target, Port: c.port, DataFile: b.files["table"], Clients: b.cfg.clients, Threads: 1, Outstand: b.cfg.outstanding, Timeout: 1}
 	}

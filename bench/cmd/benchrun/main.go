@@ -52,6 +52,8 @@ type config struct {
 	tableSize            int
 	scaleSizes           []int
 	scale, datapath      bool
+	attrRounds           int
+	attrPerf             bool
 	verbose, quick       bool
 	waitIdle             time.Duration
 }
@@ -93,6 +95,8 @@ func parseConfig() (config, error) {
 	flag.StringVar(&sizes, "scale-sizes", "1000,10000,100000", "table sizes of the scale test")
 	flag.BoolVar(&c.scale, "scale", true, "run the scale test (needs our binary)")
 	flag.BoolVar(&c.datapath, "datapath", true, "run the datapath comparison (needs the agent)")
+	flag.BoolVar(&c.attrPerf, "attribution-perf", false, "record a perf profile (perf record -g) of the agent during each attribution run, into -work (for finding where the CPU goes)")
+	flag.IntVar(&c.attrRounds, "attribution-rounds", 5, "rounds of the attribution cost runs (attribution off and on take turns; 0 skips them; needs the agent)")
 	flag.DurationVar(&c.waitIdle, "wait-idle", 0, "before starting, wait up to this long for both cores to be idle (other work running)")
 	flag.BoolVar(&c.quick, "quick", false, "smoke mode: 1 x 3 s, 2 s fixed-rate, 1k/10k scale")
 	flag.BoolVar(&c.verbose, "v", false, "print every dnsperf run")
@@ -120,6 +124,9 @@ func parseConfig() (config, error) {
 		}
 		if !set["lat-reps"] {
 			c.latReps = 1
+		}
+		if !set["attribution-rounds"] {
+			c.attrRounds = 2
 		}
 		if !set["scale-sizes"] {
 			c.scaleSizes = slices.DeleteFunc(c.scaleSizes, func(n int) bool { return n > 10000 })
@@ -178,20 +185,21 @@ var allPeers = []string{"meshdns", "coredns-prod", "coredns-hosts", "floor", "un
 
 // bench holds the state of one harness run.
 type bench struct {
-	cfg      config
-	dataDir  string
-	logDir   string
-	tab      meshdata.Table
-	files    map[string]string // scenario -> query file
-	upstream *proc
-	echo     *proc // the machine floor (nil without -echo)
-	results  []peerResult
-	scale    []scaleResult
-	scaleErr string
-	datapath datapathReport
-	lookups  lookupReport
-	started  time.Time
-	notes    []string
+	cfg         config
+	dataDir     string
+	logDir      string
+	tab         meshdata.Table
+	files       map[string]string // scenario -> query file
+	upstream    *proc
+	echo        *proc // the machine floor (nil without -echo)
+	results     []peerResult
+	scale       []scaleResult
+	scaleErr    string
+	datapath    datapathReport
+	attribution attrReport
+	lookups     lookupReport
+	started     time.Time
+	notes       []string
 }
 
 func (b *bench) echoPort() int { return b.cfg.basePort + offEcho }
@@ -239,6 +247,9 @@ func (b *bench) upstreamQueries() int64 {
 }
 
 func main() {
+	if len(os.Args) > 1 && os.Args[1] == "helper" {
+		os.Exit(runHelper(os.Args[2:]))
+	}
 	cfg, err := parseConfig()
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "benchrun:", err)
@@ -306,6 +317,9 @@ func runBench(ctx context.Context, cfg config) error {
 	}
 	if cfg.datapath && ctx.Err() == nil {
 		b.datapath = b.runDatapath(ctx)
+	}
+	if cfg.attrRounds > 0 && ctx.Err() == nil {
+		b.attribution = b.runAttribution(ctx)
 	}
 	report := b.render()
 	fmt.Println(report)

@@ -322,6 +322,7 @@ func (b *bench) render() string {
 	b.renderScale(&w)
 	b.renderDatapath(&w)
 	b.renderLookups(&w)
+	b.renderAttribution(&w)
 	notes := slices.Clone(b.notes)
 	for _, r := range b.results {
 		for _, sc := range scen {

@@ -3,6 +3,7 @@ package upstream
 import (
 	"encoding/binary"
 	"fmt"
+	"net/netip"
 	"sync/atomic"
 	"time"
 
@@ -64,6 +65,9 @@ type Answer struct {
 	Rcode                                            int
 	Authoritative, AuthenticData, RecursionAvailable bool
 	Source                                           Source
+	// Server is the upstream that gave the answer (for a cached one: when it
+	// was fetched).
+	Server netip.AddrPort
 }
 
 // RRs unpacks Records into the three sections (new records each call: the caller may
@@ -118,13 +122,14 @@ type entry struct {
 	rcode  int
 	aa, ra bool
 	ad     bool
-	ttl    uint32   // cache lifetime in seconds after floors and caps
-	exp    int64    // expiry, clock nanoseconds
-	wire   []byte   // records packed without compression, TTLs as received
-	ttlOff []uint32 // offset of each record's TTL field in wire
-	na     uint16   // answer records
-	nns    uint16   // authority records
-	nex    uint16   // additional records
+	server netip.AddrPort // the upstream that answered
+	ttl    uint32         // cache lifetime in seconds after floors and caps
+	exp    int64          // expiry, clock nanoseconds
+	wire   []byte         // records packed without compression, TTLs as received
+	ttlOff []uint32       // offset of each record's TTL field in wire
+	na     uint16         // answer records
+	nns    uint16         // authority records
+	nex    uint16         // additional records
 	hits   atomic.Uint32
 	fetch  atomic.Bool // a prefetch or stale refresh is under way
 	snap   atomic.Pointer[snapshot]
@@ -153,7 +158,7 @@ func (e *entry) answer(ttl uint32, src Source) Answer {
 	a := Answer{
 		Answer: e.na, Authority: e.nns, Extra: e.nex,
 		Rcode: e.rcode, Authoritative: e.aa, AuthenticData: e.ad, RecursionAvailable: e.ra,
-		Source: src,
+		Source: src, Server: e.server,
 	}
 	if e.kind == kindUncached {
 		a.Records = e.wire

@@ -358,7 +358,7 @@ func (f *Forwarder) run(key cacheKey, h uint64, clientID uint16) (*entry, error)
 	q.CheckingDisabled = key.flags&flagCD != 0
 	q.Question = []dns.Question{{Name: key.name, Qtype: key.qtype, Qclass: key.qclass}}
 	q.SetEdns0(EDNSBufferSize, key.flags&flagDO != 0)
-	resp, err := f.fetch(q, clientID)
+	resp, from, err := f.fetch(q, clientID)
 	if err != nil {
 		return nil, err
 	}
@@ -366,6 +366,7 @@ func (f *Forwarder) run(key cacheKey, h uint64, clientID uint16) (*entry, error)
 	if err != nil {
 		return nil, err
 	}
+	e.server = from
 	if e.kind != kindUncached && f.cache != nil {
 		f.cache.put(e)
 	}

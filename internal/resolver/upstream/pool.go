@@ -96,7 +96,7 @@ type reply struct {
 // timeout; the first useful reply from any of them wins. SERVFAIL, REFUSED, NOTIMP and
 // FORMERR move on to the next upstream at once, and the last of them is returned if
 // nothing better comes.
-func (f *Forwarder) fetch(q *dns.Msg, clientID uint16) (*dns.Msg, error) {
+func (f *Forwarder) fetch(q *dns.Msg, clientID uint16) (*dns.Msg, netip.AddrPort, error) {
 	start := time.Now()
 	deadline := start.Add(f.cfg.Timeout)
 	order := f.order()
@@ -111,6 +111,7 @@ func (f *Forwarder) fetch(q *dns.Msg, clientID uint16) (*dns.Msg, error) {
 	var (
 		lastErr  error
 		fallback *dns.Msg
+		fellBack netip.AddrPort // the server of fallback
 		sends    int
 		pending  int // attempts sent and neither answered nor failed
 		next     int
@@ -197,9 +198,9 @@ func (f *Forwarder) fetch(q *dns.Msg, clientID uint16) (*dns.Msg, error) {
 			case dns.RcodeRefused, dns.RcodeNotImplemented, dns.RcodeFormatError:
 				s.m.failures[reasonRcode].Inc()
 			default:
-				return resp, nil
+				return resp, s.addr, nil
 			}
-			fallback = resp
+			fallback, fellBack = resp, s.addr
 			if !r.a.dead {
 				r.a.dead = true
 				pending--
@@ -212,17 +213,17 @@ func (f *Forwarder) fetch(q *dns.Msg, clientID uint16) (*dns.Msg, error) {
 				f.markFailed(s, lastErr)
 			}
 		case <-f.ctx.Done():
-			return nil, ErrClosed
+			return nil, netip.AddrPort{}, ErrClosed
 		}
 		if fallback != nil && pending == 0 && sends >= len(order) {
 			break // every upstream had its say
 		}
 	}
 	if fallback != nil {
-		return fallback, nil
+		return fallback, fellBack, nil
 	}
 	if lastErr == nil {
 		lastErr = errors.New("no attempt could be sent")
 	}
-	return nil, fmt.Errorf("%w within %s: %w", ErrAllFailed, f.cfg.Timeout, lastErr)
+	return nil, netip.AddrPort{}, fmt.Errorf("%w within %s: %w", ErrAllFailed, f.cfg.Timeout, lastErr)
 }
