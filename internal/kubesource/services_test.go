@@ -60,6 +60,20 @@ func addrs(h nametable.Host) string {
 }
 
 func (s *hostSink) SetClients(string, []netip.Addr, string) error { return nil }
+func (s *hostSink) Apply(set map[string]nametable.Host, gone []string, clients map[netip.Addr]string, setClients bool) error {
+	for k, h := range set {
+		if err := s.Set(k, []nametable.Host{h}); err != nil {
+			return err
+		}
+	}
+	for _, k := range gone {
+		if err := s.Set(k, nil); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
 func (s *hostSink) Load(map[string]nametable.Host, map[netip.Addr]string) error {
 	return nil
 }

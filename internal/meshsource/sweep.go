@@ -85,6 +85,34 @@ func (g *genSink) SetClients(key string, ips []netip.Addr, namespace string) err
 	return g.s.sink.SetClients(key, ips, namespace)
 }
 
+// Apply changes several keys at once, as for a plain sink.
+func (g *genSink) Apply(set map[string]nametable.Host, gone []string, clients map[netip.Addr]string, setClients bool) error {
+	if !g.lock() {
+		return nil
+	}
+	defer g.s.mu.Unlock()
+	if err := g.s.sink.Apply(set, gone, clients, setClients); err != nil {
+		return err
+	}
+	for k := range set {
+		g.note(k, true)
+	}
+	for _, k := range gone {
+		g.note(k, false)
+	}
+	if setClients {
+		for k := range g.s.live {
+			if strings.HasPrefix(k, "client\x00") {
+				g.note(k, false)
+			}
+		}
+		for ip := range clients {
+			g.note("client\x00"+ip.String(), true)
+		}
+	}
+	return nil
+}
+
 // Load replaces everything the source contributes, as for a plain sink.
 func (g *genSink) Load(hosts map[string]nametable.Host, clients map[netip.Addr]string) error {
 	if !g.lock() {

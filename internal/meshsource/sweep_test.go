@@ -45,6 +45,16 @@ func (r *recordSink) SetClients(key string, ips []netip.Addr, ns string) error {
 	return nil
 }
 
+func (r *recordSink) Apply(set map[string]nametable.Host, gone []string, clients map[netip.Addr]string, setClients bool) error {
+	for k, h := range set {
+		r.hosts[k] = h.Name
+	}
+	for _, k := range gone {
+		delete(r.hosts, k)
+	}
+	return nil
+}
+
 func (r *recordSink) Load(hosts map[string]nametable.Host, clients map[netip.Addr]string) error {
 	clear(r.hosts)
 	for k, h := range hosts {

@@ -76,6 +76,11 @@ type Sink interface {
 	SetClients(key string, ips []netip.Addr, namespace string) error
 	// Load replaces everything the source contributes.
 	Load(hosts map[string]nametable.Host, clients map[netip.Addr]string) error
+	// Apply changes several objects at once, as one table change: the keys
+	// of set get their one host, the keys of gone are removed and, with
+	// setClients, the source's clients become clients. On an error nothing
+	// changes.
+	Apply(set map[string]nametable.Host, gone []string, clients map[netip.Addr]string, setClients bool) error
 	// Audit compares expected, the number of objects the source's origin
 	// holds that should have hosts (its own count of its final state),
 	// with the number of objects the store holds for it. A mismatch is
@@ -556,6 +561,19 @@ func (k *sink) Load(hosts map[string]nametable.Host, clients map[netip.Addr]stri
 	}
 	err := k.s.b.Load(k.name, hosts, clients)
 	if err == nil {
+		k.st.clients = len(clients)
+	}
+	return k.changed(err)
+}
+
+func (k *sink) Apply(set map[string]nametable.Host, gone []string, clients map[netip.Addr]string, setClients bool) error {
+	k.s.mu.Lock()
+	defer k.s.mu.Unlock()
+	if !k.live() {
+		return nil
+	}
+	err := k.s.b.Apply(k.name, set, gone, clients, setClients)
+	if err == nil && setClients {
 		k.st.clients = len(clients)
 	}
 	return k.changed(err)

@@ -3,6 +3,7 @@ package nametable
 import (
 	"cmp"
 	"fmt"
+	"maps"
 	"net/netip"
 	"slices"
 	"strings"
@@ -713,46 +714,63 @@ func (b *Builder) newSOA(zone string, serial uint32) *dns.SOA {
 // and clients: keys that are gone are removed, hosts that did not change
 // stay untouched. All hosts are validated first; on error nothing changes.
 func (b *Builder) Load(source string, hosts map[string]Host, clients map[netip.Addr]string) error {
+	var gone []string
+	for key := range b.keys[source] {
+		if _, ok := hosts[key]; !ok {
+			gone = append(gone, key)
+		}
+	}
+	return b.Apply(source, hosts, gone, clients, true)
+}
+
+// Apply changes several of a source's objects at once: the keys of set
+// get their host (as by Set with one host), the keys of gone are removed,
+// and with setClients the source's clients become clients. Everything is
+// validated first: on an error nothing changes. Keys are applied in order,
+// so the result does not depend on the map's.
+func (b *Builder) Apply(source string, set map[string]Host, gone []string, clients map[netip.Addr]string, setClients bool) error {
 	if _, ok := b.prio[source]; !ok {
 		return fmt.Errorf("nametable: unknown source %q", source)
 	}
-	for k, h := range hosts {
+	for k, h := range set {
 		c := h
 		if err := b.normalize(&c); err != nil {
 			return fmt.Errorf("%s: host %q: %w", k, h.Name, err)
 		}
 	}
-	for ip, ns := range clients {
-		if !isLabel(strings.ToLower(ns)) {
-			return fmt.Errorf("client %s: namespace %q is not a single DNS label", ip, ns)
+	if setClients {
+		for ip, ns := range clients {
+			if !isLabel(strings.ToLower(ns)) {
+				return fmt.Errorf("client %s: namespace %q is not a single DNS label", ip, ns)
+			}
 		}
 	}
-	for key := range b.keys[source] {
-		if _, ok := hosts[key]; !ok {
-			_ = b.Set(source, key, nil)
-		}
+	for _, k := range gone {
+		_ = b.Set(source, k, nil)
 	}
-	keys := make([]string, 0, len(hosts))
-	for k := range hosts {
-		keys = append(keys, k)
-	}
-	slices.Sort(keys)
-	for _, k := range keys {
-		if err := b.Set(source, k, []Host{hosts[k]}); err != nil {
+	one := make([]Host, 1)
+	for _, k := range slices.Sorted(maps.Keys(set)) {
+		one[0] = set[k]
+		if err := b.Set(source, k, one); err != nil {
 			return err // validated above: does not happen
 		}
 	}
+	if setClients {
+		b.replaceClients(source, clients)
+	}
+	return nil
+}
+
+// replaceClients makes clients the source's clients (validated).
+func (b *Builder) replaceClients(source string, clients map[netip.Addr]string) {
 	for key := range b.clients[source] {
 		if ip, err := netip.ParseAddr(key); err != nil || clients[ip] == "" {
 			_ = b.SetClients(source, key, nil, "")
 		}
 	}
 	for ip, ns := range clients {
-		if err := b.SetClients(source, ip.String(), []netip.Addr{ip}, ns); err != nil {
-			return err
-		}
+		_ = b.SetClients(source, ip.String(), []netip.Addr{ip}, ns)
 	}
-	return nil
 }
 
 // HasClient reports whether the source's key has client IPs.

@@ -53,11 +53,12 @@ type File struct {
 	opts Options
 	log  *slog.Logger
 
-	mu    sync.Mutex // guards the fields below
-	last  fingerprint
-	tried bool
-	ready *content // checked before Run, delivered first by Run
-	took  time.Duration
+	mu     sync.Mutex // guards the fields below
+	last   fingerprint
+	tried  bool
+	reader *nametable.Reader // what was applied, to read only what changes
+	ready  *nametable.Change // checked before Run, delivered first by Run
+	took   time.Duration
 }
 
 type content struct {
@@ -76,7 +77,8 @@ func NewFile(path string, opts Options) (*File, error) {
 	if opts.Logger == nil {
 		opts.Logger = slog.Default()
 	}
-	return &File{path: path, opts: opts, log: opts.Logger.With("source", "file", "path", path)}, nil
+	return &File{path: path, opts: opts, log: opts.Logger.With("source", "file", "path", path),
+		reader: nametable.NewReader(opts.Domain)}, nil
 }
 
 // Name implements names.Source.
@@ -130,21 +132,31 @@ func (f *File) stat() fingerprint {
 	return fp
 }
 
-// read reads, parses and validates the file.
-func (f *File) read() (*content, error) {
+// read reads, parses and validates the file, and returns what it changes
+// against the last version applied. f.mu is held: one read at a time.
+func (f *File) read() (*nametable.Change, error) {
 	data, err := readRegular(f.path, f.opts.MaxSize)
 	if err != nil {
 		return nil, err
 	}
-	file, err := nametable.Parse(data)
+	c, err := f.reader.Read(data)
 	if err != nil {
 		return nil, fmt.Errorf("name table %s: %w", f.path, err)
 	}
-	hosts, clients, err := file.Hosts(f.opts.Domain)
-	if err != nil {
-		return nil, fmt.Errorf("name table %s: %w", f.path, err)
+	return c, nil
+}
+
+// apply delivers c and, once the store took it, remembers it as the
+// applied version. f.mu is held.
+func (f *File) apply(sink names.Sink, c *nametable.Change) error {
+	if c.Empty() {
+		return nil
 	}
-	return &content{hosts, clients}, nil
+	if err := sink.Apply(c.Set, c.Gone, c.Clients, c.ClientsChanged); err != nil {
+		return fmt.Errorf("name table %s: %w", f.path, err)
+	}
+	f.reader.Applied(c)
+	return nil
 }
 
 // readRegular reads a regular file of at most max bytes. A FIFO, socket or
@@ -181,21 +193,21 @@ func readRegular(path string, max int64) ([]byte, error) {
 }
 
 // load reads the file when its fingerprint changed since the last attempt
-// (a broken file is not re-read until it changes) and delivers it.
+// (a broken file is not re-read until it changes) and delivers what
+// changed.
 func (f *File) load(sink names.Sink, force bool) {
 	f.mu.Lock()
+	defer f.mu.Unlock()
 	fp := f.stat()
 	if f.tried && fp == f.last && !force {
-		f.mu.Unlock()
 		return
 	}
 	f.last, f.tried = fp, true
-	f.mu.Unlock()
 
 	start := time.Now()
 	c, err := f.read()
 	if err == nil {
-		err = sink.Load(c.hosts, c.clients)
+		err = f.apply(sink, c)
 	}
 	if err != nil {
 		f.log.Error("name table load failed, keeping the last good one", "err", err)
@@ -203,7 +215,8 @@ func (f *File) load(sink names.Sink, force bool) {
 		return
 	}
 	sink.Failed(nil)
-	f.log.Info("name table loaded", "hosts", len(c.hosts), "clients", len(c.clients), "duration", time.Since(start))
+	f.log.Info("name table loaded", "hosts", c.Entries, "changed", len(c.Set), "gone", len(c.Gone), "clients_changed", c.ClientsChanged,
+		"duration", time.Since(start))
 }
 
 // Run implements names.Source: it delivers the file (the one Check read,
@@ -214,14 +227,16 @@ func (f *File) Run(ctx context.Context, sink names.Sink) error {
 	f.mu.Lock()
 	c, took := f.ready, f.took
 	f.ready = nil
-	f.mu.Unlock()
 	if c != nil {
 		start := time.Now()
-		if err := sink.Load(c.hosts, c.clients); err != nil {
+		err := f.apply(sink, c)
+		f.mu.Unlock()
+		if err != nil {
 			return err
 		}
-		f.log.Info("name table loaded", "hosts", len(c.hosts), "clients", len(c.clients), "duration", took+time.Since(start))
+		f.log.Info("name table loaded", "hosts", c.Entries, "duration", took+time.Since(start))
 	} else {
+		f.mu.Unlock()
 		f.load(sink, true)
 	}
 	sink.Synced()

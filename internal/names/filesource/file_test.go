@@ -4,9 +4,12 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
+	"net/netip"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -263,4 +266,91 @@ func TestFileBecomesFIFO(t *testing.T) {
 	waitFor(t, e, "another source's host while the file is a FIFO", func(tb *nametable.Table) bool {
 		return hostIP(tb, "e.example.com.") == "192.0.2.7" && hostIP(tb, "d.example.com.") == "192.0.2.6"
 	})
+}
+
+// applySink records each Apply's keys.
+type applySink struct {
+	names.Sink
+	mu      sync.Mutex
+	applies [][]string
+}
+
+func (a *applySink) Apply(set map[string]nametable.Host, gone []string, clients map[netip.Addr]string, setClients bool) error {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	var keys []string
+	for k := range set {
+		keys = append(keys, k)
+	}
+	for _, k := range gone {
+		keys = append(keys, "-"+k)
+	}
+	slices.Sort(keys)
+	a.applies = append(a.applies, keys)
+	return nil
+}
+
+func (a *applySink) Synced()      {}
+func (a *applySink) Failed(error) {}
+
+func (a *applySink) last() ([]string, int) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if len(a.applies) == 0 {
+		return nil, 0
+	}
+	return a.applies[len(a.applies)-1], len(a.applies)
+}
+
+// A reload delivers, in one change, only the entries that changed: an
+// entry rewritten with the same content, and the reload of an unchanged
+// file, deliver nothing.
+func TestReloadDeliversOnlyChanges(t *testing.T) {
+	dir := t.TempDir()
+	path := filepath.Join(dir, "t.json")
+	write := func(content string) {
+		t.Helper()
+		tmp := path + ".tmp"
+		if err := os.WriteFile(tmp, []byte(content), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.Rename(tmp, path); err != nil {
+			t.Fatal(err)
+		}
+	}
+	var b strings.Builder
+	b.WriteString(`{"table": {`)
+	for i := range 1000 {
+		if i > 0 {
+			b.WriteString(",")
+		}
+		fmt.Fprintf(&b, "\n\"s%d.example.com\": {\"ips\": [\"10.1.%d.%d\"]}", i, i/256, i%256)
+	}
+	v1 := b.String() + "}}"
+	write(v1)
+	f, err := NewFile(path, Options{Logger: quiet})
+	if err != nil {
+		t.Fatal(err)
+	}
+	sink := &applySink{}
+	f.load(sink, true)
+	if keys, n := sink.last(); n != 1 || len(keys) != 1000 {
+		t.Fatalf("first load: %d applies, the last of %d keys; want one of 1000", n, len(keys))
+	}
+	// One entry changed, one gone, one new; the rest reindented.
+	v2 := strings.ReplaceAll(v1, "\n", "\n  ")
+	v2 = strings.Replace(v2, `"10.1.0.7"`, `"10.9.0.7"`, 1)
+	v2 = strings.Replace(v2, `"s8.example.com": {"ips": ["10.1.0.8"]},`, ``, 1)
+	v2 = strings.Replace(v2, `{"table": {`, `{"table": {"new.example.com": {"ips": ["10.2.0.1"]},`, 1)
+	write(v2)
+	f.load(sink, false)
+	keys, n := sink.last()
+	if want := []string{"-s8.example.com", "new.example.com", "s7.example.com"}; n != 2 || !slices.Equal(keys, want) {
+		t.Fatalf("reload: %d applies, the last %v; want a second one of %v", n, keys, want)
+	}
+	write(v2) // the same content, a new file: read, nothing to deliver
+	f.load(sink, false)
+	if _, n := sink.last(); n != 2 {
+		t.Errorf("a reload of the same content delivered something (%d applies)", n)
+	}
 }
