@@ -60,13 +60,13 @@ func addrs(h nametable.Host) string {
 }
 
 func (s *hostSink) SetClients(string, []netip.Addr, string) error { return nil }
-func (s *hostSink) Apply(set map[string]nametable.Host, gone []string, clients map[netip.Addr]string, setClients bool) error {
-	for k, h := range set {
-		if err := s.Set(k, []nametable.Host{h}); err != nil {
+func (s *hostSink) Apply(c *nametable.Change) error {
+	for _, e := range c.Set {
+		if err := s.Set(e.Key, []nametable.Host{*e.Host}); err != nil {
 			return err
 		}
 	}
-	for _, k := range gone {
+	for _, k := range c.Gone {
 		if err := s.Set(k, nil); err != nil {
 			return err
 		}

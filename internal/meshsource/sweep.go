@@ -86,27 +86,27 @@ func (g *genSink) SetClients(key string, ips []netip.Addr, namespace string) err
 }
 
 // Apply changes several keys at once, as for a plain sink.
-func (g *genSink) Apply(set map[string]nametable.Host, gone []string, clients map[netip.Addr]string, setClients bool) error {
+func (g *genSink) Apply(c *nametable.Change) error {
 	if !g.lock() {
 		return nil
 	}
 	defer g.s.mu.Unlock()
-	if err := g.s.sink.Apply(set, gone, clients, setClients); err != nil {
+	if err := g.s.sink.Apply(c); err != nil {
 		return err
 	}
-	for k := range set {
-		g.note(k, true)
+	for _, e := range c.Set {
+		g.note(e.Key, true)
 	}
-	for _, k := range gone {
+	for _, k := range c.Gone {
 		g.note(k, false)
 	}
-	if setClients {
+	if c.ClientsChanged {
 		for k := range g.s.live {
 			if strings.HasPrefix(k, "client\x00") {
 				g.note(k, false)
 			}
 		}
-		for ip := range clients {
+		for ip := range c.Clients {
 			g.note("client\x00"+ip.String(), true)
 		}
 	}

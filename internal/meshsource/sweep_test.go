@@ -45,11 +45,11 @@ func (r *recordSink) SetClients(key string, ips []netip.Addr, ns string) error {
 	return nil
 }
 
-func (r *recordSink) Apply(set map[string]nametable.Host, gone []string, clients map[netip.Addr]string, setClients bool) error {
-	for k, h := range set {
-		r.hosts[k] = h.Name
+func (r *recordSink) Apply(c *nametable.Change) error {
+	for _, e := range c.Set {
+		r.hosts[e.Key] = e.Host.Name
 	}
-	for _, k := range gone {
+	for _, k := range c.Gone {
 		delete(r.hosts, k)
 	}
 	return nil

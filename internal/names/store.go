@@ -23,6 +23,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net/netip"
+	"runtime"
 	"slices"
 	"sort"
 	"strings"
@@ -76,11 +77,12 @@ type Sink interface {
 	SetClients(key string, ips []netip.Addr, namespace string) error
 	// Load replaces everything the source contributes.
 	Load(hosts map[string]nametable.Host, clients map[netip.Addr]string) error
-	// Apply changes several objects at once, as one table change: the keys
-	// of set get their one host, the keys of gone are removed and, with
-	// setClients, the source's clients become clients. On an error nothing
-	// changes.
-	Apply(set map[string]nametable.Host, gone []string, clients map[netip.Addr]string, setClients bool) error
+	// Apply makes a batch of changes (nametable.Change) one table change:
+	// it is checked whole first, and on an error nothing changes. A large
+	// batch is applied in steps, the store's lock released between them,
+	// and no table is published until its last step. The store takes the
+	// change's hosts.
+	Apply(c *nametable.Change) error
 	// Audit compares expected, the number of objects the source's origin
 	// holds that should have hosts (its own count of its final state),
 	// with the number of objects the store holds for it. A mismatch is
@@ -151,15 +153,20 @@ type Store struct {
 	cfg Config
 	log *slog.Logger
 
-	mu      sync.Mutex // guards b, srcs, ready and the source states
-	b       *nametable.Builder
-	srcs    map[string]*sourceState
-	ready   bool
-	pubErr  error
-	started bool
-	ctx     context.Context
-	cancel  context.CancelFunc
-	wg      sync.WaitGroup
+	mu       sync.Mutex // guards b, srcs, ready, applying and the source states
+	b        *nametable.Builder
+	srcs     map[string]*sourceState
+	ready    bool
+	applying int // changes being applied in steps: no publishing meanwhile
+	pubErr   error
+	started  bool
+	ctx      context.Context
+	cancel   context.CancelFunc
+	wg       sync.WaitGroup
+
+	// betweenSteps, when set (tests), runs between two steps of a change
+	// applied in steps, without the lock.
+	betweenSteps func()
 
 	cur      atomic.Pointer[nametable.Table]
 	kick     chan struct{}
@@ -479,7 +486,7 @@ func (s *Store) publisher() {
 
 func (s *Store) publish() {
 	s.mu.Lock()
-	if !s.ready || (!s.b.Changed() && s.cur.Load() != nil) || s.holdingLocked() {
+	if !s.ready || (!s.b.Changed() && s.cur.Load() != nil) || s.holdingLocked() || s.applying > 0 {
 		s.mu.Unlock()
 		return
 	}
@@ -566,17 +573,45 @@ func (k *sink) Load(hosts map[string]nametable.Host, clients map[netip.Addr]stri
 	return k.changed(err)
 }
 
-func (k *sink) Apply(set map[string]nametable.Host, gone []string, clients map[netip.Addr]string, setClients bool) error {
-	k.s.mu.Lock()
-	defer k.s.mu.Unlock()
+// ApplyStep is how many keys of a change Sink.Apply applies under one hold
+// of the store's lock (about a millisecond's work): other sources' updates
+// and status reads wait at most that long for a large reload.
+const ApplyStep = 512
+
+func (k *sink) Apply(c *nametable.Change) error {
+	s := k.s
+	s.mu.Lock()
+	if !k.live() {
+		s.mu.Unlock()
+		return nil
+	}
+	if err := s.b.Check(k.name, c); err != nil {
+		err = k.changed(err)
+		s.mu.Unlock()
+		return err
+	}
+	s.applying++
+	for {
+		done := !k.live() || s.b.ApplySome(k.name, c, ApplyStep)
+		if done {
+			break
+		}
+		s.mu.Unlock()
+		if s.betweenSteps != nil {
+			s.betweenSteps()
+		}
+		runtime.Gosched()
+		s.mu.Lock()
+	}
+	s.applying--
+	defer s.mu.Unlock()
 	if !k.live() {
 		return nil
 	}
-	err := k.s.b.Apply(k.name, set, gone, clients, setClients)
-	if err == nil && setClients {
-		k.st.clients = len(clients)
+	if c.ClientsChanged {
+		k.st.clients = len(c.Clients)
 	}
-	return k.changed(err)
+	return k.changed(nil)
 }
 
 func (k *sink) Audit(expected int) error {

@@ -278,3 +278,75 @@ func TestAudit(t *testing.T) {
 		t.Errorf("meshdns_names_source_audit_mismatches_total = %v, want 1", v)
 	}
 }
+
+// A large change is applied in steps, and no table holds part of it: while
+// it is applied, a publish (here forced between two of its steps, while
+// another source changes too) leaves the last table serving, and the next
+// table has all of it, with the other source's change. A change with a bad
+// host changes nothing.
+func TestApplyIsPublishedWhole(t *testing.T) {
+	s, _ := newStore(t, time.Millisecond)
+	file, other := newFake("file"), newFake("other")
+	if err := s.Add(file, SourceOptions{Priority: PriorityFile}); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Add(other, SourceOptions{Priority: PriorityKubernetes}); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Start(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	fs, os := <-file.sink, <-other.sink
+	n := 3*ApplyStep + 7
+	change := func(ip string) *nametable.Change {
+		c := &nametable.Change{}
+		for i := range n {
+			h := host(fmt.Sprintf("h%d.example.com", i), ip)[0]
+			c.Set = append(c.Set, nametable.KeyHost{Key: h.Name, Host: &h})
+		}
+		return c
+	}
+	if err := fs.Apply(change("192.0.2.1")); err != nil {
+		t.Fatal(err)
+	}
+	fs.Synced()
+	os.Synced()
+	last := fmt.Sprintf("h%d.example.com.", n-1)
+	waitTable(t, s, "the first change", func(tb *nametable.Table) bool { return addr(tb, last) == "192.0.2.1" })
+
+	steps := 0
+	s.betweenSteps = func() {
+		steps++
+		if err := os.Set("o", host("o.example.com", "192.0.2.9")); err != nil {
+			t.Error(err)
+		}
+		s.publish()
+		tb := s.Table()
+		if got := addr(tb, "h0.example.com."); got != "192.0.2.1" {
+			t.Errorf("step %d: a table with part of the change was published (h0 = %s)", steps, got)
+		}
+		if addr(tb, "o.example.com.") != "" {
+			t.Errorf("step %d: a table was published while the change was applied", steps)
+		}
+	}
+	if err := fs.Apply(change("192.0.2.2")); err != nil {
+		t.Fatal(err)
+	}
+	s.betweenSteps = nil
+	if steps != 3 {
+		t.Errorf("%d steps between the change's parts, want 3", steps)
+	}
+	waitTable(t, s, "the whole change and the other source's", func(tb *nametable.Table) bool {
+		return addr(tb, "h0.example.com.") == "192.0.2.2" && addr(tb, last) == "192.0.2.2" && addr(tb, "o.example.com.") == "192.0.2.9"
+	})
+
+	bad := change("192.0.2.3")
+	bad.Set[len(bad.Set)-1].Host.Name = "not a name"
+	if err := fs.Apply(bad); err == nil {
+		t.Fatal("a change with a bad host was applied")
+	}
+	s.publish()
+	if got := addr(s.Table(), "h0.example.com."); got != "192.0.2.2" {
+		t.Errorf("after a refused change, h0 = %s, want 192.0.2.2", got)
+	}
+}

@@ -3,7 +3,6 @@ package nametable
 import (
 	"cmp"
 	"fmt"
-	"maps"
 	"net/netip"
 	"slices"
 	"strings"
@@ -708,57 +707,6 @@ func (b *Builder) newSOA(zone string, serial uint32) *dns.SOA {
 		Expire:  86400,
 		Minttl:  b.ttl,
 	}
-}
-
-// Load replaces everything a source contributes with hosts (one per key)
-// and clients: keys that are gone are removed, hosts that did not change
-// stay untouched. All hosts are validated first; on error nothing changes.
-func (b *Builder) Load(source string, hosts map[string]Host, clients map[netip.Addr]string) error {
-	var gone []string
-	for key := range b.keys[source] {
-		if _, ok := hosts[key]; !ok {
-			gone = append(gone, key)
-		}
-	}
-	return b.Apply(source, hosts, gone, clients, true)
-}
-
-// Apply changes several of a source's objects at once: the keys of set
-// get their host (as by Set with one host), the keys of gone are removed,
-// and with setClients the source's clients become clients. Everything is
-// validated first: on an error nothing changes. Keys are applied in order,
-// so the result does not depend on the map's.
-func (b *Builder) Apply(source string, set map[string]Host, gone []string, clients map[netip.Addr]string, setClients bool) error {
-	if _, ok := b.prio[source]; !ok {
-		return fmt.Errorf("nametable: unknown source %q", source)
-	}
-	for k, h := range set {
-		c := h
-		if err := b.normalize(&c); err != nil {
-			return fmt.Errorf("%s: host %q: %w", k, h.Name, err)
-		}
-	}
-	if setClients {
-		for ip, ns := range clients {
-			if !isLabel(strings.ToLower(ns)) {
-				return fmt.Errorf("client %s: namespace %q is not a single DNS label", ip, ns)
-			}
-		}
-	}
-	for _, k := range gone {
-		_ = b.Set(source, k, nil)
-	}
-	one := make([]Host, 1)
-	for _, k := range slices.Sorted(maps.Keys(set)) {
-		one[0] = set[k]
-		if err := b.Set(source, k, one); err != nil {
-			return err // validated above: does not happen
-		}
-	}
-	if setClients {
-		b.replaceClients(source, clients)
-	}
-	return nil
 }
 
 // replaceClients makes clients the source's clients (validated).

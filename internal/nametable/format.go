@@ -71,8 +71,9 @@ func Parse(data []byte) (*File, error) {
 		if err := dec.Decode(f); err != nil {
 			return nil, jsonError(data, err)
 		}
-		if dec.More() {
-			return nil, fmt.Errorf("line %d: unexpected data after the JSON object", lineOf(data, dec.InputOffset()))
+		if rest := data[dec.InputOffset():]; len(bytes.TrimLeft(rest, jsonSpace)) > 0 {
+			off := dec.InputOffset() + int64(len(rest)-len(bytes.TrimLeft(rest, jsonSpace)))
+			return nil, fmt.Errorf("line %d: unexpected data after the JSON object", lineOf(data, off))
 		}
 		return f, nil
 	}
@@ -83,6 +84,9 @@ func Parse(data []byte) (*File, error) {
 	}
 	return f, nil
 }
+
+// jsonSpace is JSON's white space.
+const jsonSpace = " \t\n\r"
 
 func jsonError(data []byte, err error) error {
 	var se *json.SyntaxError
@@ -153,6 +157,11 @@ func (info *HostInfo) host(k, svc string) (Host, error) {
 	if err != nil {
 		return Host{}, fmt.Errorf("table[%q]: %w", k, err)
 	}
+	return info.hostOf(k, name, svc)
+}
+
+// hostOf is host with the key's host name, NormName(k), given.
+func (info *HostInfo) hostOf(k, name, svc string) (Host, error) {
 	h := Host{Name: name, Kubernetes: info.Registry == RegistryKubernetes}
 	if info.Registry != "" && !h.Kubernetes && strings.EqualFold(info.Registry, RegistryKubernetes) {
 		return h, fmt.Errorf("table[%q].registry: %q: did you mean %q?", k, info.Registry, RegistryKubernetes)
@@ -169,8 +178,9 @@ func (info *HostInfo) host(k, svc string) (Host, error) {
 	// <short>.<ns>.svc.<domain>, the only form that gets short names.
 	var short, ns string
 	if h.Kubernetes && !wild && strings.HasSuffix(name, svc) {
-		if parts := strings.Split(strings.TrimSuffix(name, svc), "."); len(parts) == 2 {
-			short, ns = parts[0], parts[1]
+		head := strings.TrimSuffix(name, svc) // "<short>.<ns>"
+		if i := strings.IndexByte(head, '.'); i >= 0 && strings.IndexByte(head[i+1:], '.') < 0 {
+			short, ns = head[:i], head[i+1:]
 		}
 	}
 	for _, fld := range []struct{ n, v, want string }{{"shortname", info.Shortname, short}, {"namespace", info.Namespace, ns}} {

@@ -28,6 +28,8 @@ func TestParseErrors(t *testing.T) {
 		{"yaml syntax", "table:\n  a.b:\n    ips: [1.2.3.4\n  c: d\n", "line"},
 		{"yaml unknown field", "table:\n  a.b:\n    ipz: [1.2.3.4]\n", `unknown field "ipz"`},
 		{"yaml type", "table:\n  a.b:\n    ports: 5\n", "ports"},
+		{"data after the object", "{\"table\": {}}\n{}", "line 2: unexpected data"},
+		{"a bracket after the object", `{"table": {}} ]`, "unexpected data"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

@@ -12,10 +12,10 @@ import (
 
 // changed lists a Change's keys: "k" for a new or changed entry, "-k" for
 // one that is gone.
-func changed(c *Change) []string {
+func changed(c *Version) []string {
 	var out []string
-	for k := range c.Set {
-		out = append(out, k)
+	for _, e := range c.Set {
+		out = append(out, e.Key)
 	}
 	for _, k := range c.Gone {
 		out = append(out, "-"+k)
@@ -209,9 +209,9 @@ func TestReaderMatchesParse(t *testing.T) {
 	if len(c.Set) != len(hosts) || c.Entries != len(hosts) {
 		t.Fatalf("%d hosts (%d entries), Parse gives %d", len(c.Set), c.Entries, len(hosts))
 	}
-	for k, h := range hosts {
-		if got, ok := c.Set[k]; !ok || !reflect.DeepEqual(got, h) {
-			t.Errorf("%s: %+v, Parse gives %+v", k, got, h)
+	for _, e := range c.Set {
+		if h, ok := hosts[e.Key]; !ok || !reflect.DeepEqual(*e.Host, h) {
+			t.Errorf("%s: %+v, Parse gives %+v", e.Key, *e.Host, h)
 		}
 	}
 	if !maps.Equal(c.Clients, clients) && !(len(c.Clients) == 0 && len(clients) == 0) {

@@ -29,9 +29,7 @@ func (r *recSink) Set(key string, hosts []nametable.Host) error {
 	return nil
 }
 func (r *recSink) SetClients(string, []netip.Addr, string) error { return nil }
-func (r *recSink) Apply(set map[string]nametable.Host, gone []string, clients map[netip.Addr]string, setClients bool) error {
-	return nil
-}
+func (r *recSink) Apply(*nametable.Change) error                 { return nil }
 
 func (r *recSink) Load(map[string]nametable.Host, map[netip.Addr]string) error { return nil }
 func (r *recSink) Audit(int) error                                             { return nil }

@@ -56,8 +56,8 @@ type File struct {
 	mu     sync.Mutex // guards the fields below
 	last   fingerprint
 	tried  bool
-	reader *nametable.Reader // what was applied, to read only what changes
-	ready  *nametable.Change // checked before Run, delivered first by Run
+	reader *nametable.Reader  // what was applied, to read only what changes
+	ready  *nametable.Version // checked before Run, delivered first by Run
 	took   time.Duration
 }
 
@@ -134,34 +134,39 @@ func (f *File) stat() fingerprint {
 
 // read reads, parses and validates the file, and returns what it changes
 // against the last version applied. f.mu is held: one read at a time.
-func (f *File) read() (*nametable.Change, error) {
-	data, err := readRegular(f.path, f.opts.MaxSize)
+func (f *File) read() (*nametable.Version, error) {
+	fh, err := openRegular(f.path, f.opts.MaxSize)
 	if err != nil {
 		return nil, err
 	}
-	c, err := f.reader.Read(data)
+	defer fh.Close()
+	in := &limitReader{r: fh, left: f.opts.MaxSize}
+	v, err := f.reader.Decode(in)
+	if in.over {
+		return nil, fmt.Errorf("name table %s: more than the limit of %d bytes", f.path, f.opts.MaxSize)
+	}
 	if err != nil {
 		return nil, fmt.Errorf("name table %s: %w", f.path, err)
 	}
-	return c, nil
+	return v, nil
 }
 
-// apply delivers c and, once the store took it, remembers it as the
-// applied version. f.mu is held.
-func (f *File) apply(sink names.Sink, c *nametable.Change) error {
-	if c.Empty() {
+// apply delivers what v changes and, once the store took it, remembers v
+// as the applied version. f.mu is held.
+func (f *File) apply(sink names.Sink, v *nametable.Version) error {
+	if v.Empty() {
 		return nil
 	}
-	if err := sink.Apply(c.Set, c.Gone, c.Clients, c.ClientsChanged); err != nil {
+	if err := sink.Apply(&v.Change); err != nil {
 		return fmt.Errorf("name table %s: %w", f.path, err)
 	}
-	f.reader.Applied(c)
+	f.reader.Applied(v)
 	return nil
 }
 
-// readRegular reads a regular file of at most max bytes. A FIFO, socket or
+// openRegular opens a regular file of at most max bytes. A FIFO, socket or
 // device is an error, never a blocking read.
-func readRegular(path string, max int64) ([]byte, error) {
+func openRegular(path string, max int64) (*os.File, error) {
 	fi, err := os.Stat(path)
 	if err != nil {
 		return nil, fmt.Errorf("name table %s: %w", path, err)
@@ -175,21 +180,40 @@ func readRegular(path string, max int64) ([]byte, error) {
 	if err != nil {
 		return nil, fmt.Errorf("name table %s: %w", path, err)
 	}
-	defer fh.Close()
 	if fi, err = fh.Stat(); err != nil || !fi.Mode().IsRegular() {
+		fh.Close()
 		return nil, fmt.Errorf("name table %s: not a regular file", path)
 	}
 	if fi.Size() > max {
+		fh.Close()
 		return nil, fmt.Errorf("name table %s: %d bytes, more than the limit of %d", path, fi.Size(), max)
 	}
-	data, err := io.ReadAll(io.LimitReader(fh, max+1))
-	if err != nil {
-		return nil, fmt.Errorf("name table %s: %w", path, err)
+	return fh, nil
+}
+
+// limitReader reads at most left bytes of r, then reports the end of the
+// input and, when r had more, over: a file that grows past the limit
+// while it is read is refused.
+type limitReader struct {
+	r    io.Reader
+	left int64
+	over bool
+}
+
+func (l *limitReader) Read(p []byte) (int, error) {
+	if l.left <= 0 {
+		var one [1]byte
+		if n, _ := l.r.Read(one[:]); n > 0 {
+			l.over = true
+		}
+		return 0, io.EOF
 	}
-	if int64(len(data)) > max {
-		return nil, fmt.Errorf("name table %s: more than the limit of %d bytes", path, max)
+	if int64(len(p)) > l.left {
+		p = p[:l.left]
 	}
-	return data, nil
+	n, err := l.r.Read(p)
+	l.left -= int64(n)
+	return n, err
 }
 
 // load reads the file when its fingerprint changed since the last attempt

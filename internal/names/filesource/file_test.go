@@ -3,8 +3,8 @@ package filesource
 import (
 	"context"
 	"fmt"
+	"io"
 	"log/slog"
-	"net/netip"
 	"os"
 	"path/filepath"
 	"slices"
@@ -275,14 +275,14 @@ type applySink struct {
 	applies [][]string
 }
 
-func (a *applySink) Apply(set map[string]nametable.Host, gone []string, clients map[netip.Addr]string, setClients bool) error {
+func (a *applySink) Apply(c *nametable.Change) error {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	var keys []string
-	for k := range set {
-		keys = append(keys, k)
+	for _, e := range c.Set {
+		keys = append(keys, e.Key)
 	}
-	for _, k := range gone {
+	for _, k := range c.Gone {
 		keys = append(keys, "-"+k)
 	}
 	slices.Sort(keys)
@@ -352,5 +352,23 @@ func TestReloadDeliversOnlyChanges(t *testing.T) {
 	f.load(sink, false)
 	if _, n := sink.last(); n != 2 {
 		t.Errorf("a reload of the same content delivered something (%d applies)", n)
+	}
+}
+
+// The file is read through a limit: a file that has grown past it since it
+// was opened is refused, one exactly at it is read whole.
+func TestLimitReader(t *testing.T) {
+	for _, tt := range []struct {
+		size int
+		over bool
+	}{{99, false}, {100, false}, {101, true}, {5000, true}} {
+		l := &limitReader{r: strings.NewReader(strings.Repeat("x", tt.size)), left: 100}
+		data, err := io.ReadAll(l)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if want := min(tt.size, 100); len(data) != want || l.over != tt.over {
+			t.Errorf("%d bytes: read %d, over %v; want %d, %v", tt.size, len(data), l.over, want, tt.over)
+		}
 	}
 }
