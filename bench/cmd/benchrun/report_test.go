@@ -12,6 +12,7 @@ import (
 
 	"github.com/meshdns/meshdns-ebpf/bench/internal/dnsperf"
 	"github.com/meshdns/meshdns-ebpf/bench/internal/meshdata"
+	"github.com/meshdns/meshdns-ebpf/bench/internal/procstat"
 )
 
 // satRun fakes a saturation run: qps over 10 s with the given core use.
@@ -157,9 +158,14 @@ func TestRender(t *testing.T) {
 		{peer: peer{name: "coredns-prod"}, scen: map[string]*scenarioResult{"table": {name: "table", sat: []run{satRun(100e3, 0.99, 0.5)}, fixed: &fixed}}},
 		{peer: peer{name: "floor"}, skipped: "not built"},
 	}
+	slow := fixed
+	slow.res.Latencies = []float64{40e-6, 50e-6, 1500e-6}
 	b.scale = []scaleResult{
-		{server: "meshdns", size: 100000, ready: 800 * time.Millisecond, steady: &fixed, reload: &fixed},
-		{server: "floor", size: 100000, ready: 1500 * time.Millisecond, steady: &fixed, reload: &fixed},
+		{server: "meshdns", size: 100000, ready: 800 * time.Millisecond, steady: &fixed,
+			partial: reloadRun{run: &fixed, mem: procstat.Mem{HWM: 140 << 20}, lat: []time.Duration{200 * time.Millisecond}},
+			full:    reloadRun{run: &slow, mem: procstat.Mem{HWM: 190 << 20}, lat: []time.Duration{900 * time.Millisecond}}},
+		{server: "floor", size: 100000, ready: 1500 * time.Millisecond, steady: &fixed,
+			partial: reloadRun{run: &fixed}, full: reloadRun{run: &fixed}},
 	}
 	noisy := satRun(100e3, 0.5, 0.5)
 	noisy.serverCore, noisy.genCore = 0.9, 0.5
@@ -174,6 +180,12 @@ func TestRender(t *testing.T) {
 		"in-table p99 @20000 QPS <= 100 µs: PASS (90 µs, the median of 3 runs)",
 		"| 50 / 90 | 300, 90, 60 |",
 		"100k services built in < 1 s: PASS",
+		"| meshdns | 100000 | ready 800ms after exec (no build-time metric) | 0.0 MB | 140.0 / 190.0 MB | 50 / 90 | 50 / 90 / 90 | 50 / 1500 / 1500 | 0 | 200ms | 900ms |",
+		"- built in < 1 s: PASS (ready 800ms after exec (no build-time metric))",
+		"- VmHWM through the load and the 1% rewrites <= 150 MB: PASS (140.0 MB)",
+		"- query p99 @20000 QPS during the 1% rewrites <= 1 ms: PASS (90 µs)",
+		"- VmHWM through the load and the full rewrites <= 150 MB: **FAIL** (190.0 MB)",
+		"- query p99 @20000 QPS during the full rewrites <= 1 ms: **FAIL** (1500 µs)",
 		"datapath targets: NOT MEASURED (needs the agent)",
 		"NOISY: coredns-prod / cached forward: other work used 40% of a core",
 	)

@@ -62,6 +62,19 @@ func NewTable(n, generation int) Table {
 	return t
 }
 
+// PartialTable is generation base's table with one service in every
+// `every`, and the last one, at generation gen: a rewrite that changes
+// about 1/every of the names (the last one can be probed for the change).
+func PartialTable(n, base, gen, every int) Table {
+	t := NewTable(n, base)
+	for i := range t.Services {
+		if i%every == 0 || i == n-1 {
+			t.Services[i].IP = ServiceIP(i, gen)
+		}
+	}
+	return t
+}
+
 // ServiceIP is the address of service i (< 2^24-1) in a table generation:
 // (240 + generation%16).0.0.0 + i + 1, so generations differ in the first octet.
 func ServiceIP(i, generation int) netip.Addr {

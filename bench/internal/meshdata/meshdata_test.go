@@ -52,6 +52,26 @@ func TestGenerationsDiffer(t *testing.T) {
 	}
 }
 
+// A partial rewrite changes every 100th name and the last, and nothing
+// else.
+func TestPartialTable(t *testing.T) {
+	base, part := NewTable(1000, 0), PartialTable(1000, 0, 3, 100)
+	changed := 0
+	for i, s := range part.Services {
+		want := base.Services[i].IP
+		if i%100 == 0 || i == 999 {
+			want = ServiceIP(i, 3)
+			changed++
+		}
+		if s.IP != want || s.FQDN() != base.Services[i].FQDN() {
+			t.Fatalf("service %d: %s %s, want %s %s", i, s.FQDN(), s.IP, base.Services[i].FQDN(), want)
+		}
+	}
+	if changed != 11 {
+		t.Errorf("%d changed, want 11", changed)
+	}
+}
+
 func TestNdotsLookup(t *testing.T) {
 	got := NdotsLookup("svc-1.ns-2.svc.cluster.local", "ns-3")
 	want := []Query{
