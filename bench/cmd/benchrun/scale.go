@@ -94,33 +94,20 @@ func (b *bench) scaleOne(ctx context.Context, server string, n int) scaleResult 
 	}
 	port := b.cfg.basePort + 10 + portOf[server]
 	listen := fmt.Sprintf("127.0.0.1:%d", port)
-	var file string
-	write := func(tab meshdata.Table) error {
-		var data []byte
-		if server == "meshdns" {
-			var err error
-			if data, err = tab.NameTableJSON(); err != nil {
-				return err
-			}
-		} else {
-			data = []byte(tab.Hosts())
-		}
-		// Atomic replace, as a config-map update or a careful writer does.
-		tmp := file + ".tmp"
-		if err := os.WriteFile(tmp, data, 0o644); err != nil {
-			return fmt.Errorf("write %s: %w", tmp, err)
-		}
-		return os.Rename(tmp, file)
-	}
+	file := tableFile{meshdns: server == "meshdns"}
 	var argv []string
-	if server == "meshdns" {
-		file = filepath.Join(dir, "nametable.json")
-		argv = b.meshArgv(listen, file, b.cfg.basePort+10+offMeshAdmin)
+	if file.meshdns {
+		file.path = filepath.Join(dir, "nametable.json")
+		argv = b.meshArgv(listen, file.path, b.cfg.basePort+10+offMeshAdmin)
 	} else {
-		file = filepath.Join(dir, "table.hosts")
-		argv = []string{b.cfg.floorBin, "-listen", listen, "-hosts", file, "-upstream", b.upstreamAddr(), "-reload", "250ms"}
+		file.path = filepath.Join(dir, "table.hosts")
+		argv = []string{b.cfg.floorBin, "-listen", listen, "-hosts", file.path, "-upstream", b.upstreamAddr(), "-reload", "250ms"}
 	}
-	if err := write(meshdata.NewTable(n, 0)); err != nil {
+	data, err := file.render(meshdata.NewTable(n, 0))
+	if err == nil {
+		err = file.put(data)
+	}
+	if err != nil {
 		sc.err = err.Error()
 		return sc
 	}
@@ -180,10 +167,10 @@ func (b *bench) scaleOne(ctx context.Context, server string, n int) scaleResult 
 	// the names per rewrite (generations 1-3 of those), then every address
 	// (generations 4-6).
 	probe := reloadProbe{listen: listen, name: tab.Services[last].FQDN(), last: last}
-	sc.partial = b.reloadRun(ctx, o, srv, write, probe, 1, func(gen int) meshdata.Table {
+	sc.partial = b.reloadRun(ctx, o, srv, file, probe, 1, func(gen int) meshdata.Table {
 		return meshdata.PartialTable(n, 0, gen, partialEvery)
 	})
-	sc.full = b.reloadRun(ctx, o, srv, write, probe, 1+scaleReloads, func(gen int) meshdata.Table {
+	sc.full = b.reloadRun(ctx, o, srv, file, probe, 1+scaleReloads, func(gen int) meshdata.Table {
 		return meshdata.NewTable(n, gen)
 	})
 	for _, r := range []reloadRun{sc.partial, sc.full} {
@@ -194,6 +181,30 @@ func (b *bench) scaleOne(ctx context.Context, server string, n int) scaleResult 
 	return sc
 }
 
+// tableFile is a server's table file.
+type tableFile struct {
+	path    string
+	meshdns bool // our JSON name table; else a hosts file
+}
+
+// render is the file's content for tab.
+func (f tableFile) render(tab meshdata.Table) ([]byte, error) {
+	if f.meshdns {
+		return tab.NameTableJSON()
+	}
+	return []byte(tab.Hosts()), nil
+}
+
+// put replaces the file with data atomically (write + rename), as a
+// config-map update or a careful writer does.
+func (f tableFile) put(data []byte) error {
+	tmp := f.path + ".tmp"
+	if err := os.WriteFile(tmp, data, 0o644); err != nil {
+		return fmt.Errorf("write %s: %w", tmp, err)
+	}
+	return os.Rename(tmp, f.path)
+}
+
 // reloadProbe is the name whose answer shows that a rewrite was loaded.
 type reloadProbe struct {
 	listen, name string
@@ -202,10 +213,20 @@ type reloadProbe struct {
 
 // reloadRun runs dnsperf at the fixed rate while the table is rewritten
 // scaleReloads times (generations gen0 on, each table made by table), 2 s
-// apart, and times each rewrite until the probe answers its new address.
-func (b *bench) reloadRun(ctx context.Context, o dnsperf.Options, srv *proc, write func(meshdata.Table) error,
+// apart, and times each rewrite (from the write of the file, rendered
+// before the run) until the probe answers its new address.
+func (b *bench) reloadRun(ctx context.Context, o dnsperf.Options, srv *proc, file tableFile,
 	probe reloadProbe, gen0 int, table func(gen int) meshdata.Table) reloadRun {
 	var rr reloadRun
+	var files [][]byte
+	for gen := gen0; gen < gen0+scaleReloads; gen++ {
+		data, err := file.render(table(gen))
+		if err != nil {
+			rr.err = err.Error()
+			return rr
+		}
+		files = append(files, data)
+	}
 	o.Duration = float64(scaleReloads*3 + 1)
 	type out struct {
 		r   run
@@ -222,7 +243,7 @@ func (b *bench) reloadRun(ctx context.Context, o dnsperf.Options, srv *proc, wri
 		case <-ctx.Done():
 		}
 		t := time.Now()
-		if err := write(table(gen)); err != nil {
+		if err := file.put(files[gen-gen0]); err != nil {
 			rr.err = err.Error()
 			break
 		}
