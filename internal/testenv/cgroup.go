@@ -49,6 +49,49 @@ func NewCgroup(t testing.TB) *Cgroup {
 	return cg
 }
 
+// Child creates the child cgroup name of c for this test; it is removed at
+// cleanup (before c, which was created first), thawed if a test froze it.
+func (c *Cgroup) Child(t testing.TB, name string) *Cgroup {
+	t.Helper()
+	path := filepath.Join(c.Path, name)
+	if err := os.Mkdir(path, 0o755); err != nil {
+		t.Fatalf("create cgroup %s: %v", path, err)
+	}
+	dir, err := os.Open(path)
+	if err != nil {
+		_ = os.Remove(path)
+		t.Fatalf("open cgroup %s: %v", path, err)
+	}
+	cg := &Cgroup{Path: path, dir: dir}
+	t.Cleanup(func() {
+		_ = os.WriteFile(filepath.Join(path, "cgroup.freeze"), []byte("0"), 0o644)
+		dir.Close()
+		if err := cg.remove(); err != nil {
+			t.Errorf("remove cgroup %s: %v", path, err)
+		}
+	})
+	return cg
+}
+
+// SetFrozen freezes (true) or thaws every process of the cgroup with the
+// cgroup v2 freezer, and waits until the kernel reports it done.
+func (c *Cgroup) SetFrozen(t testing.TB, frozen bool) {
+	t.Helper()
+	v, want := "0", "frozen 0"
+	if frozen {
+		v, want = "1", "frozen 1"
+	}
+	if err := os.WriteFile(filepath.Join(c.Path, "cgroup.freeze"), []byte(v), 0o644); err != nil {
+		Skip(t, "needs the cgroup v2 freezer: %v", err)
+	}
+	if !WaitFor(5*time.Second, func() bool {
+		b, err := os.ReadFile(filepath.Join(c.Path, "cgroup.events"))
+		return err == nil && strings.Contains(string(b), want)
+	}) {
+		t.Fatalf("cgroup %s: not %q within 5 s", c.Path, want)
+	}
+}
+
 // FD is the open directory of the cgroup, for exec.Cmd SysProcAttr.CgroupFD.
 func (c *Cgroup) FD() int { return int(c.dir.Fd()) }
 
