@@ -35,7 +35,9 @@
  * the count unchanged, twice, stall_ns / 4 apart (see resolver_stalled). A slow
  * resolver that still dequeues now and then never is. The agent sends itself an empty datagram when a watch ages without a
  * dequeue (a redirected socket that never sent anything), so a live, idle
- * resolver is not taken for a stalled one.
+ * resolver is not taken for a stalled one. Where the kernel has BPF timers, the
+ * watch clock (at the end) takes the same look every 10 ms, so a watch runs
+ * from the last dequeue even while nothing is redirected.
  *
  * Per-socket state lives in socket-local storage (sock_state, freed with the
  * socket): it cannot be evicted, and when it cannot be allocated or the socket
@@ -157,7 +159,8 @@ struct meshdns_progress {
 	__u64 watch_since; /* bpf_ktime_get_ns when the watch started; 0: none */
 	__u64 watch_count; /* dequeued when the watch started */
 	__u64 suspect_since; /* when a program first saw this watch past stall_ns */
-	__u64 pad1[5];
+	__u64 clock_tick; /* the watch clock's last tick (bpf_ktime_get_ns); 0: none ran */
+	__u64 pad1[4];
 };
 
 /* A nameserver address; IPv4 as ::ffff:a.b.c.d. */
@@ -311,6 +314,13 @@ static __always_inline int resolver_listening(enum resolver_sock_kind family, en
  * client that runs first afterwards: only a resolver that still does not
  * dequeue then is stalled. A frozen one is detected after 1.25 * stall_ns.
  */
+static __always_inline void start_watch(struct meshdns_progress *p, __u64 dequeued, __u64 now)
+{
+	p->watch_count = dequeued;
+	p->watch_since = now;
+	p->suspect_since = 0;
+}
+
 static __always_inline int resolver_stalled(struct meshdns_config *cfg)
 {
 	__u32 zero = 0;
@@ -323,9 +333,7 @@ static __always_inline int resolver_stalled(struct meshdns_config *cfg)
 	since = *(volatile __u64 *)&p->watch_since;
 	now = bpf_ktime_get_ns();
 	if (since == 0 || dequeued != *(volatile __u64 *)&p->watch_count) {
-		p->watch_count = dequeued;
-		p->watch_since = now;
-		p->suspect_since = 0;
+		start_watch(p, dequeued, now);
 		return 0;
 	}
 	if (since > now || now - since <= cfg->stall_ns)
@@ -712,6 +720,8 @@ static __always_inline int reverse6(struct bpf_sock_addr *ctx, __u32 hook)
 	return 1;
 }
 
+#ifndef MESHDNS_WATCH_CLOCK
+
 SEC("cgroup/connect4")
 int connect4(struct bpf_sock_addr *ctx)
 {
@@ -759,5 +769,83 @@ int getpeername6(struct bpf_sock_addr *ctx)
 {
 	return reverse6(ctx, HOOK_GETPEERNAME6);
 }
+
+#else /* MESHDNS_WATCH_CLOCK */
+
+/*
+ * The watch clock (a second object, built with -DMESHDNS_WATCH_CLOCK: BPF
+ * timers need Linux 5.15, the programs above do not). A timer in the kernel
+ * takes the programs' look at progress every CLOCK_TICK_NS, whether or not
+ * anything is being redirected, so a watch always runs from the resolver's
+ * last dequeue: a resolver frozen while its clients were quiet is known to be
+ * stalled by the time the next one asks (the agent's watchdog sends an idle,
+ * live resolver an empty datagram a quarter of stall_ns into a watch, so its
+ * watches keep restarting). The timer belongs to the agent that started it:
+ * the kernel cancels it when the last descriptor of watch_clock is closed.
+ */
+enum meshdns_clock {
+	CLOCK_TICK_NS = 10000000, /* a look every 10 ms */
+	CLOCK_GAP_NS = 50000000,  /* a later tick: the machine did not run */
+};
+
+struct watch_clock {
+	struct bpf_timer timer;
+	__u64 last_tick; /* bpf_ktime_get_ns of the previous tick */
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__type(key, __u32);
+	__type(value, struct watch_clock);
+	__uint(max_entries, 1);
+} watch_clock SEC(".maps");
+
+/*
+ * One tick: a look at progress, as a redirect takes one. A tick that comes
+ * CLOCK_GAP_NS or more after the previous one found a machine that did not run
+ * (a VM paused, every CPU taken by interrupts): the resolver could not have
+ * dequeued either, so its watch starts afresh instead.
+ */
+static int clock_tick(void *map, __u32 *key, struct watch_clock *c)
+{
+	struct meshdns_config *cfg = get_config();
+	__u32 zero = 0;
+	struct meshdns_progress *p = bpf_map_lookup_elem(&progress, &zero);
+	__u64 now = bpf_ktime_get_ns();
+
+	if (cfg && p) {
+		if (c->last_tick != 0 && now - c->last_tick >= CLOCK_GAP_NS)
+			start_watch(p, *(volatile __u64 *)&p->dequeued, now);
+		else
+			resolver_stalled(cfg);
+	}
+	if (p)
+		p->clock_tick = now;
+	c->last_tick = now;
+	bpf_timer_start(&c->timer, CLOCK_TICK_NS, 0);
+	return 0;
+}
+
+/* Run once by the agent (BPF_PROG_TEST_RUN): starts the clock. */
+SEC("socket")
+int watch_clock_start(struct __sk_buff *skb)
+{
+	__u32 zero = 0;
+	struct watch_clock *c = bpf_map_lookup_elem(&watch_clock, &zero);
+	long err;
+
+	if (!c)
+		return 1;
+	err = bpf_timer_init(&c->timer, &watch_clock, CLOCK_MONOTONIC);
+	if (err != 0)
+		return 2; /* started already (-EBUSY), or no timers here */
+	if (bpf_timer_set_callback(&c->timer, clock_tick) != 0)
+		return 3;
+	if (bpf_timer_start(&c->timer, CLOCK_TICK_NS, 0) != 0)
+		return 4;
+	return 0;
+}
+
+#endif /* MESHDNS_WATCH_CLOCK */
 
 char LICENSE[] SEC("license") = "Dual BSD/GPL";

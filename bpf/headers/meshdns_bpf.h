@@ -87,6 +87,19 @@ struct bpf_sock_addr {
 	__bpf_md_ptr(struct bpf_sock *, sk);
 };
 
+/* A BPF timer in a map value (opaque to programs). */
+struct bpf_timer {
+	__u64 : 64;
+	__u64 : 64;
+} __attribute__((aligned(8)));
+
+/* Socket filter context; only its name matters to the verifier here. */
+struct __sk_buff {
+	__u32 len;
+};
+
+#define CLOCK_MONOTONIC 1
+
 #define SEC(name) __attribute__((section(name), used))
 #define __always_inline inline __attribute__((always_inline))
 #define __uint(name, val) int(*name)[val]
@@ -104,6 +117,9 @@ static __u64 (*bpf_get_current_cgroup_id)(void) = (void *)80;
 static long (*bpf_sk_release)(void *sock) = (void *)86;
 static void *(*bpf_sk_storage_get)(void *map, void *sk, void *value, __u64 flags) = (void *)107;
 static __u64 (*bpf_get_netns_cookie)(void *ctx) = (void *)122;
+static long (*bpf_timer_init)(struct bpf_timer *timer, void *map, __u64 flags) = (void *)169;
+static long (*bpf_timer_set_callback)(struct bpf_timer *timer, void *callback_fn) = (void *)170;
+static long (*bpf_timer_start)(struct bpf_timer *timer, __u64 nsecs, __u64 flags) = (void *)171;
 
 /* The BPF targets we build for (bpfel) are little-endian. */
 #define bpf_htons(x) ((__u16)__builtin_bswap16((__u16)(x)))

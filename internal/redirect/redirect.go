@@ -219,6 +219,7 @@ type Datapath struct {
 	objs     redirectObjects
 	links    []attached
 	progress *progress
+	clock    *watchClock            // nil where the kernel has no BPF timers
 	dequeued atomic.Pointer[uint64] // progress.dequeued while mapped
 	served   []uint32               // resolver_socks keys we registered
 	cgroups  *cgroup2.Namer
@@ -323,6 +324,8 @@ func (d *Datapath) Start(ctx context.Context) (err error) {
 			_ = os.Remove(p)
 		}
 		d.dequeued.Store(nil)
+		_ = d.clock.close()
+		d.clock = nil
 		if d.progress != nil {
 			d.progress.close()
 			d.progress = nil
@@ -349,6 +352,7 @@ func (d *Datapath) Start(ctx context.Context) (err error) {
 		return err
 	}
 	d.dequeued.Store(d.progress.field(unsafe.Offsetof(redirectMeshdnsProgress{}.Dequeued)))
+	d.startClock()
 	if pinned, err = d.pinMaps(reused); err != nil {
 		return err
 	}
@@ -378,8 +382,19 @@ func (d *Datapath) Start(ctx context.Context) (err error) {
 	d.log.Info("eBPF datapath attached", "cgroup", cfg.Cgroup, "pin_dir", cfg.PinDir,
 		"target4", d.set.cfg.Target4, "target6", d.set.cfg.Target6, "nameservers", d.set.nameservers,
 		"capture_all", cfg.CaptureAll, "slot_ports", SlotPorts(d.set.cfg),
-		"adopted_links", adopted, "kept_maps", sortedNames(reused))
+		"adopted_links", adopted, "kept_maps", sortedNames(reused), "watch_clock", d.clock != nil)
 	return nil
+}
+
+// startClock starts the watch clock where the kernel can run it; elsewhere
+// stalls are timed by the programs alone (see watchclock.go).
+func (d *Datapath) startClock() {
+	c, err := startWatchClock(d.objs.Config, d.objs.Progress)
+	if err != nil {
+		d.log.Info("no watch clock: a stalled resolver is timed from the first query it leaves unread", "reason", err)
+		return
+	}
+	d.clock = c
 }
 
 func permissionHint(err error) string {
@@ -780,6 +795,10 @@ func (d *Datapath) Close() error {
 		errs = append(errs, removeEmptyPinDirs(d.pinDir)...)
 	}
 	d.dequeued.Store(nil)
+	if err := d.clock.close(); err != nil {
+		errs = append(errs, fmt.Errorf("close the watch clock: %w", err))
+	}
+	d.clock = nil
 	if d.progress != nil {
 		d.progress.close()
 		d.progress = nil

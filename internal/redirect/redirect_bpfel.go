@@ -109,7 +109,8 @@ type redirectMeshdnsProgress struct {
 	WatchSince   uint64
 	WatchCount   uint64
 	SuspectSince uint64
-	Pad1         [5]uint64
+	ClockTick    uint64
+	Pad1         [4]uint64
 }
 
 type redirectNsKey struct {
