@@ -60,7 +60,8 @@ type Agent struct {
 	srv          *resolver.Server
 	dp           *redirect.Datapath
 	rules        *ctzone.Rules
-	admin        *adminServer
+	admin        *adminServer // the admin address
+	local        *adminServer // the local socket in the state dir
 	hl           *net.UnixListener
 	stopLoops    chan struct{}
 	loops        sync.WaitGroup
@@ -326,16 +327,9 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 		st.Backend = a.rules.Backend()
 	}
 
-	// Admin endpoints.
-	if cfg.Admin != "" {
-		var inherited *os.File
-		if a.inherit != nil {
-			inherited, a.inherit.admin = a.inherit.admin, nil
-		}
-		a.admin = newAdminServer(cfg.Admin, reg, a, cfg.debugHandler(a.store), inherited, log.With("component", "admin"))
-		if err := a.admin.Start(ctx); err != nil {
-			return err
-		}
+	// Admin endpoints: the admin address and the local socket.
+	if err := a.startAdmin(ctx, reg); err != nil {
+		return err
 	}
 
 	// Capture on, as soon as the resolver is ready (at once, normally: the name
@@ -677,13 +671,19 @@ func (a *Agent) handleHandover(c *net.UnixConn) {
 	o := offer{lock: a.lock.f}
 	stCopy := *a.st
 	o.state = &stCopy
-	if a.admin != nil {
-		if o.admin, err = a.admin.File(); err != nil {
-			a.log.Error("handover: admin listener", "err", err)
+	for _, l := range []struct {
+		srv  *adminServer
+		file **os.File
+	}{{a.admin, &o.admin}, {a.local, &o.local}} {
+		if l.srv == nil {
+			continue
+		}
+		if *l.file, err = l.srv.File(); err != nil {
+			a.log.Error("handover: admin listener", "addr", l.srv.addr, "err", err)
 			_ = writeMsg(c, handoverMsg{Op: "error", Error: err.Error()}, nil)
 			return
 		}
-		defer o.admin.Close()
+		defer (*l.file).Close()
 	}
 	if o.listeners, err = a.srv.Files(); err != nil {
 		a.log.Error("handover: resolver sockets", "err", err)
@@ -816,8 +816,10 @@ func (a *Agent) shutdown(handoff bool) {
 		if a.nodes != nil {
 			add("node address", a.nodes.Close())
 		}
-		if a.admin != nil {
-			add("admin server", a.admin.Close())
+		add("admin server", a.admin.Close())
+		add("local admin socket", a.local.Close())
+		if a.local != nil && !handoff {
+			add("local admin socket", removeFile(a.local.addr))
 		}
 		if a.st != nil && !handoff {
 			add("state file", removeState(a.cfg.StateDir))

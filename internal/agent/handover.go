@@ -6,8 +6,9 @@ package agent
 // finds the state lock held connects and:
 //
 //	B -> A  hello {pid}
-//	A -> B  offer {state, listeners, admin} + descriptors (SCM_RIGHTS, in chunks):
-//	        the state lock, the admin listener, every resolver socket
+//	A -> B  offer {state, listeners, admin, local} + descriptors (SCM_RIGHTS, in chunks):
+//	        the state lock, the admin listener, every resolver socket, the
+//	        local admin socket's listener (last: an older successor ignores it)
 //	B       starts on them: serves the same sockets (both read them for a moment),
 //	        adopts the pinned datapath (links get B's programs in place), writes state
 //	B -> A  serving {pid}
@@ -47,6 +48,7 @@ type handoverMsg struct {
 	State     *State             `json:"state,omitempty"`
 	Listeners []handoverListener `json:"listeners,omitempty"`
 	Admin     bool               `json:"admin,omitempty"` // the admin listener follows the lock
+	Local     bool               `json:"local,omitempty"` // the local admin socket's listener is the last descriptor
 	FDs       int                `json:"fds,omitempty"`   // descriptors that follow the offer
 }
 
@@ -61,14 +63,32 @@ type inheritance struct {
 	state     *State
 	lock      *stateLock
 	admin     *os.File
+	local     *os.File
 	listeners []resolver.InheritedListener
 	conn      *net.UnixConn // to tell the predecessor we serve
 }
 
+// takeAdmin and takeLocal hand the caller the inherited admin listener and
+// local socket (nil when there is none), which closeUnused then leaves alone.
+func (in *inheritance) takeAdmin() *os.File { return in.take(func(in *inheritance) **os.File { return &in.admin }) }
+func (in *inheritance) takeLocal() *os.File { return in.take(func(in *inheritance) **os.File { return &in.local }) }
+
+func (in *inheritance) take(field func(*inheritance) **os.File) *os.File {
+	if in == nil {
+		return nil
+	}
+	f := field(in)
+	got := *f
+	*f = nil
+	return got
+}
+
 // closeUnused closes what nobody took.
 func (in *inheritance) closeUnused() {
-	if in.admin != nil {
-		in.admin.Close()
+	for _, f := range []*os.File{in.admin, in.local} {
+		if f != nil {
+			f.Close()
+		}
 	}
 	for _, l := range in.listeners {
 		for _, f := range l.UDP {
@@ -206,6 +226,9 @@ func unpackOffer(offer handoverMsg, files []*os.File) (*inheritance, error) {
 	}
 	in := &inheritance{from: offer.PID, state: offer.State, lock: adoptLock(files[0])}
 	files = files[1:]
+	if offer.Local && len(files) > 0 {
+		in.local, files = files[len(files)-1], files[:len(files)-1]
+	}
 	if offer.Admin {
 		in.admin, files = files[0], files[1:]
 	}
@@ -232,6 +255,7 @@ type offer struct {
 	state     *State
 	lock      *os.File
 	admin     *os.File
+	local     *os.File
 	listeners []resolver.InheritedListener
 
 	dieAfterSend bool // fault injection (tests): SIGKILL ourselves once sent
@@ -251,6 +275,10 @@ func sendOffer(c *net.UnixConn, o offer) (successor int, err error) {
 			fds = append(fds, int(f.Fd()))
 		}
 		fds = append(fds, int(l.TCP.Fd()))
+	}
+	if o.local != nil {
+		m.Local = true
+		fds = append(fds, int(o.local.Fd()))
 	}
 	m.FDs = len(fds)
 	first := min(len(fds), maxFDsPerMessage)

@@ -1,6 +1,7 @@
 package agent
 
 import (
+	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -21,25 +22,52 @@ import (
 )
 
 // What the CLI (`table`, `status`, `stats`) reads from the running agent's
-// admin endpoint (debugHandler).
+// admin endpoints (debugHandler): on its local socket, or at an admin address
+// given with --admin.
 
-// AdminAddress is the running agent's admin address: override when given,
-// else the one its state file in stateDir records.
-func AdminAddress(stateDir, override string) (string, error) {
+// Endpoint is where the CLI reaches the agent's admin endpoints: the local
+// socket Socket, or else the admin address Addr.
+type Endpoint struct {
+	Socket string
+	Addr   string
+}
+
+// AgentEndpoint is the running agent's admin endpoint: the address override
+// when given, else the local socket in stateDir, else the admin address the
+// agent's state file records (an agent of a version without a local socket;
+// it serves the debug endpoints there).
+func AgentEndpoint(stateDir, override string) (Endpoint, error) {
 	if override != "" {
-		return override, nil
+		return Endpoint{Addr: override}, nil
+	}
+	if fi, err := os.Stat(LocalPath(stateDir)); err == nil && fi.Mode()&os.ModeSocket != 0 {
+		return Endpoint{Socket: LocalPath(stateDir)}, nil
 	}
 	st, err := ReadState(stateDir)
 	if errors.Is(err, os.ErrNotExist) {
-		return "", fmt.Errorf("no agent state in %s: is the agent running? (an agent in --mode off writes none: give --admin ADDR)", stateDir)
+		return Endpoint{}, fmt.Errorf("no agent socket or state in %s: is the agent running? (an agent in --mode off has none: give --admin ADDR)", stateDir)
 	}
 	if err != nil {
-		return "", err
+		return Endpoint{}, err
 	}
 	if st.Admin == "" {
-		return "", errors.New("the agent runs without an admin endpoint (--admin \"\")")
+		return Endpoint{}, errors.New("the agent runs without an admin endpoint (--admin \"\")")
 	}
-	return st.Admin, nil
+	return Endpoint{Addr: st.Admin}, nil
+}
+
+// get asks the agent for path.
+func (e Endpoint) get(path string, timeout time.Duration) (*http.Response, error) {
+	c := http.Client{Timeout: timeout}
+	if e.Socket == "" {
+		return c.Get(adminURL(e.Addr, path))
+	}
+	tr := &http.Transport{DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
+		return (&net.Dialer{}).DialContext(ctx, "unix", e.Socket)
+	}}
+	defer tr.CloseIdleConnections()
+	c.Transport = tr
+	return c.Get("http://agent" + path)
 }
 
 // adminURL is the URL of path on the admin address; an unspecified host
@@ -53,13 +81,12 @@ func adminURL(admin, path string) string {
 	return "http://" + admin + path
 }
 
-func getJSON(admin, path string, v any) error {
-	return getJSONWithin(admin, path, v, 30*time.Second) // a table of 100k names is a few MB
+func getJSON(e Endpoint, path string, v any) error {
+	return getJSONWithin(e, path, v, 30*time.Second) // a table of 100k names is a few MB
 }
 
-func getJSONWithin(admin, path string, v any, timeout time.Duration) error {
-	c := http.Client{Timeout: timeout}
-	resp, err := c.Get(adminURL(admin, path))
+func getJSONWithin(e Endpoint, path string, v any, timeout time.Duration) error {
+	resp, err := e.get(path, timeout)
 	if err != nil {
 		return fmt.Errorf("ask the agent: %w", err)
 	}
@@ -75,7 +102,7 @@ func getJSONWithin(admin, path string, v any, timeout time.Duration) error {
 }
 
 // ReadTable lists the agent's name table.
-func ReadTable(admin string, f nameview.Filter) ([]nameview.Entry, error) {
+func ReadTable(e Endpoint, f nameview.Filter) ([]nameview.Entry, error) {
 	q := url.Values{}
 	for k, v := range map[string]string{"name": f.Name, "namespace": f.Namespace, "source": f.Source, "client": f.Client} {
 		if v != "" {
@@ -83,20 +110,20 @@ func ReadTable(admin string, f nameview.Filter) ([]nameview.Entry, error) {
 		}
 	}
 	var out []nameview.Entry
-	return out, getJSON(admin, "/debug/table?"+q.Encode(), &out)
+	return out, getJSON(e, "/debug/table?"+q.Encode(), &out)
 }
 
 // ReadNDS returns the agent's table in Istio's NameTable JSON as a client
 // of namespace ns sees it.
-func ReadNDS(admin, ns string) (*nameview.NameTable, error) {
+func ReadNDS(e Endpoint, ns string) (*nameview.NameTable, error) {
 	var out nameview.NameTable
-	return &out, getJSON(admin, "/debug/ndsz?"+url.Values{"namespace": {ns}}.Encode(), &out)
+	return &out, getJSON(e, "/debug/ndsz?"+url.Values{"namespace": {ns}}.Encode(), &out)
 }
 
 // ReadSources returns the agent's name sources.
-func ReadSources(admin string) ([]names.SourceStatus, error) {
+func ReadSources(e Endpoint) ([]names.SourceStatus, error) {
 	var out []names.SourceStatus
-	return out, getJSONWithin(admin, "/debug/sources", &out, 2*time.Second)
+	return out, getJSONWithin(e, "/debug/sources", &out, 2*time.Second)
 }
 
 // podUID finds a Pod UID in a cgroup path as kubelet names them: with the
@@ -129,9 +156,9 @@ func NamePods(s *redirect.Stats, pods []kubesource.PodRef) {
 }
 
 // ReadPods returns the Pods of this node the agent knows.
-func ReadPods(admin string) ([]kubesource.PodRef, error) {
+func ReadPods(e Endpoint) ([]kubesource.PodRef, error) {
 	var out []kubesource.PodRef
-	return out, getJSON(admin, "/debug/pods", &out)
+	return out, getJSON(e, "/debug/pods", &out)
 }
 
 // writeSources prints the name sources and their state.
@@ -185,16 +212,9 @@ func (s *Status) writeMesh(w io.Writer) error {
 	return writeSources(w, s.Sources)
 }
 
-// readSourcesInto adds the agent's name sources to a status; admin
-// overrides the state file's address.
-func (s *Status) readSourcesInto(admin string) {
-	if admin == "" {
-		if s.Agent == nil || !s.Running || s.Agent.Admin == "" {
-			return
-		}
-		admin = s.Agent.Admin
-	}
-	srcs, err := ReadSources(admin)
+// readSourcesInto adds the agent's name sources to a status.
+func (s *Status) readSourcesInto(e Endpoint) {
+	srcs, err := ReadSources(e)
 	if err != nil {
 		s.Errors = append(s.Errors, "name sources: "+err.Error())
 		return
@@ -209,16 +229,16 @@ func ReadStatusAt(stateDir, pinDir, admin string) *Status {
 	if admin == "" {
 		return s
 	}
-	s.Ready = readyAt(admin)
+	e := Endpoint{Addr: admin}
+	s.Ready = readyAt(e)
 	s.Sources = nil
-	s.readSourcesInto(admin)
+	s.readSourcesInto(e)
 	return s
 }
 
 // readyAt asks the agent's /readyz: "yes", or why not.
-func readyAt(admin string) string {
-	c := http.Client{Timeout: time.Second}
-	resp, err := c.Get(adminURL(admin, "/readyz"))
+func readyAt(e Endpoint) string {
+	resp, err := e.get("/readyz", time.Second)
 	if err != nil {
 		return "unknown: " + err.Error()
 	}
