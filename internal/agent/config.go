@@ -75,6 +75,9 @@ type Config struct {
 	// after taking the descriptors and the datapath, before it serves;
 	// "predecessor" kills itself right after sending its descriptors.
 	handoverFault string
+	// slowSync holds the name sources' first sync back this long (tests: a
+	// slow API server).
+	slowSync time.Duration
 }
 
 // DefaultBPFFS is where the agent pins its links and maps, and where the CLI reads them.
@@ -178,6 +181,7 @@ func (c *Config) RegisterFlags(fs *flag.FlagSet) {
 	fs.StringVar(&c.LogFormat, "log-format", "text", "text or json")
 	fs.StringVar(&c.forceNoEBPF, "x-force-no-ebpf", "", "testing only: make auto mode behave as if the eBPF probe failed with this reason")
 	fs.StringVar(&c.handoverFault, "x-handover-fault", "", "testing only: crash in a handover, as the successor (before serving) or the predecessor (after sending its descriptors)")
+	fs.DurationVar(&c.slowSync, "x-slow-sync", 0, "testing only: the name sources' first sync takes at least this long (a slow API server)")
 }
 
 // Validate checks what can be checked without touching the system.
