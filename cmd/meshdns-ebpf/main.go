@@ -12,6 +12,7 @@ import (
 	"log/slog"
 	"os"
 	"os/signal"
+	"strings"
 	"syscall"
 
 	"github.com/meshdns/meshdns-ebpf/internal/agent"
@@ -27,6 +28,8 @@ Usage:
   meshdns-ebpf status [flags]    what is attached where, mode, resolver, readiness, name sources, conntrack
   meshdns-ebpf table [flags]     the running agent's merged name table (-o json, or -o ndsz: Istio's format)
   meshdns-ebpf cleanup [flags]   remove what a crashed agent left (pins, links, rules, addresses)
+  meshdns-ebpf probe ready|live [flags]
+                                 a kubelet's exec probe, in the agent's container: is this container's agent ready / live
   meshdns-ebpf version
 `
 
@@ -60,6 +63,8 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		return runTable(args, stdout, stderr)
 	case "cleanup":
 		return runCleanup(args, stdout, stderr)
+	case "probe":
+		return runProbe(args, stderr)
 	case "version":
 		fmt.Fprintln(stdout, "meshdns-ebpf", version.String())
 		return nil
@@ -199,4 +204,19 @@ func runCleanup(args []string, stdout, stderr io.Writer) error {
 		fmt.Fprintln(stdout, "nothing to clean up")
 	}
 	return err
+}
+
+// runProbe is the DaemonSet's exec probes (agent.Probe): exit 0 when the
+// check passes, else 1 with the reason.
+func runProbe(args []string, stderr io.Writer) error {
+	if len(args) == 0 || strings.HasPrefix(args[0], "-") {
+		return fmt.Errorf("probe: give the check: %s or %s", agent.ProbeReady, agent.ProbeLive)
+	}
+	check, args := args[0], args[1:]
+	fs := newFlagSet("probe "+check, stderr)
+	stateDir := fs.String("state-dir", agent.DefaultStateDir, "the agent's state directory (it holds the agent's local admin socket)")
+	if err := parse(fs, args); err != nil {
+		return err
+	}
+	return agent.Probe(*stateDir, check)
 }

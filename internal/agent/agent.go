@@ -71,6 +71,7 @@ type Agent struct {
 	closing     bool
 	serving     bool          // resolver sockets registered with the datapath
 	handingOver chan struct{} // non-nil while a handover runs; closed when it ends
+	takingOver  int           // the predecessor's pid while this agent takes over from it
 	hconn       *net.UnixConn // the handover connection in progress
 	handedOff   bool
 	successor   int
@@ -353,6 +354,7 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 		}
 		log.Info("took over from the previous agent", "pid", a.inherit.from)
 		a.inherit = nil
+		a.setTakingOver(0)
 		if mode != ModeOff {
 			if a.hl, err = listenHandover(cfg.StateDir); err != nil {
 				log.Error("no handover socket: a successor will not be able to take over", "err", err)
@@ -381,14 +383,18 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 	return nil
 }
 
-// Ready is the agent's readiness (/readyz, and what switches capture on): the
-// name sources' and the resolver's, and not handed over.
+// Ready is the agent's readiness (/readyz): the name sources' and the
+// resolver's, once it serves the node: not while it is still taking over,
+// nor once it handed over.
 func (a *Agent) Ready() error {
 	a.mu.Lock()
-	off, succ := a.handedOff, a.successor
+	off, succ, pred := a.handedOff, a.successor, a.takingOver
 	a.mu.Unlock()
 	if off {
 		return fmt.Errorf("handed over to pid %d", succ)
+	}
+	if pred != 0 {
+		return fmt.Errorf("taking over from pid %d", pred)
 	}
 	if a.srv == nil || a.store == nil {
 		return errors.New("resolver not started")
@@ -397,6 +403,13 @@ func (a *Agent) Ready() error {
 		return err
 	}
 	return a.srv.Ready()
+}
+
+// setTakingOver records the predecessor this agent takes over from (0: none).
+func (a *Agent) setTakingOver(pid int) {
+	a.mu.Lock()
+	a.takingOver = pid
+	a.mu.Unlock()
 }
 
 // waitReady polls ready until it reports nil, ctx is done or d passed.
@@ -454,6 +467,7 @@ func (a *Agent) acquire(ctx context.Context) error {
 				return err
 			}
 			a.lock, a.inherit = in.lock, in
+			a.setTakingOver(in.from)
 			a.log.Info("taking over from the running agent", "pid", in.from)
 			return nil
 		}

@@ -263,24 +263,10 @@ type offer struct {
 
 // sendOffer sends the offer and its descriptors, then waits for "serving".
 func sendOffer(c *net.UnixConn, o offer) (successor int, err error) {
-	fds := []int{int(o.lock.Fd())}
-	m := handoverMsg{Op: "offer", PID: os.Getpid(), State: o.state}
-	if o.admin != nil {
-		m.Admin = true
-		fds = append(fds, int(o.admin.Fd()))
+	m, fds, err := o.message()
+	if err != nil {
+		return 0, err
 	}
-	for _, l := range o.listeners {
-		m.Listeners = append(m.Listeners, handoverListener{Addr: l.Addr, UDP: len(l.UDP)})
-		for _, f := range l.UDP {
-			fds = append(fds, int(f.Fd()))
-		}
-		fds = append(fds, int(l.TCP.Fd()))
-	}
-	if o.local != nil {
-		m.Local = true
-		fds = append(fds, int(o.local.Fd()))
-	}
-	m.FDs = len(fds)
 	first := min(len(fds), maxFDsPerMessage)
 	if err := writeMsg(c, m, fds[:first]); err != nil {
 		return 0, fmt.Errorf("send the offer: %w", err)
@@ -304,6 +290,50 @@ func sendOffer(c *net.UnixConn, o offer) (successor int, err error) {
 		return 0, fmt.Errorf("the successor did not start: %s %s", reply.Op, reply.Error)
 	}
 	return reply.PID, nil
+}
+
+// message is the offer message and its descriptors, in the order
+// unpackOffer takes them: the lock, the admin listener, each listen
+// address's UDP sockets and TCP listener, the local socket's listener.
+func (o offer) message() (handoverMsg, []int, error) {
+	m := handoverMsg{Op: "offer", PID: os.Getpid(), State: o.state, Admin: o.admin != nil, Local: o.local != nil}
+	files := []*os.File{o.lock}
+	if o.admin != nil {
+		files = append(files, o.admin)
+	}
+	for _, l := range o.listeners {
+		m.Listeners = append(m.Listeners, handoverListener{Addr: l.Addr, UDP: len(l.UDP)})
+		files = append(append(files, l.UDP...), l.TCP)
+	}
+	if o.local != nil {
+		files = append(files, o.local)
+	}
+	fds := make([]int, 0, len(files))
+	for _, f := range files {
+		fd, err := rawFD(f)
+		if err != nil {
+			return m, nil, fmt.Errorf("handover descriptor %s: %w", f.Name(), err)
+		}
+		fds = append(fds, fd)
+	}
+	m.FDs = len(fds)
+	return m, fds, nil
+}
+
+// rawFD is f's descriptor, valid while f is open. Unlike f.Fd() it leaves
+// the open file description's mode alone: Fd switches it to blocking, and
+// this process's listener, which shares the description with f and serves
+// on until the drain, would then block in accept (and its Close with it).
+func rawFD(f *os.File) (int, error) {
+	rc, err := f.SyscallConn()
+	if err != nil {
+		return 0, err
+	}
+	fd := -1
+	if err := rc.Control(func(u uintptr) { fd = int(u) }); err != nil {
+		return 0, err
+	}
+	return fd, nil
 }
 
 // listenHandover binds the handover socket, replacing a stale one (ours to

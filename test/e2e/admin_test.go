@@ -17,7 +17,7 @@ import (
 // nodeAdmin is an admin address on a node address every pod reaches (the
 // node's side of the first pod's veth), as --admin=$(NODE_IP):9153 is in the
 // DaemonSet.
-const nodeAdmin = "169.254.100.1:19153"
+const nodeAdmin = "169.254.100.1:9153"
 
 // The admin listener on a node address serves /metrics, /healthz and /readyz
 // and nothing else: any pod can reach it. The debug endpoints (the name table
