@@ -295,7 +295,7 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 	rc := resolver.Config{
 		Listen:        listenAddrs,
 		Table:         a.store,
-		Forwarder:     a.fwd,
+		Forwarder:     cfg.forwarder(a.fwd),
 		PodRecords:    cfg.PodRecords,
 		TTL:           cfg.TTL,
 		ClusterDomain: cfg.ClusterDomain,
