@@ -160,7 +160,9 @@ struct meshdns_progress {
 	__u64 watch_count; /* dequeued when the watch started */
 	__u64 suspect_since; /* when a program first saw this watch past stall_ns */
 	__u64 clock_tick; /* the watch clock's last tick (bpf_ktime_get_ns); 0: none ran */
-	__u64 pad1[4];
+	__u64 client_look; /* when a program last looked (at most once per ms) */
+	__u64 client_gap; /* average time between the programs' looks (see note_client_look) */
+	__u64 pad1[2];
 };
 
 /* A nameserver address; IPv4 as ::ffff:a.b.c.d. */
@@ -321,17 +323,13 @@ static __always_inline void start_watch(struct meshdns_progress *p, __u64 dequeu
 	p->suspect_since = 0;
 }
 
-static __always_inline int resolver_stalled(struct meshdns_config *cfg)
+/* One look at progress at now; returns whether the resolver is stalled. */
+static __always_inline int look(struct meshdns_config *cfg, struct meshdns_progress *p, __u64 now)
 {
-	__u32 zero = 0;
-	struct meshdns_progress *p = bpf_map_lookup_elem(&progress, &zero);
-	__u64 now, since, dequeued, suspect;
+	__u64 since, dequeued, suspect;
 
-	if (!p)
-		return 0;
 	dequeued = *(volatile __u64 *)&p->dequeued;
 	since = *(volatile __u64 *)&p->watch_since;
-	now = bpf_ktime_get_ns();
 	if (since == 0 || dequeued != *(volatile __u64 *)&p->watch_count) {
 		start_watch(p, dequeued, now);
 		return 0;
@@ -344,6 +342,44 @@ static __always_inline int resolver_stalled(struct meshdns_config *cfg)
 		return 0;
 	}
 	return now - suspect > cfg->stall_ns / 4;
+}
+
+enum meshdns_looks {
+	LOOK_RES_NS = 1000000,    /* client_look's resolution: 1 ms */
+	LOOK_GAP_CAP_NS = 1000000000, /* longer gaps count as 1 s */
+};
+
+/*
+ * Notes a program's look for the watch clock: client_look, and client_gap, a
+ * moving average (weight 1/8) of the time between looks (looks closer than 1
+ * ms count once). Before any look it is 1 s / 8. Racing CPUs may lose an
+ * update: it only needs to tell clients that ask every few ms from clients
+ * that ask now and then.
+ */
+static __always_inline void note_client_look(struct meshdns_progress *p, __u64 now)
+{
+	__u64 gap = now - *(volatile __u64 *)&p->client_look, avg;
+
+	if (gap < LOOK_RES_NS)
+		return;
+	if (gap > LOOK_GAP_CAP_NS)
+		gap = LOOK_GAP_CAP_NS;
+	avg = *(volatile __u64 *)&p->client_gap;
+	p->client_gap = avg - avg / 8 + gap / 8;
+	p->client_look = now;
+}
+
+/* The programs' look, which they note for the watch clock. */
+static __always_inline int resolver_stalled(struct meshdns_config *cfg)
+{
+	__u32 zero = 0;
+	struct meshdns_progress *p = bpf_map_lookup_elem(&progress, &zero);
+	__u64 now = bpf_ktime_get_ns();
+
+	if (!p)
+		return 0;
+	note_client_look(p, now);
+	return look(cfg, p, now);
 }
 
 static __always_inline int is_v4_loopback(__u32 ip4)
@@ -784,8 +820,10 @@ int getpeername6(struct bpf_sock_addr *ctx)
  * the kernel cancels it when the last descriptor of watch_clock is closed.
  */
 enum meshdns_clock {
-	CLOCK_TICK_NS = 10000000, /* a look every 10 ms */
-	CLOCK_GAP_NS = 50000000,  /* a later tick: the machine did not run */
+	CLOCK_TICK_NS = 10000000,     /* a look every 10 ms */
+	CLOCK_GAP_NS = 50000000,      /* a later tick: the machine did not run */
+	CLOCK_SPARSE_NS = 20000000,   /* clients that look less often than this on average are sparse */
+	CLOCK_SILENT_NS = 1000000000, /* clients that have not looked for this long are too */
 };
 
 struct watch_clock {
@@ -801,7 +839,16 @@ struct {
 } watch_clock SEC(".maps");
 
 /*
- * One tick: a look at progress, as a redirect takes one. A tick that comes
+ * One tick. It restarts the watch when something was dequeued, and takes a
+ * look as a redirect would only while clients are sparse: on average more
+ * than CLOCK_SPARSE_NS between the programs' looks, or none for
+ * CLOCK_SILENT_NS. While clients ask every few ms, theirs are the looks that
+ * count, as without a clock: clients that run when the resolver could have
+ * run are what tells a resolver that does not read from one that was not
+ * given a CPU (a machine whose user space is starved starves them both, and
+ * the first client to run afterwards must not find the resolver declared
+ * stalled). Sparse clients would give a frozen resolver one more query before
+ * its next one is bypassed; for them the clock looks. A tick that comes
  * CLOCK_GAP_NS or more after the previous one found a machine that did not run
  * (a VM paused, every CPU taken by interrupts): the resolver could not have
  * dequeued either, so its watch starts afresh instead.
@@ -811,13 +858,17 @@ static int clock_tick(void *map, __u32 *key, struct watch_clock *c)
 	struct meshdns_config *cfg = get_config();
 	__u32 zero = 0;
 	struct meshdns_progress *p = bpf_map_lookup_elem(&progress, &zero);
-	__u64 now = bpf_ktime_get_ns();
+	__u64 now = bpf_ktime_get_ns(), dequeued;
 
 	if (cfg && p) {
+		dequeued = *(volatile __u64 *)&p->dequeued;
 		if (c->last_tick != 0 && now - c->last_tick >= CLOCK_GAP_NS)
-			start_watch(p, *(volatile __u64 *)&p->dequeued, now);
-		else
-			resolver_stalled(cfg);
+			start_watch(p, dequeued, now);
+		else if (*(volatile __u64 *)&p->client_gap > CLOCK_SPARSE_NS ||
+			 now - *(volatile __u64 *)&p->client_look > CLOCK_SILENT_NS)
+			look(cfg, p, now);
+		else if (dequeued != *(volatile __u64 *)&p->watch_count)
+			start_watch(p, dequeued, now);
 	}
 	if (p)
 		p->clock_tick = now;

@@ -188,7 +188,7 @@ func TestStallDetectedBeforeSparseQuery(t *testing.T) {
 		t.Run(name, func(t *testing.T) {
 			n := newTestNet(t)
 			n.start(t, n.config())
-			if !readStatus(t, n).WatchClock {
+			if !testenv.WaitFor(time.Second, func() bool { return readStatus(t, n).WatchClock }) {
 				testenv.Skip(t, "no watch clock: the kernel has no BPF timers (Linux 5.15)")
 			}
 			slot0 := n.resolvers[0]

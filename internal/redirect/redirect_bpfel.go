@@ -110,7 +110,9 @@ type redirectMeshdnsProgress struct {
 	WatchCount   uint64
 	SuspectSince uint64
 	ClockTick    uint64
-	Pad1         [4]uint64
+	ClientLook   uint64
+	ClientGap    uint64
+	Pad1         [2]uint64
 }
 
 type redirectNsKey struct {

@@ -46,7 +46,9 @@ type watchclockMeshdnsProgress struct {
 	WatchCount   uint64
 	SuspectSince uint64
 	ClockTick    uint64
-	Pad1         [4]uint64
+	ClientLook   uint64
+	ClientGap    uint64
+	Pad1         [2]uint64
 }
 
 type watchclockNsKey struct {
