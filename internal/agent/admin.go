@@ -29,8 +29,11 @@ const (
 	adminMaxHeaderBytes    = 16 << 10
 )
 
-// readiness is what /readyz asks.
-type readiness interface{ Ready() error }
+// checks are what /readyz and /healthz ask.
+type checks interface {
+	Ready() error
+	Live() error
+}
 
 // adminServer serves an admin handler on one listener: the admin address
 // (TCP) or the agent's local socket in its state directory (unix).
@@ -44,16 +47,20 @@ type adminServer struct {
 	done      chan struct{}
 }
 
-// adminMux serves /healthz, /readyz, /metrics and, when debug is not nil,
+// adminMux serves /healthz (liveness), /readyz, /metrics and, when debug is not nil,
 // /debug/ (see docs/kubernetes.md for which listener gets which). Every
 // answer names the agent that gave it (agentHeader).
-func adminMux(reg *prometheus.Registry, ready readiness, debug http.Handler) http.Handler {
+func adminMux(reg *prometheus.Registry, c checks, debug http.Handler) http.Handler {
 	mux := http.NewServeMux()
 	mux.HandleFunc("/healthz", func(w http.ResponseWriter, _ *http.Request) {
+		if err := c.Live(); err != nil {
+			http.Error(w, "not live: "+err.Error(), http.StatusServiceUnavailable)
+			return
+		}
 		fmt.Fprintln(w, "ok")
 	})
 	mux.HandleFunc("/readyz", func(w http.ResponseWriter, _ *http.Request) {
-		if err := ready.Ready(); err != nil {
+		if err := c.Ready(); err != nil {
 			http.Error(w, "not ready: "+err.Error(), http.StatusServiceUnavailable)
 			return
 		}

@@ -17,6 +17,7 @@ import (
 type readyFunc func() error
 
 func (f readyFunc) Ready() error { return f() }
+func (readyFunc) Live() error    { return nil }
 
 // The admin server closes connections that send nothing (read timeouts), so a
 // flood of idle connections does not keep /healthz and /metrics from answering;

@@ -60,6 +60,8 @@ type Agent struct {
 	srv          *resolver.Server
 	dp           *redirect.Datapath
 	rules        *ctzone.Rules
+	live         *liveness    // the resolver's liveness (/healthz)
+	liveClose    func() error // closes the liveness probe's socket
 	admin        *adminServer // the admin address
 	local        *adminServer // the local socket in the state dir
 	hl           *net.UnixListener
@@ -317,6 +319,9 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 	if err := a.srv.Start(ctx); err != nil {
 		return fmt.Errorf("start resolver: %w", err)
 	}
+	if err := a.watchLiveness(); err != nil {
+		return err
+	}
 
 	if mode == ModeIptables {
 		if a.rules, err = ctzone.New(cfg.ctzoneConfig(log)); err != nil {
@@ -371,8 +376,9 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 			return err
 		}
 	}
-	a.loops.Add(1)
+	a.loops.Add(2)
 	go a.readinessLoop()
+	go a.livenessLoop()
 	if a.hl != nil {
 		a.loops.Add(1)
 		go a.handoverLoop()
@@ -403,6 +409,48 @@ func (a *Agent) Ready() error {
 		return err
 	}
 	return a.srv.Ready()
+}
+
+// Live is the agent's liveness (/healthz): its resolver is not wedged. An
+// agent that handed over (it waits for its SIGTERM) or is stopping is live.
+func (a *Agent) Live() error {
+	a.mu.Lock()
+	done := a.handedOff || a.closing
+	a.mu.Unlock()
+	if done || a.live == nil {
+		return nil
+	}
+	return a.live.check(time.Now())
+}
+
+// watchLiveness sets up the resolver's liveness monitor (liveness.go), which
+// probes the resolver's first address.
+func (a *Agent) watchLiveness() error {
+	addrs := a.srv.Addrs()
+	if len(addrs) == 0 {
+		return errors.New("liveness: the resolver has no address")
+	}
+	send, closeProbe, err := resolverProbe(addrs[0])
+	if err != nil {
+		return err
+	}
+	a.liveClose = closeProbe
+	a.live = newLiveness(a.srv.Progress, send, time.Now())
+	return nil
+}
+
+func (a *Agent) livenessLoop() {
+	defer a.loops.Done()
+	t := time.NewTicker(livenessInterval)
+	defer t.Stop()
+	for {
+		select {
+		case <-a.stopLoops:
+			return
+		case now := <-t.C:
+			a.live.look(now)
+		}
+	}
 }
 
 // setTakingOver records the predecessor this agent takes over from (0: none).
@@ -791,6 +839,9 @@ func (a *Agent) shutdown(handoff bool) {
 		}
 		close(a.stopLoops)
 		a.loops.Wait()
+		if a.liveClose != nil {
+			add("liveness probe socket", a.liveClose())
+		}
 		if handoff {
 			for _, h := range []interface{ Handoff() }{a.dp, a.rules, a.nodes} {
 				if h != nil && !isNilHandoff(h) {

@@ -70,8 +70,12 @@ type inheritance struct {
 
 // takeAdmin and takeLocal hand the caller the inherited admin listener and
 // local socket (nil when there is none), which closeUnused then leaves alone.
-func (in *inheritance) takeAdmin() *os.File { return in.take(func(in *inheritance) **os.File { return &in.admin }) }
-func (in *inheritance) takeLocal() *os.File { return in.take(func(in *inheritance) **os.File { return &in.local }) }
+func (in *inheritance) takeAdmin() *os.File {
+	return in.take(func(in *inheritance) **os.File { return &in.admin })
+}
+func (in *inheritance) takeLocal() *os.File {
+	return in.take(func(in *inheritance) **os.File { return &in.local })
+}
 
 func (in *inheritance) take(field func(*inheritance) **os.File) *os.File {
 	if in == nil {

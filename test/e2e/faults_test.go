@@ -1,6 +1,7 @@
 package e2e
 
 import (
+	"net/http"
 	"os/exec"
 	"runtime"
 	"strings"
@@ -246,15 +247,24 @@ func TestNoFalseFailOpenUnderCPUSaturation(t *testing.T) {
 	n.orig.Reset()
 	ld := n.startLoad(pod, 2000)
 	start := time.Now()
-	time.Sleep(60 * time.Second) // the duration the test is about
+	// The duration the test is about, asking /healthz every second: a busy
+	// agent is live.
+	notLive := 0
+	for time.Since(start) < 60*time.Second {
+		time.Sleep(time.Second)
+		if code, body := n.httpGet("http://" + adminAddr + "/healthz"); code != http.StatusOK {
+			notLive++
+			t.Errorf("/healthz %v into the run: %d %s", time.Since(start).Round(time.Second), code, body)
+		}
+	}
 	res := ld.stop()
 	el := time.Since(start)
 	fell := n.orig.Count(meshName) + n.orig.Count("ratings.default.svc.cluster.local")
 	stalled := hookCounter(t, n, "total", "skip_stalled") - stalledBefore
 	noResolver := hookCounter(t, n, "total", "skip_no_resolver") - noResolverBefore
-	t.Logf("%v of load with %d CPU hogs on %d CPUs: %d lookups (%.0f/s): %d ok, %d wrong, %d NXDOMAIN, %d failed; %d mesh queries reached the original nameserver; redirects skipped as stalled: %d, for no resolver: %d",
+	t.Logf("%v of load with %d CPU hogs on %d CPUs: %d lookups (%.0f/s): %d ok, %d wrong, %d NXDOMAIN, %d failed; %d mesh queries reached the original nameserver; redirects skipped as stalled: %d, for no resolver: %d; /healthz not 200: %d times",
 		el.Round(time.Second), hogs, runtime.NumCPU(), res.sent, float64(res.sent)/el.Seconds(), res.ok, res.wrong, res.nx, res.failed,
-		fell, stalled, noResolver)
+		fell, stalled, noResolver, notLive)
 	if fell != 0 || res.failed+res.wrong+res.nx != 0 || stalled != 0 || noResolver != 0 {
 		t.Errorf("false fail-open or loss under CPU saturation:\n%s", describe(res.fails, 0))
 	}

@@ -2,6 +2,7 @@ package e2e
 
 import (
 	"fmt"
+	"net/http"
 	"os"
 	"os/exec"
 	"runtime"
@@ -170,7 +171,8 @@ func lookupRounds(t *testing.T, n *node, pod *testenv.Netns, stopped time.Time, 
 // its last dequeue: only the watchdog's empty datagrams, read by the
 // resolver, keep that watch from going stale. They must get through while
 // CPU hogs at the same priority keep every core busy: 20 s of lookups one at
-// a time, a pause of 100-400 ms between them, all answered by the agent.
+// a time, a pause of 100-400 ms between them, all answered by the agent, and
+// /healthz says the idle agent is live after each.
 func TestNoFalseFailOpenForSparseClientsUnderCPUSaturation(t *testing.T) {
 	n := newNode(t)
 	n.start("ebpf")
@@ -196,6 +198,9 @@ func TestNoFalseFailOpenForSparseClientsUnderCPUSaturation(t *testing.T) {
 		if err != nil || !has(meshIP)(out) {
 			failed++
 			t.Errorf("lookup %d (%v into the run): %v %q", i, time.Since(start).Round(time.Millisecond), err, out)
+		}
+		if code, body := n.httpGet("http://" + adminAddr + "/healthz"); code != http.StatusOK {
+			t.Errorf("/healthz %v into the run: %d %s (an idle agent is live)", time.Since(start).Round(time.Millisecond), code, body)
 		}
 	}
 	fell := n.orig.Count(meshName)
