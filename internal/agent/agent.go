@@ -20,6 +20,7 @@ import (
 
 	"github.com/meshdns/meshdns-ebpf/internal/cgroup2"
 	"github.com/meshdns/meshdns-ebpf/internal/ctzone"
+	"github.com/meshdns/meshdns-ebpf/internal/kubelife"
 	"github.com/meshdns/meshdns-ebpf/internal/names"
 	"github.com/meshdns/meshdns-ebpf/internal/redirect"
 	"github.com/meshdns/meshdns-ebpf/internal/resolver"
@@ -65,6 +66,7 @@ type Agent struct {
 	admin        *adminServer // the admin address
 	local        *adminServer // the local socket in the state dir
 	hl           *net.UnixListener
+	life         *kubelife.Watch // the agent's own pod, DaemonSet and namespace (Kubernetes)
 	stopLoops    chan struct{}
 	loops        sync.WaitGroup
 
@@ -77,6 +79,7 @@ type Agent struct {
 	hconn       *net.UnixConn // the handover connection in progress
 	handedOff   bool
 	successor   int
+	uninstall   bool // the stop removes everything (followLifecycle)
 
 	shutOnce sync.Once
 	shutDone chan struct{}
@@ -253,6 +256,9 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 	}
 	if err := a.store.Start(ctx); err != nil {
 		return fmt.Errorf("start name sources: %w", err)
+	}
+	if kubeRest != nil && mode != ModeOff {
+		a.watchLifecycle(ctx, kubeRest)
 	}
 	if a.inherit != nil {
 		// Our resolver will read the predecessor's sockets as soon as it starts:
@@ -809,6 +815,12 @@ func (a *Agent) Close() error {
 	a.mu.Lock()
 	handoff := a.handedOff
 	a.mu.Unlock()
+	if !handoff {
+		a.followLifecycle()
+		a.mu.Lock()
+		handoff = a.handedOff
+		a.mu.Unlock()
+	}
 	a.shutdown(handoff)
 	<-a.shutDone
 	return a.shutErr
@@ -849,6 +861,9 @@ func (a *Agent) shutdown(handoff bool) {
 				}
 			}
 		} else {
+			if a.uninstall && a.dp != nil {
+				a.dp.DetachOnClose()
+			}
 			log.Info("stopping: capture off, then the resolver drains")
 			if a.dp != nil {
 				add("capture off", a.dp.Unserve())
@@ -888,6 +903,10 @@ func (a *Agent) shutdown(handoff bool) {
 		}
 		if a.st != nil && !handoff {
 			add("state file", removeState(a.cfg.StateDir))
+		}
+		add("lifecycle watch", a.life.Close())
+		if a.uninstall && !handoff {
+			add("state dir", removeStateDir(a.cfg.StateDir))
 		}
 		add("state lock", a.lock.release())
 		a.shutErr = errors.Join(errs...)

@@ -715,6 +715,15 @@ func (d *Datapath) Discard() {
 	d.discard = true
 }
 
+// DetachOnClose makes Close detach the programs and remove every pin, as
+// Config.Detach does (an uninstall decided while the datapath runs). A
+// handoff still wins: the successor's links stay.
+func (d *Datapath) DetachOnClose() {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	d.set.cfg.Detach = true
+}
+
 // Reassert makes this datapath current again after a successor that had
 // started to take it over failed: this datapath's programs go back into the
 // pinned links and its configuration into the maps. The caller registers its

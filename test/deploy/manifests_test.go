@@ -158,8 +158,10 @@ func TestManifestSourcesDecodeStrictly(t *testing.T) {
 
 func TestDefaultInstall(t *testing.T) {
 	objs := renderChecked(t)
-	want := []string{"ClusterRole/meshdns-ebpf", "ClusterRoleBinding/meshdns-ebpf", "DaemonSet/meshdns-ebpf",
-		"Namespace/meshdns-system", "ResourceQuota/meshdns-ebpf-critical-pods", "ServiceAccount/meshdns-ebpf"}
+	want := []string{"ClusterRole/meshdns-ebpf", "ClusterRole/meshdns-ebpf-lifecycle", "ClusterRoleBinding/meshdns-ebpf",
+		"ClusterRoleBinding/meshdns-ebpf-lifecycle", "DaemonSet/meshdns-ebpf", "Namespace/meshdns-system",
+		"ResourceQuota/meshdns-ebpf-critical-pods", "Role/meshdns-ebpf-lifecycle", "RoleBinding/meshdns-ebpf-lifecycle",
+		"ServiceAccount/meshdns-ebpf"}
 	if got := kinds(objs); !slices.Equal(got, want) {
 		t.Errorf("objects:\n got %v\nwant %v", got, want)
 	}

@@ -222,3 +222,56 @@ func TestKubeletRolloutUnderLoad(t *testing.T) {
 		t.Errorf("the load sent only %d lookups in %.1f s", res.sent, secs)
 	}
 }
+
+// The agent pod deleted (kubectl delete pod: SIGTERM, while the DaemonSet
+// controller already creates the replacement pod, which starts beside the
+// stopping agent) and the agent's container killed with signal 9 (the kubelet
+// restarts it at once), under 2,000 lookups/s: only the lookups in flight at
+// the signal are lost; every lookup started after it is answered, by the
+// original nameserver while no agent serves.
+func TestAgentPodDeletedOrKilledUnderLoad(t *testing.T) {
+	pod := readShippedPod(t)
+	n := newNode(t)
+	load := n.addLoadPod()
+	cur := n.startContainer()
+	n.agent = cur.agentProc
+	n.waitProbe("readiness", pod.readiness, cur, 60*time.Second)
+	missBefore := n.mapMiss()
+	for _, tc := range []struct {
+		name string
+		sig  syscall.Signal
+	}{{"delete pod", syscall.SIGTERM}, {"kill -9", syscall.SIGKILL}} {
+		ld := n.startLoad(load, 2000)
+		n.waitRedirected(1000)
+		old := cur
+		if err := old.signal(tc.sig); err != nil {
+			t.Fatal(err)
+		}
+		if tc.sig == syscall.SIGKILL {
+			// The kubelet restarts a container once it has exited; lookups sent
+			// until the process and its sockets are gone were in flight.
+			if _, ok := old.wait(10 * time.Second); !ok {
+				t.Fatal("the killed agent did not exit")
+			}
+		}
+		signalled := monotonic()
+		cur = n.startContainer()
+		n.agent = cur.agentProc
+		ready := n.waitProbe("readiness", pod.readiness, cur, 60*time.Second)
+		if _, ok := old.wait(pod.grace); !ok {
+			t.Errorf("%s: the old agent outlived the grace period", tc.name)
+		}
+		n.waitRedirected(1000) // capturing again, through the new agent
+		res := ld.stop()
+		fell, bad := split(res.between(signalled, monotonic()+int64(time.Hour)))
+		inFlight := len(res.between(0, signalled))
+		t.Logf("%s: %d lookups; the new pod was ready %v after the signal; %d failed in flight at the signal; of those started after it %d failed and %d mesh names were answered by the original nameserver",
+			tc.name, res.sent, ready.Round(time.Millisecond), inFlight, len(bad), len(fell))
+		if len(bad) > 0 {
+			t.Errorf("%s: lookups started after the signal failed:\n%s", tc.name, describe(bad, signalled))
+		}
+	}
+	if miss := n.mapMiss() - missBefore; miss != 0 {
+		t.Errorf("%d replies from the wrong source", miss)
+	}
+}
