@@ -213,6 +213,9 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 		st.Upstreams = append(st.Upstreams, u.String())
 	}
 	a.st = st
+	if mode == ModeEBPF {
+		a.reportBPFFS()
+	}
 
 	// The state file is written before anything is installed and again after each
 	// step, so that `cleanup` after a crash at any point knows what to remove. In a

@@ -26,6 +26,7 @@ type State struct {
 	Upstreams   []string   `json:"upstreams"`
 	Cgroup      string     `json:"cgroup,omitempty"`
 	BPFFS       string     `json:"bpffs,omitempty"`
+	BPFFSMount  string     `json:"bpffs_mount,omitempty"` // the mount holding BPFFS: point (fstype, propagation)
 	Backend     string     `json:"iptables_backend,omitempty"`
 	Admin       string     `json:"admin,omitempty"`
 	Local       string     `json:"local,omitempty"` // the local admin socket (every endpoint, debug included)

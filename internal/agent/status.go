@@ -106,6 +106,9 @@ func (s *Status) WriteTable(w io.Writer) error {
 		if a.Cgroup != "" {
 			fmt.Fprintf(tw, "cgroup\t%s\n", a.Cgroup)
 		}
+		if a.BPFFSMount != "" {
+			fmt.Fprintf(tw, "bpffs mount\t%s\n", a.BPFFSMount)
+		}
 		if a.Backend != "" {
 			fmt.Fprintf(tw, "iptables backend\t%s\n", a.Backend)
 		}
