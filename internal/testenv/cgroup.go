@@ -30,30 +30,13 @@ func NewCgroup(t testing.TB) *Cgroup {
 		Skip(t, "needs cgroup2: %v", err)
 	}
 	sweepCgroupsOnce.Do(func() { sweepStaleCgroups(t, root) })
-	path := filepath.Join(root, OwnedName("meshdns-test", 8))
-	if err := os.Mkdir(path, 0o755); err != nil {
-		t.Fatalf("create cgroup %s: %v", path, err)
-	}
-	dir, err := os.Open(path)
-	if err != nil {
-		_ = os.Remove(path)
-		t.Fatalf("open cgroup %s: %v", path, err)
-	}
-	cg := &Cgroup{Path: path, dir: dir}
-	t.Cleanup(func() {
-		dir.Close()
-		if err := cg.remove(); err != nil {
-			t.Errorf("remove cgroup %s: %v", path, err)
-		}
-	})
-	return cg
+	return makeCgroup(t, filepath.Join(root, OwnedName("meshdns-test", 8)))
 }
 
-// Child creates the child cgroup name of c for this test; it is removed at
-// cleanup (before c, which was created first), thawed if a test froze it.
-func (c *Cgroup) Child(t testing.TB, name string) *Cgroup {
+// makeCgroup creates the cgroup directory path and removes it at cleanup,
+// thawing and killing what is left in it.
+func makeCgroup(t testing.TB, path string) *Cgroup {
 	t.Helper()
-	path := filepath.Join(c.Path, name)
 	if err := os.Mkdir(path, 0o755); err != nil {
 		t.Fatalf("create cgroup %s: %v", path, err)
 	}
@@ -71,6 +54,13 @@ func (c *Cgroup) Child(t testing.TB, name string) *Cgroup {
 		}
 	})
 	return cg
+}
+
+// Child creates the child cgroup name of c for this test; it is removed at
+// cleanup (before c, which was created first), thawed if a test froze it.
+func (c *Cgroup) Child(t testing.TB, name string) *Cgroup {
+	t.Helper()
+	return makeCgroup(t, filepath.Join(c.Path, name))
 }
 
 // SetFrozen freezes (true) or thaws every process of the cgroup with the

@@ -231,17 +231,7 @@ func TestNoFalseFailOpenUnderCPUSaturation(t *testing.T) {
 	n := newNode(t)
 	pod := n.addLoadPod()
 	n.start("ebpf")
-	hogs := runtime.NumCPU()
-	for i := 0; i < hogs; i++ {
-		hog := exec.Command("sh", "-c", "while :; do :; done")
-		if err := hog.Start(); err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() {
-			_ = hog.Process.Kill()
-			_ = hog.Wait()
-		})
-	}
+	hogs := startCPUHogs(t)
 	stalledBefore := hookCounter(t, n, "total", "skip_stalled")
 	noResolverBefore := hookCounter(t, n, "total", "skip_no_resolver")
 	n.orig.Reset()
@@ -364,4 +354,22 @@ func TestIptablesStopDrainsUnderLoad(t *testing.T) {
 	if len(bad) > 10 {
 		t.Errorf("%d lookups failed across the stop, want at most 10:\n%s", len(bad), describe(bad, stop))
 	}
+}
+
+// startCPUHogs keeps every CPU busy with a shell loop (at the test's
+// priority) until the test ends, and returns how many it started.
+func startCPUHogs(t *testing.T) int {
+	t.Helper()
+	hogs := runtime.NumCPU()
+	for i := 0; i < hogs; i++ {
+		hog := exec.Command("sh", "-c", "while :; do :; done")
+		if err := hog.Start(); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() {
+			_ = hog.Process.Kill()
+			_ = hog.Wait()
+		})
+	}
+	return hogs
 }

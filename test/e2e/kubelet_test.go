@@ -136,6 +136,17 @@ func (n *node) waitProbe(name string, p *corev1.Probe, c *container, within time
 	return 0
 }
 
+// startReadyContainer starts the node's first agent as a container and
+// waits until its startup and readiness probes pass.
+func (n *node) startReadyContainer(pod shippedPod) *container {
+	n.t.Helper()
+	c := n.startContainer()
+	n.agent = c.agentProc
+	n.waitProbe("startup", pod.startup, c, 60*time.Second)
+	n.waitProbe("readiness", pod.readiness, c, 60*time.Second)
+	return c
+}
+
 // kubeletUpgrade replaces old by a new container the way a DaemonSet's surge
 // rollout does it: the new pod starts beside the old one; once its startup
 // and readiness probes pass, the old pod is deleted: SIGTERM, and SIGKILL if
@@ -175,10 +186,7 @@ func TestKubeletRolloutUnderLoad(t *testing.T) {
 	pod := readShippedPod(t)
 	n := newNode(t)
 	load := n.addLoadPod()
-	cur := n.startContainer()
-	n.agent = cur.agentProc
-	n.waitProbe("startup", pod.startup, cur, 60*time.Second)
-	n.waitProbe("readiness", pod.readiness, cur, 60*time.Second)
+	cur := n.startReadyContainer(pod)
 	n.waitAnswering(cur.agentProc)
 	n.orig.Reset()
 	missBefore := n.mapMiss()
@@ -233,9 +241,7 @@ func TestAgentPodDeletedOrKilledUnderLoad(t *testing.T) {
 	pod := readShippedPod(t)
 	n := newNode(t)
 	load := n.addLoadPod()
-	cur := n.startContainer()
-	n.agent = cur.agentProc
-	n.waitProbe("readiness", pod.readiness, cur, 60*time.Second)
+	cur := n.startReadyContainer(pod)
 	missBefore := n.mapMiss()
 	for _, tc := range []struct {
 		name string

@@ -4,7 +4,6 @@ import (
 	"fmt"
 	"net/http"
 	"os"
-	"os/exec"
 	"runtime"
 	"strings"
 	"sync"
@@ -176,17 +175,7 @@ func lookupRounds(t *testing.T, n *node, pod *testenv.Netns, stopped time.Time, 
 func TestNoFalseFailOpenForSparseClientsUnderCPUSaturation(t *testing.T) {
 	n := newNode(t)
 	n.start("ebpf")
-	hogs := runtime.NumCPU()
-	for i := 0; i < hogs; i++ {
-		hog := exec.Command("sh", "-c", "while :; do :; done")
-		if err := hog.Start(); err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() {
-			_ = hog.Process.Kill()
-			_ = hog.Wait()
-		})
-	}
+	hogs := startCPUHogs(t)
 	stalledBefore := hookCounter(t, n, "total", "skip_stalled")
 	n.orig.Reset()
 	start := time.Now()
