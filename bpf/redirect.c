@@ -36,8 +36,9 @@
  * resolver that still dequeues now and then never is. The agent sends itself an empty datagram when a watch ages without a
  * dequeue (a redirected socket that never sent anything), so a live, idle
  * resolver is not taken for a stalled one. Where the kernel has BPF timers, the
- * watch clock (at the end) takes the same look every 10 ms, so a watch runs
- * from the last dequeue even while nothing is redirected.
+ * watch clock (at the end) restarts the watch on every dequeue, so a watch runs
+ * from the last one even while nothing is redirected, and takes the programs'
+ * look itself while clients ask only now and then.
  *
  * Per-socket state lives in socket-local storage (sock_state, freed with the
  * socket): it cannot be evicted, and when it cannot be allocated or the socket
@@ -306,8 +307,17 @@ static __always_inline int resolver_listening(enum resolver_sock_kind family, en
 	return 1;
 }
 
+/* Starts a watch at now, from dequeued. */
+static __always_inline void start_watch(struct meshdns_progress *p, __u64 dequeued, __u64 now)
+{
+	p->watch_count = dequeued;
+	p->watch_since = now;
+	p->suspect_since = 0;
+}
+
 /*
- * Whether the resolver stopped dequeuing: a watch is running, nothing was
+ * One look at progress at now: whether the resolver stopped dequeuing: a
+ * watch is running, nothing was
  * dequeued since it started, it is older than stall_ns, and it already was
  * when a program looked stall_ns / 4 ago. Otherwise a new watch starts when
  * something was dequeued since the last one (or none runs). The second look
@@ -316,14 +326,6 @@ static __always_inline int resolver_listening(enum resolver_sock_kind family, en
  * client that runs first afterwards: only a resolver that still does not
  * dequeue then is stalled. A frozen one is detected after 1.25 * stall_ns.
  */
-static __always_inline void start_watch(struct meshdns_progress *p, __u64 dequeued, __u64 now)
-{
-	p->watch_count = dequeued;
-	p->watch_since = now;
-	p->suspect_since = 0;
-}
-
-/* One look at progress at now; returns whether the resolver is stalled. */
 static __always_inline int look(struct meshdns_config *cfg, struct meshdns_progress *p, __u64 now)
 {
 	__u64 since, dequeued, suspect;
@@ -811,10 +813,10 @@ int getpeername6(struct bpf_sock_addr *ctx)
 /*
  * The watch clock (a second object, built with -DMESHDNS_WATCH_CLOCK: BPF
  * timers need Linux 5.15, the programs above do not). A timer in the kernel
- * takes the programs' look at progress every CLOCK_TICK_NS, whether or not
- * anything is being redirected, so a watch always runs from the resolver's
- * last dequeue: a resolver frozen while its clients were quiet is known to be
- * stalled by the time the next one asks (the agent's watchdog sends an idle,
+ * runs every CLOCK_TICK_NS, whether or not anything is being redirected: a
+ * watch always runs from the resolver's last dequeue, and while clients are
+ * sparse the clock looks for them, so a resolver frozen while its clients were
+ * quiet is known to be stalled by the time the next one asks (the agent's watchdog sends an idle,
  * live resolver an empty datagram a quarter of stall_ns into a watch, so its
  * watches keep restarting). The timer belongs to the agent that started it:
  * the kernel cancels it when the last descriptor of watch_clock is closed.
