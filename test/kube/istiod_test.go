@@ -24,7 +24,6 @@ import (
 // istio.io/istio, internal/kubetest's istiod fixture) on the test API
 // server.
 
-
 // proxyName is the pod-name part of the agent's proxies at istiod.
 const proxyName = "meshdns-test"
 
