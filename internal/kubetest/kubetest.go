@@ -93,6 +93,10 @@ type Options struct {
 	// Dial makes the test's own connections to the processes (readiness checks,
 	// clients); nil dials from the test's network namespace.
 	Dial func(ctx context.Context, network, addr string) (net.Conn, error)
+	// ServiceAccounts keeps the ServiceAccount admission plugin on, so a pod that
+	// a real kubelet runs gets its token mounted (needs the serviceaccount
+	// controller in Controllers for each namespace's "default" account).
+	ServiceAccounts bool
 	// Controllers replaces the controller-manager's controller list.
 	Controllers string
 	// ControllerManagerArgs are extra kube-controller-manager flags.
@@ -265,6 +269,10 @@ func (cp *ControlPlane) startAPIServerFirst(t testing.TB, extra []string) {
 	pool := x509.NewCertPool()
 	pool.AppendCertsFromPEM(cp.pki.caPEM)
 	httpc := cp.httpClient(&tls.Config{RootCAs: pool})
+	disabled := []string{"--disable-admission-plugins", "ServiceAccount"}
+	if cp.opts.ServiceAccounts {
+		disabled = nil
+	}
 	args := func(p []int) []string {
 		a := []string{
 			"--etcd-servers", cp.etcdURL,
@@ -282,15 +290,15 @@ func (cp *ControlPlane) startAPIServerFirst(t testing.TB, extra []string) {
 			"--service-account-issuer", "https://kubernetes.default.svc.cluster.local",
 			"--service-account-key-file", cp.pki.saPubFile,
 			"--service-account-signing-key-file", cp.pki.saKeyFile,
-			// Pods here are API objects only: no kubelet mounts a token, so the
-			// admission plugin that requires each namespace's "default"
-			// ServiceAccount (made by a controller not run here) is off.
-			"--disable-admission-plugins", "ServiceAccount",
 			// As kubeadm clusters: manifests that ask for privileges are judged by
 			// tests, not refused by the server.
 			"--allow-privileged=true",
 		}
-		return append(a, extra...)
+		// Pods here are API objects only: no kubelet mounts a token, so the
+		// admission plugin that requires each namespace's "default"
+		// ServiceAccount (made by a controller not run here) is off, unless
+		// Options.ServiceAccounts.
+		return append(append(a, disabled...), extra...)
 	}
 	ports, _ := cp.apiserver.startRetrying(t, 1, apiserverTimeout, args, func(p []int) error {
 		return httpOK(httpc, "https://"+net.JoinHostPort(cp.opts.Address, strconv.Itoa(p[0]))+"/readyz", cp.pki.adminToken, "ok")

@@ -192,7 +192,9 @@ func (n *Node) startNodeDaemons(t testing.TB, opts Options) {
 		})
 }
 
-// nodeReady says whether the Node object has condition Ready=True.
+// nodeReady says whether the Node object has condition Ready=True and no taint
+// (the node lifecycle controller lifts not-ready once kubelet reports Ready), so
+// pods can be scheduled.
 func (n *Node) nodeReady() error {
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
 	defer cancel()
@@ -202,10 +204,13 @@ func (n *Node) nodeReady() error {
 	}
 	for _, c := range node.Status.Conditions {
 		if c.Type == corev1.NodeReady {
-			if c.Status == corev1.ConditionTrue {
-				return nil
+			if c.Status != corev1.ConditionTrue {
+				return fmt.Errorf("node %s: Ready=%s: %s", NodeName, c.Status, c.Message)
 			}
-			return fmt.Errorf("node %s: Ready=%s: %s", NodeName, c.Status, c.Message)
+			if len(node.Spec.Taints) > 0 {
+				return fmt.Errorf("node %s is Ready but tainted %v", NodeName, node.Spec.Taints)
+			}
+			return nil
 		}
 	}
 	return errors.New("node has no Ready condition yet")

@@ -184,3 +184,28 @@ func (n *Node) setupCgroups(t testing.TB) {
 		t.Fatalf("nodetest: %v", err)
 	}
 }
+
+// sweepStale removes what a node test process killed before its cleanup (a
+// timeout, SIGKILL) left: its mount namespace, its cgroup trees, its directory.
+// Its network namespaces go with testenv's own sweep.
+func sweepStale(t testing.TB) {
+	dirs, _ := filepath.Glob(filepath.Join(os.TempDir(), "nodetest-t*"))
+	for _, dir := range dirs {
+		name := filepath.Base(dir)
+		if !testenv.StaleOwner(name) {
+			continue
+		}
+		_ = unix.Unmount(filepath.Join(dir, "ns", "mnt"), unix.MNT_DETACH)
+		_ = unix.Unmount(filepath.Join(dir, "ns"), unix.MNT_DETACH)
+		for _, h := range cgroupHierarchies {
+			if err := testenv.RemoveCgroupTree(filepath.Join("/sys/fs/cgroup", h, name)); err != nil {
+				t.Logf("nodetest: remove a stale node's cgroup: %v", err)
+			}
+		}
+		if err := os.RemoveAll(dir); err != nil {
+			t.Logf("nodetest: remove a stale node's directory: %v", err)
+			continue
+		}
+		t.Logf("nodetest: removed node %s, left by a test process that is gone", name)
+	}
+}

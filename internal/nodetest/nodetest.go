@@ -97,6 +97,7 @@ func Start(t testing.TB, opts Options) *Node {
 	begin := time.Now()
 	testenv.RequirePrivileged(t, "nsenter", "unshare", "mount", "ip", "runc", "iptables")
 	bin := nodeBinDir(t)
+	sweepStale(t)
 	before, err := snapshotHost()
 	if err != nil {
 		t.Fatalf("nodetest: %v", err)
@@ -126,10 +127,9 @@ func Start(t testing.TB, opts Options) *Node {
 		Address:           NodeIP,
 		Dial:              n.DialContext,
 		Controllers:       nodeControllers,
+		// A real kubelet mounts each pod's service-account token.
+		ServiceAccounts: true,
 		APIServerArgs: []string{
-			// A real kubelet mounts each pod's service-account token: the admission
-			// plugin kubetest turns off is on again.
-			"--disable-admission-plugins=",
 			// kubectl exec/logs reach kubelet at the node IP, never through a lookup.
 			"--kubelet-preferred-address-types=InternalIP",
 		},
@@ -149,10 +149,11 @@ func Start(t testing.TB, opts Options) *Node {
 // nodeControllers are what a node with DaemonSets, Deployments and pods needs:
 // kubetest's (EndpointSlices, garbage collection, role aggregation) and the
 // workload controllers, the "default" ServiceAccount and kube-root-ca.crt of
-// every namespace (a pod's token volume needs both), and namespace deletion
-// (`kubectl delete -k` waits for it).
+// every namespace (a pod's token volume needs both), namespace deletion
+// (`kubectl delete -k` waits for it), and the node lifecycle controller, which
+// lifts the not-ready taint kubelet registers the node with.
 const nodeControllers = "endpointslice,endpointslicemirroring,garbagecollector,clusterrole-aggregation," +
-	"daemonset,deployment,replicaset,serviceaccount,root-ca-cert-publisher,namespace"
+	"daemonset,deployment,replicaset,serviceaccount,root-ca-cert-publisher,namespace,nodelifecycle"
 
 // nodeBinDir finds the node's binaries: $MESHDNS_NODE_BIN, else the repository's
 // .cache/node-bin/<KubeVersion>. It skips (fails under CI) when one is missing.
@@ -192,9 +193,10 @@ func (n *Node) Command(ctx context.Context, name string, args ...string) *exec.C
 	return exec.CommandContext(ctx, argv[0], argv[1:]...)
 }
 
-// Run runs a command inside the node and returns its combined output.
+// Run runs a command inside the node and returns its combined output; it is
+// killed after 4 minutes (kubectl's own --timeout values stay below that).
 func (n *Node) Run(name string, args ...string) (string, error) {
-	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
 	defer cancel()
 	out, err := n.Command(ctx, name, args...).CombinedOutput()
 	if err != nil {

@@ -57,7 +57,7 @@ func (e *env) agentPods(t *testing.T) []agentPod {
 }
 
 // waitSettled waits until the DaemonSet has exactly one pod, Ready and not being
-// deleted (a rollout's old pod is gone), and returns it.
+// deleted (a rollout's old pod is gone), and its agent serves, and returns it.
 func (e *env) waitSettled(t *testing.T, d time.Duration) agentPod {
 	t.Helper()
 	var p agentPod
@@ -69,6 +69,7 @@ func (e *env) waitSettled(t *testing.T, d time.Duration) agentPod {
 		p = pods[0]
 		return true
 	})
+	e.waitServing(t, p.Metadata.Name)
 	return p
 }
 
@@ -140,16 +141,29 @@ func logTimes(log string, msgs ...string) (first, at time.Time, which string) {
 	return first, time.Time{}, ""
 }
 
-// takeover says how long after its first log line the pod's agent served: "took
-// over from the previous agent" or, with none, "resolver ready: capture on".
-func (e *env) takeover(t *testing.T, pod string) (time.Duration, string) {
+// servingMsgs are the log lines of an agent that serves: it took over from its
+// predecessor, or (none, or it had died) turned capture on itself.
+var servingMsgs = []string{"took over from the previous agent", "resolver ready: capture on"}
+
+// takeover says how long after its first log line the pod's agent served, and
+// when (zero: not yet).
+func (e *env) takeover(t *testing.T, pod string) (time.Duration, time.Time, string) {
 	t.Helper()
-	first, at, which := logTimes(e.agentLog(t, pod), "took over from the previous agent", "resolver ready: capture on")
+	first, at, which := logTimes(e.agentLog(t, pod), servingMsgs...)
 	if at.IsZero() {
-		return 0, "never logged taking over or capture on"
+		return 0, at, "never logged taking over or capture on"
 	}
 	d := at.Sub(first)
-	return d, fmt.Sprintf("%q %v after its first log line", which, d.Round(time.Millisecond))
+	return d, at, fmt.Sprintf("%q %v after its first log line", which, d.Round(time.Millisecond))
+}
+
+// waitServing waits until the pod's agent logs that it serves.
+func (e *env) waitServing(t *testing.T, pod string) {
+	t.Helper()
+	waitFor(t, 2*time.Minute, "agent "+pod+" serves", func() bool {
+		_, at, _ := e.takeover(t, pod)
+		return !at.IsZero()
+	})
 }
 
 // containerCgroup is the cgroup2 directory of pid.

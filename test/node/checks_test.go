@@ -31,7 +31,7 @@ func (e *env) checkInstall(t *testing.T) {
 	}
 	p := e.waitSettled(t, time.Minute)
 	e.installed = true
-	_, how := e.takeover(t, p.Metadata.Name)
+	_, _, how := e.takeover(t, p.Metadata.Name)
 	e.rep.add(t, "agent %s: %s", p.Metadata.Name, how)
 }
 

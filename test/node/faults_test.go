@@ -63,7 +63,7 @@ func (e *env) checkRollout(t *testing.T, kind string, delay time.Duration) {
 		ld.stop()
 		t.Fatalf("%v\n%s", err, out)
 	}
-	status, err := e.n.Kubectl("-n", agentNS, "rollout", "status", "ds/meshdns-ebpf", "--timeout=300s")
+	status, err := e.n.Kubectl("-n", agentNS, "rollout", "status", "ds/meshdns-ebpf", "--timeout=180s")
 	if err != nil {
 		t.Errorf("kubectl rollout status did not complete: %v\n%s", err, status)
 	}
@@ -71,7 +71,7 @@ func (e *env) checkRollout(t *testing.T, kind string, delay time.Duration) {
 	to, took := monotonic(), time.Since(start)
 	res := ld.stop()
 	tl := res.between(from, to)
-	sync, how := e.takeover(t, now.Metadata.Name)
+	sync, _, how := e.takeover(t, now.Metadata.Name)
 	e.rep.add(t, "%s %s -> %s in %v (new agent: %s) under %d lookups/s: %v",
 		kind, old.Metadata.Name, now.Metadata.Name, took.Round(time.Millisecond), how, loadRate, tl)
 	t.Logf("per client: %s", res.perClient())
@@ -115,7 +115,7 @@ func (e *env) checkDeath(t *testing.T, what string, kill func(agentPod, int)) {
 	from := monotonic()
 	kill(old, pid)
 	waitFor(t, time.Minute, "the agent process exits", func() bool { return !alive(pid) })
-	died := monotonic()
+	died, diedAt := monotonic(), time.Now()
 	waitFor(t, 3*time.Minute, "an agent serves again", func() bool {
 		pods := e.agentPods(t)
 		return len(pods) == 1 && pods[0].ready() && (pods[0].Metadata.Name != old.Metadata.Name ||
@@ -125,9 +125,9 @@ func (e *env) checkDeath(t *testing.T, what string, kill func(agentPod, int)) {
 	to := monotonic()
 	res := ld.stop()
 	inFlight, after := res.between(from, died), res.between(died, to)
-	_, how := e.takeover(t, back.Metadata.Name)
-	e.rep.add(t, "%s under %d lookups/s: in flight at the exit %d lost; started after it (%v until an agent served again: %s): %d lost, %d answered by the original nameserver, %d from a wrong source, %d wrong",
-		what, loadRate, inFlight.lost+inFlight.wrongsrc, time.Duration(to-died).Round(time.Millisecond), how,
+	_, servedAt, how := e.takeover(t, back.Metadata.Name)
+	e.rep.add(t, "%s under %d lookups/s: in flight at the exit %d lost; started after it (the next agent served %v after the exit: %s): %d lost, %d answered by the original nameserver, %d from a wrong source, %d wrong",
+		what, loadRate, inFlight.lost+inFlight.wrongsrc, servedAt.Sub(diedAt).Round(time.Millisecond), how,
 		after.lost, after.original, after.wrongsrc, after.wrong)
 	if after.lost+after.wrongsrc+after.wrong > 0 {
 		t.Errorf("lookups started after the agent exited failed: %v\n%s", after, after.describe(died))

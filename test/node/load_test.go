@@ -191,7 +191,7 @@ func outcome(what string) string {
 type tally struct {
 	sent                             int // all lookups of the whole load run
 	original, lost, wrongsrc, wrong int
-	examples                         []lookup
+	bad, orig                        []lookup // a few examples: lost, wrong source or wrong; original
 }
 
 func (r loadResult) between(from, to int64) tally {
@@ -203,7 +203,8 @@ func (r loadResult) between(from, to int64) tally {
 		if f.start < from || f.start >= to {
 			continue
 		}
-		switch outcome(f.what) {
+		kind := outcome(f.what)
+		switch kind {
 		case "original":
 			tl.original++
 		case "lost":
@@ -213,8 +214,10 @@ func (r loadResult) between(from, to int64) tally {
 		default:
 			tl.wrong++
 		}
-		if len(tl.examples) < 8 {
-			tl.examples = append(tl.examples, f)
+		if kind == "original" && len(tl.orig) < 3 {
+			tl.orig = append(tl.orig, f)
+		} else if kind != "original" && len(tl.bad) < 8 {
+			tl.bad = append(tl.bad, f)
 		}
 	}
 	return tl
@@ -225,10 +228,11 @@ func (tl tally) String() string {
 		tl.sent, tl.lost, tl.original, tl.wrongsrc, tl.wrong)
 }
 
-// describe lists the examples with their start relative to origin.
+// describe lists the examples (lost, wrong source and wrong first) with their
+// start relative to origin.
 func (tl tally) describe(origin int64) string {
 	var b strings.Builder
-	for _, f := range tl.examples {
+	for _, f := range append(append([]lookup{}, tl.bad...), tl.orig...) {
 		fmt.Fprintf(&b, "  %s %s: %s (started %v, took %v)\n", f.client, f.name, f.what,
 			time.Duration(f.start-origin).Round(time.Millisecond), time.Duration(f.end-f.start).Round(time.Millisecond))
 	}

@@ -65,6 +65,10 @@ func TestNode(t *testing.T) {
 		PauseImage:  pauseImage,
 	})
 	e.rep.add(t, "node: %v", e.n.Timings)
+	// The image change of a rollout: the same image under a second tag.
+	if out, err := e.n.Ctr("images", "tag", agentRepo+":"+agentTag, agentRepo+":"+agentTag2); err != nil {
+		t.Fatalf("tag the agent's image: %v\n%s", err, out)
+	}
 	defer e.writeReport(t)
 	// The node's nameserver (the agent's upstream): a fake on the node's IP.
 	e.upstream = testenv.StartFakeDNS(t, e.n.Netns, nodetest.NodeIP+":53", map[string][]netip.Addr{
@@ -121,7 +125,7 @@ func (e *env) setupWorkloads(t *testing.T) {
 	start := time.Now()
 	applyStdin(t, e.n, workloads())
 	for _, ns := range []string{"kube-system", "team-a", "team-b"} {
-		if out, err := e.n.Kubectl("wait", "--for=condition=Ready", "pod", "--all", "-n", ns, "--timeout=180s"); err != nil {
+		if out, err := e.n.Kubectl("wait", "--for=condition=Ready", "pod", "--all", "-n", ns, "--timeout=100s"); err != nil {
 			pods, _ := e.n.Kubectl("get", "pods", "-A", "-o", "wide")
 			events, _ := e.n.Kubectl("get", "events", "-A")
 			t.Fatalf("pods of %s not Ready: %v\n%s\n%s\n%s", ns, err, out, pods, events)

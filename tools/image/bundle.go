@@ -2,6 +2,7 @@ package main
 
 import (
 	"bytes"
+	"compress/gzip"
 	"debug/elf"
 	"flag"
 	"fmt"
@@ -114,7 +115,8 @@ func runBundle(args []string, stdout io.Writer) error {
 
 // singleLayerImage is an image of one layer holding t.
 func singleLayerImage(t fsTree, pf platform, epoch time.Time, entry, ref string) (v1.Image, error) {
-	layer, err := tarLayer(t, epoch)
+	// Test images are built on every run and never pushed: speed over size.
+	layer, err := tarLayerLevel(t, epoch, gzip.BestSpeed)
 	if err != nil {
 		return nil, err
 	}

@@ -181,6 +181,11 @@ func addImageFiles(t fsTree) error {
 // tarLayer is a gzip-compressed OCI layer of t. gzip with a fixed level and no
 // header timestamp is deterministic for a given Go release.
 func tarLayer(t fsTree, mtime time.Time) (v1.Layer, error) {
+	return tarLayerLevel(t, mtime, gzip.BestCompression)
+}
+
+// tarLayerLevel is tarLayer at a gzip level of the caller's.
+func tarLayerLevel(t fsTree, mtime time.Time, level int) (v1.Layer, error) {
 	var buf bytes.Buffer
 	if err := t.writeTar(&buf, mtime); err != nil {
 		return nil, err
@@ -188,7 +193,7 @@ func tarLayer(t fsTree, mtime time.Time) (v1.Layer, error) {
 	raw := buf.Bytes()
 	return tarball.LayerFromOpener(func() (io.ReadCloser, error) {
 		return io.NopCloser(bytes.NewReader(raw)), nil
-	}, tarball.WithCompressionLevel(gzip.BestCompression), tarball.WithMediaType(types.OCILayer))
+	}, tarball.WithCompressionLevel(level), tarball.WithMediaType(types.OCILayer))
 }
 
 // buildIndex makes the multi-platform index of the images, in the order given.
