@@ -157,6 +157,30 @@ func (e *env) takeover(t *testing.T, pod string) (time.Duration, time.Time, stri
 	return d, at, fmt.Sprintf("%q %v after its first log line", which, d.Round(time.Millisecond))
 }
 
+// logSummary lists an agent's log messages with their offset from its first
+// line (the story of a takeover), at most n.
+func logSummary(log string, n int) string {
+	var b strings.Builder
+	var first time.Time
+	sc := bufio.NewScanner(strings.NewReader(log))
+	sc.Buffer(make([]byte, 64<<10), 1<<20)
+	for i := 0; sc.Scan() && i < n; i++ {
+		var l struct {
+			Time time.Time `json:"time"`
+			Msg  string    `json:"msg"`
+		}
+		if json.Unmarshal(sc.Bytes(), &l) != nil {
+			fmt.Fprintf(&b, "  %s\n", sc.Text())
+			continue
+		}
+		if first.IsZero() {
+			first = l.Time
+		}
+		fmt.Fprintf(&b, "  +%v %s\n", l.Time.Sub(first).Round(time.Millisecond), l.Msg)
+	}
+	return b.String()
+}
+
 // waitServing waits until the pod's agent logs that it serves.
 func (e *env) waitServing(t *testing.T, pod string) {
 	t.Helper()

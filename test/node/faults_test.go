@@ -75,6 +75,7 @@ func (e *env) checkRollout(t *testing.T, kind string, delay time.Duration) {
 	e.rep.add(t, "%s %s -> %s in %v (new agent: %s) under %d lookups/s: %v",
 		kind, old.Metadata.Name, now.Metadata.Name, took.Round(time.Millisecond), how, loadRate, tl)
 	t.Logf("per client: %s", res.perClient())
+	t.Logf("the new agent's log:\n%s", logSummary(e.agentLog(t, now.Metadata.Name), 25))
 	if now.Metadata.Name == old.Metadata.Name {
 		t.Errorf("the agent pod was not replaced")
 	}
