@@ -7,6 +7,7 @@
 package testenv
 
 import (
+	"bytes"
 	"crypto/rand"
 	"encoding/hex"
 	"errors"
@@ -16,6 +17,7 @@ import (
 	"regexp"
 	"strconv"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 
@@ -88,6 +90,25 @@ func StaleOwner(name string) bool {
 		return false
 	}
 	return errors.Is(syscall.Kill(pid, 0), syscall.ESRCH)
+}
+
+// SyncBuffer is a bytes.Buffer that a child process's output and the test may
+// use at once.
+type SyncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *SyncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *SyncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
 }
 
 // Run runs a command and fails the test with its output when it fails.

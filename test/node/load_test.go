@@ -2,7 +2,6 @@ package node
 
 import (
 	"bufio"
-	"bytes"
 	"context"
 	"fmt"
 	"io"
@@ -10,7 +9,6 @@ import (
 	"sort"
 	"strconv"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -62,7 +60,7 @@ type runningClient struct {
 	c     loadClient
 	cmd   *exec.Cmd
 	stdin io.WriteCloser
-	out   *syncBuffer
+	out   *testenv.SyncBuffer
 	done  chan error
 }
 
@@ -105,7 +103,7 @@ func startLoad(t *testing.T, n *nodetest.Node, rate float64, targets []string) *
 		if err != nil {
 			t.Fatal(err)
 		}
-		rc := &runningClient{c: c, cmd: cmd, stdin: stdin, out: &syncBuffer{}, done: make(chan error, 1)}
+		rc := &runningClient{c: c, cmd: cmd, stdin: stdin, out: &testenv.SyncBuffer{}, done: make(chan error, 1)}
 		cmd.Stdout, cmd.Stderr = rc.out, rc.out
 		if err := cmd.Start(); err != nil {
 			t.Fatalf("start the %s load: %v", c.name, err)
@@ -189,9 +187,9 @@ func outcome(what string) string {
 
 // tally counts the outcomes of the lookups started in [from, to).
 type tally struct {
-	sent                             int // all lookups of the whole load run
+	sent                            int // all lookups of the whole load run
 	original, lost, wrongsrc, wrong int
-	bad, orig                        []lookup // a few examples: lost, wrong source or wrong; original
+	bad, orig                       []lookup // a few examples: lost, wrong source or wrong; original
 }
 
 func (r loadResult) between(from, to int64) tally {
@@ -259,23 +257,6 @@ func (r loadResult) perClient() string {
 	}
 	sort.Strings(out)
 	return strings.Join(out, "; ")
-}
-
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
 }
 
 func tail(s string, n int) string {

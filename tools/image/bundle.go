@@ -113,31 +113,14 @@ func runBundle(args []string, stdout io.Writer) error {
 	return nil
 }
 
-// singleLayerImage is an image of one layer holding t.
+// singleLayerImage is an image of one layer holding t. Test images are built
+// on every run and never pushed: gzip favours speed over size.
 func singleLayerImage(t fsTree, pf platform, epoch time.Time, entry, ref string) (v1.Image, error) {
-	// Test images are built on every run and never pushed: speed over size.
-	layer, err := tarLayerLevel(t, epoch, gzip.BestSpeed)
-	if err != nil {
-		return nil, err
-	}
-	img := mutate.ConfigMediaType(mutate.MediaType(empty.Image, types.OCIManifestSchema1), types.OCIConfigJSON)
-	created := v1.Time{Time: epoch}
-	img, err = mutate.Append(img, mutate.Addendum{Layer: layer, MediaType: types.OCILayer,
-		History: v1.History{Created: created, CreatedBy: "image bundle " + ref, Comment: "tools/image"}})
-	if err != nil {
-		return nil, err
-	}
-	cf, err := img.ConfigFile()
-	if err != nil {
-		return nil, err
-	}
-	cf = cf.DeepCopy()
-	cf.Architecture, cf.OS, cf.Created = pf.arch, "linux", created
-	cf.Config = v1.Config{Env: []string{"PATH=/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin"}, WorkingDir: "/"}
+	cfg := v1.Config{Env: []string{"PATH=/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin"}, WorkingDir: "/"}
 	if entry != "" {
-		cf.Config.Entrypoint = []string{entry}
+		cfg.Entrypoint = []string{entry}
 	}
-	return mutate.ConfigFile(img, cf)
+	return assemble(pf, epoch, gzip.BestSpeed, []layerSpec{{t, "image bundle " + ref}}, cfg)
 }
 
 // addHostFile copies the file at src (symlinks followed) to name.
