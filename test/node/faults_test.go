@@ -237,7 +237,7 @@ func orNothing(left []string) string {
 	return strings.Join(left, "; ")
 }
 
-var progLine = regexp.MustCompile(`^\s+\d+\s+\S+`)
+var progLine = regexp.MustCompile(`^\s*\d+\s+cgroup_`)
 
 // leftovers lists what of the agent remains on the node.
 func (e *env) leftovers(t *testing.T) []string {
