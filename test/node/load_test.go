@@ -48,10 +48,10 @@ type loadClient struct {
 // (wrong-source detector) 15%.
 func loadClients() []loadClient {
 	return []loadClient{
-		{name: "glibc", ns: "team-a", pod: "glibc", argv: []string{"dnsload", "-i", "-t", "64"}, share: 0.4},
-		{name: "musl", ns: "team-a", pod: "musl", argv: []string{"dnsload", "-i", "-t", "64"}, share: 0.3},
-		{name: "go", ns: "team-b", pod: "go", argv: []string{"goload", "-i", "-t", "64"}, share: 0.15},
-		{name: "go-raw", ns: "team-b", pod: "go", argv: []string{"goload", "-i", "-t", "64", "-raw", "-unconnected",
+		{name: "glibc", ns: "team-a", pod: "glibc", argv: []string{"dnsload", "-i"}, share: 0.4},
+		{name: "musl", ns: "team-a", pod: "musl", argv: []string{"dnsload", "-i"}, share: 0.3},
+		{name: "go", ns: "team-b", pod: "go", argv: []string{"goload", "-i"}, share: 0.15},
+		{name: "go-raw", ns: "team-b", pod: "go", argv: []string{"goload", "-i", "-raw", "-unconnected",
 			"-server", nodetest.ClusterDNS + ":53", "-timeout", "2s"}, share: 0.15, raw: true},
 	}
 }
@@ -96,8 +96,11 @@ func startLoad(t *testing.T, n *nodetest.Node, rate float64, targets []string) *
 	t.Helper()
 	l := &load{t: t, started: monotonic()}
 	for _, c := range loadClients() {
+		// One thread per lookup/s, up to 64: a low rate keeps its even spacing.
+		r := rate * c.share
+		threads := min(64, max(1, int(r)))
 		args := append([]string{"exec", "-i", "-n", c.ns, c.pod, "--"}, c.argv...)
-		args = append(append(args, "-r", strconv.FormatFloat(rate*c.share, 'f', 0, 64)), targets...)
+		args = append(append(args, "-t", strconv.Itoa(threads), "-r", strconv.FormatFloat(r, 'f', 1, 64)), targets...)
 		cmd := n.KubectlCommand(context.Background(), args...)
 		stdin, err := cmd.StdinPipe()
 		if err != nil {

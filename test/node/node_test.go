@@ -90,8 +90,10 @@ func TestNode(t *testing.T) {
 		{"ImageChangeSlowSync", func(t *testing.T) { e.checkRollout(t, "image", slowSync) }},
 		{"DeletePod", e.checkDeletePod},
 		{"KillContainer", e.checkKill},
-		{"SIGSTOP", func(t *testing.T) { e.checkStopped(t, "sigstop") }},
-		{"Freezer", func(t *testing.T) { e.checkStopped(t, "freezer") }},
+		{"SIGSTOP", func(t *testing.T) { e.checkStopped(t, "sigstop", loadRate) }},
+		{"Freezer", func(t *testing.T) { e.checkStopped(t, "freezer", loadRate) }},
+		{"SIGSTOPLowRate", func(t *testing.T) { e.checkStopped(t, "sigstop", lowRate) }},
+		{"FreezerLowRate", func(t *testing.T) { e.checkStopped(t, "freezer", lowRate) }},
 		{"Uninstall", e.checkUninstall},
 		{"BPFFSNotShared", e.checkBPFFSNotShared},
 	} {
@@ -103,6 +105,10 @@ func TestNode(t *testing.T) {
 		})
 	}
 }
+
+// lowRate is the lookups per second of the stop checks on a nearly idle node:
+// one lookup every 50 ms, the resolution of the fail-open delay there.
+const lowRate = 20
 
 // slowSync is how long the slowed API server holds each new connection of an
 // in-cluster client: the new agent needs at least this long to sync.
