@@ -143,9 +143,21 @@ func (e *env) checkCLI(t *testing.T) {
 	body, err := e.n.HTTPGet(url)
 	if err != nil || !strings.Contains(body, "meshdns_") {
 		t.Errorf("GET %s: %v (%d bytes, meshdns_ metrics: %v)", url, err, len(body), strings.Contains(body, "meshdns_"))
-		return
+	} else {
+		e.rep.add(t, "GET %s: %d meshdns_ sample lines", url, countPrefix(body, "meshdns_"))
 	}
-	e.rep.add(t, "GET %s: %d meshdns_ sample lines", url, countPrefix(body, "meshdns_"))
+	// The node IP is reachable from every pod: the debug endpoints (the name
+	// table, the node's pods) must not be served there.
+	var served []string
+	for _, path := range []string{"/debug/table", "/debug/pods", "/debug/sources", "/debug/ndsz"} {
+		if _, err := e.n.HTTPGet(fmt.Sprintf("http://%s:9153%s", nodetest.NodeIP, path)); err == nil {
+			served = append(served, path)
+		}
+	}
+	e.rep.add(t, "debug endpoints served at the node IP: %s", orNothing(served))
+	if len(served) > 0 {
+		t.Errorf("the node-IP listener serves %v to every pod", served)
+	}
 }
 
 func countPrefix(body, prefix string) int {

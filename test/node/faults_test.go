@@ -322,3 +322,51 @@ func (e *env) checkBPFFSNotShared(t *testing.T) {
 		t.Errorf("the pod's message does not name /sys/fs/bpf: %s", msg)
 	}
 }
+
+// checkBPFFSNotMounted installs the agent on a node whose /sys/fs/bpf is a plain
+// directory (no bpffs): the agent, without CAP_SYS_ADMIN, cannot mount one, and
+// what it logs about it must name /sys/fs/bpf.
+func (e *env) checkBPFFSNotMounted(t *testing.T) {
+	if _, err := e.n.Run("umount", "/sys/fs/bpf"); err != nil {
+		t.Fatal(err)
+	}
+	ov := overlay(t, e.root, filepath.Join(e.dir, "overlay"), curTag, e.n.UnifiedRoot)
+	if out, err := e.n.Kubectl("apply", "-k", ov); err != nil {
+		t.Fatalf("%v\n%s", err, out)
+	}
+	defer func() {
+		if out, err := e.n.Kubectl("delete", "-k", ov, "--timeout=180s"); err != nil {
+			t.Errorf("delete -k: %v\n%s", err, out)
+		}
+	}()
+	var said string
+	waitFor(t, 2*time.Minute, "the agent logs a warning or error about bpf", func() bool {
+		pods := e.agentPods(t)
+		if len(pods) != 1 {
+			return false
+		}
+		for _, prev := range []bool{false, true} {
+			args := []string{"logs", "-n", agentNS, pods[0].Metadata.Name}
+			if prev {
+				args = append(args, "--previous")
+			}
+			out, _ := e.n.Kubectl(args...)
+			for _, l := range strings.Split(out, "\n") {
+				low := strings.ToLower(l)
+				if strings.Contains(low, "bpf") && (strings.Contains(l, `"level":"WARN"`) || strings.Contains(l, `"level":"ERROR"`) || strings.HasPrefix(l, "meshdns-ebpf:")) {
+					said = l
+					return true
+				}
+			}
+		}
+		return false
+	})
+	mode := "unknown"
+	if out, err := e.n.Kubectl("logs", "-n", agentNS, "ds/meshdns-ebpf"); err == nil && strings.Contains(out, "falling back to iptables") {
+		mode = "fell back to iptables"
+	}
+	e.rep.add(t, "/sys/fs/bpf not a bpffs on the node (%s): the agent says: %s", mode, said)
+	if !strings.Contains(said, "/sys/fs/bpf") {
+		t.Errorf("the agent's message does not name /sys/fs/bpf: %s", said)
+	}
+}
