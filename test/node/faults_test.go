@@ -172,6 +172,10 @@ func (e *env) checkStopped(t *testing.T, how string, rate float64) {
 		t.Errorf("lookups started up to %v after the stop were lost (goal: none after %v):\n%s",
 			delay.Round(time.Millisecond), failOpenGoal, during.describe(stopped))
 	}
+	// A reply from another address than the one asked is wrong in any state.
+	if all := res.between(0, monotonic()); all.wrongsrc > 0 {
+		t.Errorf("%d replies came from a wrong source:\n%s", all.wrongsrc, all.describe(stopped))
+	}
 }
 
 // stopAgent stops pid (SIGSTOP) or freezes its cgroup and returns the resume.
