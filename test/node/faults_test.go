@@ -327,11 +327,12 @@ func (e *env) checkBPFFSNotShared(t *testing.T) {
 	}
 }
 
-// checkBPFFSNotMounted installs the agent on a node whose /sys/fs/bpf is a plain
-// directory (no bpffs): the agent, without CAP_SYS_ADMIN, cannot mount one, and
-// what it logs about it must name /sys/fs/bpf.
+// checkBPFFSNotMounted installs the agent on a node whose /sys/fs/bpf is not a
+// bpffs (a shared tmpfs there, so the volume itself can be made): the agent,
+// without CAP_SYS_ADMIN, cannot mount one, and what it logs about it must name
+// /sys/fs/bpf.
 func (e *env) checkBPFFSNotMounted(t *testing.T) {
-	if _, err := e.n.Run("umount", "/sys/fs/bpf"); err != nil {
+	if _, err := e.n.Run("sh", "-ec", "umount /sys/fs/bpf; mount -t tmpfs -o mode=0700 tmpfs /sys/fs/bpf; mount --make-shared /sys/fs/bpf"); err != nil {
 		t.Fatal(err)
 	}
 	ov := overlay(t, e.root, filepath.Join(e.dir, "overlay"), curTag, e.n.UnifiedRoot)
