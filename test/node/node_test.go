@@ -108,8 +108,8 @@ func TestNode(t *testing.T) {
 }
 
 // lowRate is the lookups per second of the stop checks on a nearly idle node:
-// one lookup every 50 ms, the resolution of the fail-open delay there.
-const lowRate = 20
+// one lookup every 25 ms, the resolution of the fail-open delay there.
+const lowRate = 40
 
 // slowSync is how long the slowed API server holds each new connection of an
 // in-cluster client: the new agent needs at least this long to sync.
