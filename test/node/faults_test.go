@@ -294,6 +294,21 @@ func firstLines(s string, n int) string {
 	return strings.Join(l, ", ")
 }
 
+// installOnBrokenNode applies the overlay on a node a check has broken, and
+// deletes it again when the check ends.
+func (e *env) installOnBrokenNode(t *testing.T) {
+	t.Helper()
+	ov := overlay(t, e.root, filepath.Join(e.dir, "overlay"), curTag, e.n.UnifiedRoot)
+	if out, err := e.n.Kubectl("apply", "-k", ov); err != nil {
+		t.Fatalf("%v\n%s", err, out)
+	}
+	t.Cleanup(func() {
+		if out, err := e.n.Kubectl("delete", "-k", ov, "--timeout=180s"); err != nil {
+			t.Errorf("delete -k: %v\n%s", err, out)
+		}
+	})
+}
+
 // checkBPFFSNotShared reproduces the node requirement of docs/kubernetes.md: with
 // the node's /sys/fs/bpf a private mount, the DaemonSet's HostToContainer volume
 // cannot be made and the pod shows why.
@@ -301,15 +316,7 @@ func (e *env) checkBPFFSNotShared(t *testing.T) {
 	if _, err := e.n.Run("mount", "--make-private", "/sys/fs/bpf"); err != nil {
 		t.Fatal(err)
 	}
-	ov := overlay(t, e.root, filepath.Join(e.dir, "overlay"), curTag, e.n.UnifiedRoot)
-	if out, err := e.n.Kubectl("apply", "-k", ov); err != nil {
-		t.Fatalf("%v\n%s", err, out)
-	}
-	defer func() {
-		if out, err := e.n.Kubectl("delete", "-k", ov, "--timeout=180s"); err != nil {
-			t.Errorf("delete -k: %v\n%s", err, out)
-		}
-	}()
+	e.installOnBrokenNode(t)
 	var reason, msg string
 	waitFor(t, 2*time.Minute, "the agent pod reports why its container cannot start", func() bool {
 		for _, p := range e.agentPods(t) {
@@ -336,15 +343,7 @@ func (e *env) checkBPFFSNotMounted(t *testing.T) {
 	if _, err := e.n.Run("sh", "-ec", "umount /sys/fs/bpf; mount -t tmpfs -o mode=0700 tmpfs /sys/fs/bpf; mount --make-shared /sys/fs/bpf"); err != nil {
 		t.Fatal(err)
 	}
-	ov := overlay(t, e.root, filepath.Join(e.dir, "overlay"), curTag, e.n.UnifiedRoot)
-	if out, err := e.n.Kubectl("apply", "-k", ov); err != nil {
-		t.Fatalf("%v\n%s", err, out)
-	}
-	defer func() {
-		if out, err := e.n.Kubectl("delete", "-k", ov, "--timeout=180s"); err != nil {
-			t.Errorf("delete -k: %v\n%s", err, out)
-		}
-	}()
+	e.installOnBrokenNode(t)
 	var said string
 	waitFor(t, 2*time.Minute, "the agent logs a warning or error about bpf", func() bool {
 		pods := e.agentPods(t)
