@@ -27,9 +27,6 @@ func (e *env) loadTargets() []string {
 	}
 }
 
-// curTag is the agent image tag in place.
-var curTag = agentTag
-
 // checkRollout rolls the DaemonSet out under load the way a user does:
 // `kubectl rollout restart`, or an image change applied with `kubectl apply -k`
 // (docs/kubernetes.md, Upgrade). With delay, the new agent's API connections go
@@ -53,10 +50,10 @@ func (e *env) checkRollout(t *testing.T, kind string, delay time.Duration) {
 	if kind == "restart" {
 		out, err = e.n.Kubectl("-n", agentNS, "rollout", "restart", "ds/meshdns-ebpf")
 	} else {
-		next := map[string]string{agentTag: agentTag2, agentTag2: agentTag}[curTag]
+		next := map[string]string{agentTag: agentTag2, agentTag2: agentTag}[e.tag]
 		ov := overlay(t, e.root, filepath.Join(e.dir, "overlay"), next, e.n.UnifiedRoot)
 		if out, err = e.n.Kubectl("apply", "-k", ov); err == nil {
-			curTag = next
+			e.tag = next
 		}
 	}
 	if err != nil {
@@ -207,7 +204,7 @@ func (e *env) stopAgent(t *testing.T, how string, pid int, cg string) func() {
 // left on the node: pins, attached programs, the node address, rules, state.
 // Then the pods resolve through the cluster DNS again.
 func (e *env) checkUninstall(t *testing.T) {
-	ov := overlay(t, e.root, filepath.Join(e.dir, "overlay"), curTag, e.n.UnifiedRoot)
+	ov := overlay(t, e.root, filepath.Join(e.dir, "overlay"), e.tag, e.n.UnifiedRoot)
 	start := time.Now()
 	for _, args := range documented(t, e.root, "## Uninstall", ov) {
 		if out, err := e.n.Kubectl(append(args, "--timeout=180s")...); err != nil {
@@ -298,7 +295,7 @@ func firstLines(s string, n int) string {
 // deletes it again when the check ends.
 func (e *env) installOnBrokenNode(t *testing.T) {
 	t.Helper()
-	ov := overlay(t, e.root, filepath.Join(e.dir, "overlay"), curTag, e.n.UnifiedRoot)
+	ov := overlay(t, e.root, filepath.Join(e.dir, "overlay"), e.tag, e.n.UnifiedRoot)
 	if out, err := e.n.Kubectl("apply", "-k", ov); err != nil {
 		t.Fatalf("%v\n%s", err, out)
 	}

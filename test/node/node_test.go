@@ -47,6 +47,7 @@ type env struct {
 	// addresses the clients must get
 	webIP, dbIP string
 	installed   bool
+	tag         string // the agent image tag in place
 }
 
 func TestNode(t *testing.T) {
@@ -55,7 +56,7 @@ func TestNode(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	e := &env{root: root, dir: t.TempDir(), rep: &report{}}
+	e := &env{root: root, dir: t.TempDir(), rep: &report{}, tag: agentTag}
 	im := buildImages(t, root, filepath.Join(e.dir, "images"))
 	e.rep.add(t, "images: %v", im)
 	e.n = nodetest.Start(t, nodetest.Options{
