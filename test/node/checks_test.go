@@ -3,6 +3,7 @@ package node
 import (
 	"fmt"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -16,7 +17,7 @@ func (e *env) checkInstall(t *testing.T) {
 	ov := overlay(t, e.root, filepath.Join(e.dir, "overlay"), agentTag, e.n.UnifiedRoot)
 	start := time.Now()
 	for _, args := range documented(t, e.root, "## Install", ov) {
-		if contains(args, "rollout") {
+		if slices.Contains(args, "rollout") {
 			args = append(args, "--timeout=180s")
 		}
 		out, err := e.n.Kubectl(args...)
@@ -24,7 +25,7 @@ func (e *env) checkInstall(t *testing.T) {
 			t.Fatalf("kubectl %s: %v\n%s\n%s", strings.Join(args, " "), err, out, e.podsAndEvents(t))
 		}
 		t.Logf("kubectl %s (%v after apply):\n%s", strings.Join(args, " "), time.Since(start).Round(time.Millisecond), out)
-		if contains(args, "rollout") {
+		if slices.Contains(args, "rollout") {
 			e.rep.add(t, "agent pod Ready %v after `kubectl apply -k` (shipped capabilities, mounts, probes, read-only root)",
 				time.Since(start).Round(time.Millisecond))
 		}
@@ -33,15 +34,6 @@ func (e *env) checkInstall(t *testing.T) {
 	e.installed = true
 	_, _, how := e.takeover(t, p.Metadata.Name)
 	e.rep.add(t, "agent %s: %s", p.Metadata.Name, how)
-}
-
-func contains(args []string, s string) bool {
-	for _, a := range args {
-		if a == s {
-			return true
-		}
-	}
-	return false
 }
 
 func (e *env) podsAndEvents(t *testing.T) string {
