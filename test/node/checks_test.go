@@ -15,6 +15,7 @@ import (
 // Install section through the test overlay and measures the time to Ready.
 func (e *env) checkInstall(t *testing.T) {
 	ov := overlay(t, e.root, filepath.Join(e.dir, "overlay"), agentTag, e.n.UnifiedRoot)
+	e.checkOverlayMinimal(t, ov)
 	start := time.Now()
 	for _, args := range documented(t, e.root, "## Install", ov) {
 		if slices.Contains(args, "rollout") {
@@ -34,6 +35,35 @@ func (e *env) checkInstall(t *testing.T) {
 	e.installed = true
 	_, _, how := e.takeover(t, p.Metadata.Name)
 	e.rep.add(t, "agent %s: %s", p.Metadata.Name, how)
+}
+
+// checkOverlayMinimal renders the shipped tree and the overlay as kubectl does and
+// requires exactly two lines to differ: the container image and the cgroup
+// volume's hostPath.
+func (e *env) checkOverlayMinimal(t *testing.T, ov string) {
+	t.Helper()
+	base, err := e.n.Kubectl("kustomize", filepath.Join(e.root, "deploy", "kubernetes"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	over, err := e.n.Kubectl("kustomize", ov)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, o := strings.Split(base, "\n"), strings.Split(over, "\n")
+	if len(b) != len(o) {
+		t.Fatalf("the overlay adds or removes lines (%d rendered, the shipped tree %d)", len(o), len(b))
+	}
+	var changed []string
+	for i := range b {
+		if b[i] != o[i] {
+			changed = append(changed, strings.TrimSpace(b[i])+" -> "+strings.TrimSpace(o[i]))
+		}
+	}
+	e.rep.add(t, "the test overlay changes %d fields of the shipped tree: %s", len(changed), strings.Join(changed, "; "))
+	if len(changed) != 2 || !strings.HasPrefix(changed[0], "image:") || !strings.HasPrefix(changed[1], "path: /sys/fs/cgroup ->") {
+		t.Fatalf("the overlay must change only the image and the cgroup hostPath, it changes: %v", changed)
+	}
 }
 
 func (e *env) podsAndEvents(t *testing.T) string {
