@@ -88,6 +88,8 @@ type Node struct {
 	admin      string // admin kubeconfig
 	containerd *kubetest.Daemon
 	kubelet    *kubetest.Daemon
+
+	teardownBegan time.Time
 }
 
 // Start brings a node up for the test and tears it down at cleanup. It skips
@@ -141,6 +143,8 @@ func Start(t testing.TB, opts Options) *Node {
 	n.startContainerd(t, opts)
 	n.importImages(t, opts.Images)
 	n.startNodeDaemons(t, opts)
+	// Registered last, so it runs first: the teardown starts here.
+	t.Cleanup(func() { n.teardownBegan = time.Now() })
 	n.Timings.Total = time.Since(begin)
 	t.Logf("nodetest: node %s Ready: %v", n.Name, n.Timings)
 	return n
@@ -267,6 +271,6 @@ func (n *Node) checkHostUnchanged(before *hostState) {
 		n.t.Errorf("nodetest: the machine is not as before the node:\n  %s", strings.Join(d, "\n  "))
 		return
 	}
-	n.t.Logf("nodetest: after the teardown the machine's %d writable sysctls, its mounts at %v, its top-level cgroups and network namespaces are as before",
-		len(after.sysctls), mountWatch)
+	n.t.Logf("nodetest: teardown took %v; after it the machine's %d writable sysctls, its mounts at %v, its top-level cgroups and network namespaces are as before",
+		time.Since(n.teardownBegan).Round(time.Millisecond), len(after.sysctls), mountWatch)
 }
