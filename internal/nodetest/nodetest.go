@@ -271,6 +271,10 @@ func (n *Node) checkHostUnchanged(before *hostState) {
 		n.t.Errorf("nodetest: the machine is not as before the node:\n  %s", strings.Join(d, "\n  "))
 		return
 	}
-	n.t.Logf("nodetest: teardown took %v; after it the machine's %d writable sysctls, its mounts at %v, its top-level cgroups and network namespaces are as before",
-		time.Since(n.teardownBegan).Round(time.Millisecond), len(after.sysctls), mountWatch)
+	took := "a teardown of a node that never came up"
+	if !n.teardownBegan.IsZero() {
+		took = "teardown took " + time.Since(n.teardownBegan).Round(time.Millisecond).String()
+	}
+	n.t.Logf("nodetest: %s; after it the machine's %d writable sysctls, its mounts at %v, its top-level cgroups and network namespaces are as before",
+		took, len(after.sysctls), mountWatch)
 }
