@@ -46,6 +46,7 @@ func (cp *ControlPlane) restConfigForToken(token string) *rest.Config {
 		TLSClientConfig: rest.TLSClientConfig{CAData: cp.pki.caPEM},
 		QPS:             -1,
 		Timeout:         30 * time.Second,
+		Dial:            cp.opts.Dial,
 	}
 }
 

@@ -154,3 +154,23 @@ func sweepStaleCgroups(t testing.TB, root string) {
 		t.Logf("removed cgroup %s, left by a test process that is gone", path)
 	}
 }
+
+// RemoveCgroupTree removes the cgroup directory path (v1 or v2) and every cgroup
+// below it, deepest first, killing the processes in each (removeCgroupDir).
+func RemoveCgroupTree(path string) error {
+	entries, err := os.ReadDir(path)
+	if errors.Is(err, os.ErrNotExist) {
+		return nil
+	}
+	for _, e := range entries {
+		if e.IsDir() {
+			if err := RemoveCgroupTree(filepath.Join(path, e.Name())); err != nil {
+				return err
+			}
+		}
+	}
+	if err := removeCgroupDir(path); err != nil {
+		return fmt.Errorf("remove cgroup %s: %w", path, err)
+	}
+	return nil
+}
