@@ -97,13 +97,20 @@ func (e *env) agentPID(t *testing.T, p agentPod) int {
 	return 0
 }
 
-// alive reports whether pid exists (and is not a zombie).
+// alive reports whether any thread of the process pid still runs.
 func alive(pid int) bool {
 	if syscall.Kill(pid, 0) != nil {
 		return false
 	}
-	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
-	return err == nil && !strings.Contains(string(b), ") Z ")
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
+	if err != nil {
+		return false
+	}
+	// A killed process's leader is a zombie while its other threads still
+	// exit, and its sockets close only with the last of them: it is gone
+	// when the leader is a zombie alone.
+	st := string(b)
+	return !strings.Contains(st, "\nState:\tZ") || !strings.Contains(st, "\nThreads:\t1\n")
 }
 
 // agentLog is a pod's agent log (JSON lines), all of it.

@@ -16,6 +16,7 @@ import (
 func (e *env) checkInstall(t *testing.T) {
 	ov := overlay(t, e.root, filepath.Join(e.dir, "overlay"), agentTag, e.n.UnifiedRoot)
 	e.checkOverlayMinimal(t, ov)
+	e.bpffsBefore = e.bpffs(t)
 	start := time.Now()
 	for _, args := range documented(t, e.root, "## Install", ov) {
 		if slices.Contains(args, "rollout") {

@@ -5,6 +5,7 @@ import (
 	"os"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"strings"
 	"syscall"
 	"testing"
@@ -242,14 +243,31 @@ func orNothing(left []string) string {
 
 var progLine = regexp.MustCompile(`^\s*\d+\s+cgroup_`)
 
+// bpffs lists the node's bpffs, sorted.
+func (e *env) bpffs(t *testing.T) []string {
+	t.Helper()
+	out, err := e.n.Run("find", "/sys/fs/bpf", "-mindepth", "1")
+	if err != nil {
+		t.Errorf("list the node's bpffs: %v", err)
+		return nil
+	}
+	l := strings.Fields(out)
+	slices.Sort(l)
+	return l
+}
+
 // leftovers lists what of the agent remains on the node.
 func (e *env) leftovers(t *testing.T) []string {
 	t.Helper()
 	var left []string
-	if out, err := e.n.Run("find", "/sys/fs/bpf", "-mindepth", "1"); err != nil {
-		t.Errorf("list the node's bpffs: %v", err)
-	} else if out = strings.TrimSpace(out); out != "" {
-		left = append(left, fmt.Sprintf("%d bpffs entries (%s)", len(strings.Split(out, "\n")), firstLines(out, 4)))
+	var extra []string
+	for _, p := range e.bpffs(t) {
+		if !slices.Contains(e.bpffsBefore, p) {
+			extra = append(extra, p)
+		}
+	}
+	if len(extra) > 0 {
+		left = append(left, fmt.Sprintf("%d bpffs entries (%s)", len(extra), firstLines(strings.Join(extra, "\n"), 4)))
 	}
 	if out, err := e.n.Run("bpftool", "cgroup", "tree", e.n.UnifiedRoot); err != nil {
 		t.Errorf("bpftool cgroup tree: %v", err)

@@ -48,6 +48,10 @@ type env struct {
 	webIP, dbIP string
 	installed   bool
 	tag         string // the agent image tag in place
+	// bpffsBefore is what the node's bpffs held before the install (the
+	// kernel's own bpf_preload entries, maps.debug and progs.debug, where
+	// it has them): uninstall must leave exactly that.
+	bpffsBefore []string
 }
 
 func TestNode(t *testing.T) {
