@@ -107,6 +107,20 @@ func installCRD(t *testing.T, cp *kubetest.ControlPlane, crd *unstructured.Unstr
 	}) {
 		t.Fatalf("CRD %s not established", crd.GetName())
 	}
+	// Established comes before the API server's discovery serves the kind,
+	// which is what a REST mapper (kubectl's, the tests' apply) reads.
+	group, _, _ := unstructured.NestedString(crd.Object, "spec", "group")
+	plural, _, _ := unstructured.NestedString(crd.Object, "spec", "names", "plural")
+	versions, _, _ := unstructured.NestedSlice(crd.Object, "spec", "versions")
+	for _, v := range versions {
+		name, _, _ := unstructured.NestedString(v.(map[string]any), "name")
+		if !testenv.WaitFor(30*time.Second, func() bool {
+			l, err := cp.AdminClient().Discovery().ServerResourcesForGroupVersion(group + "/" + name)
+			return err == nil && slices.ContainsFunc(l.APIResources, func(r metav1.APIResource) bool { return r.Name == plural })
+		}) {
+			t.Fatalf("CRD %s: %s/%s %s not in the API server's discovery", crd.GetName(), group, name, plural)
+		}
+	}
 }
 
 // apply server-side applies objects (as kubectl apply --server-side does)
