@@ -2,6 +2,7 @@
 #   make run    build and run the agent standalone (as root), with the embedded default name table
 #   make test   install the test dependencies and run the whole suite (CI runs exactly this)
 #   make image  build the OCI image (no container engine needed) into out/image
+#   make node-e2e  the DaemonSet on a real single-node cluster of this machine (test/node)
 
 GO        ?= go
 BIN       := bin/meshdns-ebpf
@@ -21,7 +22,7 @@ export GOTOOLCHAIN := local
 # type: 82 MB instead of 51 MB for the agent (docs/istio.md).
 export GOFLAGS := -buildvcs=false -tags=grpcnotrace
 
-.PHONY: all build run test deps test-deps kube-bin tools-bin istiod-bin unit generate check-generate vet bench soak clean \
+.PHONY: all build run test deps test-deps kube-bin tools-bin istiod-bin node-bin node-e2e unit generate check-generate vet bench soak clean \
 	image image-lock image-push
 
 # The image (docs/kubernetes.md). `make image` builds it from deploy/image/debs.lock
@@ -45,12 +46,14 @@ deps:
 
 # Test dependencies: packages, then the Kubernetes test control plane (etcd,
 # kube-apiserver, kube-controller-manager built from Go modules into .cache/kube-bin),
-# the chart and monitoring tools (helm, promtool, promql-metrics into
-# .cache/tools-bin) and istiod (pilot-discovery, into .cache/istiod-bin); minutes
-# cold, nothing when warm. See docs/testing.md.
+# the test node's binaries (kubelet, kube-scheduler, kube-proxy, kubectl, containerd
+# into .cache/node-bin), the chart and monitoring tools (helm, promtool,
+# promql-metrics into .cache/tools-bin) and istiod (pilot-discovery, into
+# .cache/istiod-bin); minutes cold, nothing when warm. See docs/testing.md.
 test-deps:
 	@scripts/install-deps.sh
 	@scripts/build-kube.sh
+	@scripts/build-kube.sh node
 	@scripts/build-tools.sh
 	@scripts/build-istiod.sh
 
@@ -62,6 +65,16 @@ tools-bin:
 
 istiod-bin:
 	@scripts/build-istiod.sh
+
+node-bin:
+	@scripts/build-kube.sh node
+
+# The node end-to-end test alone (`make test` runs it too): a real single-node
+# cluster in namespaces of its own, the DaemonSet installed as docs/kubernetes.md
+# says, rollouts and faults under load. Its figures: out/node-e2e.txt.
+node-e2e: test-deps
+	$(GO) test -count=1 -v -timeout 30m -run '^TestNode$$' ./test/node
+	@cat out/node-e2e.txt 2>/dev/null || true
 
 build:
 	CGO_ENABLED=0 $(GO) build -ldflags "$(LDFLAGS)" -o $(BIN) ./cmd/meshdns-ebpf
@@ -93,10 +106,11 @@ vet:
 	  if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
 
 test: test-deps check-generate vet
-	@rm -f out/image-test.txt
+	@rm -f out/image-test.txt out/node-e2e.txt
 	$(GO) test $(TEST_FLAGS) ./...
 	cd tools/image && $(GO) test -count=1 ./...
 	@cat out/image-test.txt 2>/dev/null || true
+	@cat out/node-e2e.txt 2>/dev/null || true
 
 bench: build
 	bench/run.sh

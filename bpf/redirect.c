@@ -35,7 +35,10 @@
  * the count unchanged, twice, stall_ns / 4 apart (see resolver_stalled). A slow
  * resolver that still dequeues now and then never is. The agent sends itself an empty datagram when a watch ages without a
  * dequeue (a redirected socket that never sent anything), so a live, idle
- * resolver is not taken for a stalled one.
+ * resolver is not taken for a stalled one. Where the kernel has BPF timers, the
+ * watch clock (at the end) restarts the watch on every dequeue, so a watch runs
+ * from the last one even while nothing is redirected, and takes the programs'
+ * look itself while clients ask only now and then.
  *
  * Per-socket state lives in socket-local storage (sock_state, freed with the
  * socket): it cannot be evicted, and when it cannot be allocated or the socket
@@ -185,7 +188,10 @@ struct meshdns_progress {
 	__u64 watch_since; /* bpf_ktime_get_ns when the watch started; 0: none */
 	__u64 watch_count; /* dequeued when the watch started */
 	__u64 suspect_since; /* when a program first saw this watch past stall_ns */
-	__u64 pad1[5];
+	__u64 clock_tick; /* the watch clock's last tick (bpf_ktime_get_ns); 0: none ran */
+	__u64 client_look; /* when a program last looked (at most once per ms) */
+	__u64 client_gap; /* average time between the programs' looks (see note_client_look) */
+	__u64 pad1[2];
 };
 
 /* A nameserver address; IPv4 as ::ffff:a.b.c.d. */
@@ -361,8 +367,17 @@ static __always_inline int resolver_listening(enum resolver_sock_kind family, en
 	return 1;
 }
 
+/* Starts a watch at now, from dequeued. */
+static __always_inline void start_watch(struct meshdns_progress *p, __u64 dequeued, __u64 now)
+{
+	p->watch_count = dequeued;
+	p->watch_since = now;
+	p->suspect_since = 0;
+}
+
 /*
- * Whether the resolver stopped dequeuing: a watch is running, nothing was
+ * One look at progress at now: whether the resolver stopped dequeuing: a
+ * watch is running, nothing was
  * dequeued since it started, it is older than stall_ns, and it already was
  * when a program looked stall_ns / 4 ago. Otherwise a new watch starts when
  * something was dequeued since the last one (or none runs). The second look
@@ -371,21 +386,14 @@ static __always_inline int resolver_listening(enum resolver_sock_kind family, en
  * client that runs first afterwards: only a resolver that still does not
  * dequeue then is stalled. A frozen one is detected after 1.25 * stall_ns.
  */
-static __always_inline int resolver_stalled(struct meshdns_config *cfg)
+static __always_inline int look(struct meshdns_config *cfg, struct meshdns_progress *p, __u64 now)
 {
-	__u32 zero = 0;
-	struct meshdns_progress *p = bpf_map_lookup_elem(&progress, &zero);
-	__u64 now, since, dequeued, suspect;
+	__u64 since, dequeued, suspect;
 
-	if (!p)
-		return 0;
 	dequeued = *(volatile __u64 *)&p->dequeued;
 	since = *(volatile __u64 *)&p->watch_since;
-	now = bpf_ktime_get_ns();
 	if (since == 0 || dequeued != *(volatile __u64 *)&p->watch_count) {
-		p->watch_count = dequeued;
-		p->watch_since = now;
-		p->suspect_since = 0;
+		start_watch(p, dequeued, now);
 		return 0;
 	}
 	if (since > now || now - since <= cfg->stall_ns)
@@ -396,6 +404,44 @@ static __always_inline int resolver_stalled(struct meshdns_config *cfg)
 		return 0;
 	}
 	return now - suspect > cfg->stall_ns / 4;
+}
+
+enum meshdns_looks {
+	LOOK_RES_NS = 1000000,    /* client_look's resolution: 1 ms */
+	LOOK_GAP_CAP_NS = 1000000000, /* longer gaps count as 1 s */
+};
+
+/*
+ * Notes a program's look for the watch clock: client_look, and client_gap, a
+ * moving average (weight 1/8) of the time between looks (looks closer than 1
+ * ms count once). Before any look it is 1 s / 8. Racing CPUs may lose an
+ * update: it only needs to tell clients that ask every few ms from clients
+ * that ask now and then.
+ */
+static __always_inline void note_client_look(struct meshdns_progress *p, __u64 now)
+{
+	__u64 gap = now - *(volatile __u64 *)&p->client_look, avg;
+
+	if (gap < LOOK_RES_NS)
+		return;
+	if (gap > LOOK_GAP_CAP_NS)
+		gap = LOOK_GAP_CAP_NS;
+	avg = *(volatile __u64 *)&p->client_gap;
+	p->client_gap = avg - avg / 8 + gap / 8;
+	p->client_look = now;
+}
+
+/* The programs' look, which they note for the watch clock. */
+static __always_inline int resolver_stalled(struct meshdns_config *cfg)
+{
+	__u32 zero = 0;
+	struct meshdns_progress *p = bpf_map_lookup_elem(&progress, &zero);
+	__u64 now = bpf_ktime_get_ns();
+
+	if (!p)
+		return 0;
+	note_client_look(p, now);
+	return look(cfg, p, now);
 }
 
 static __always_inline int is_v4_loopback(__u32 ip4)
@@ -787,6 +833,8 @@ static __always_inline int reverse6(struct bpf_sock_addr *ctx, __u32 hook)
 	return 1;
 }
 
+#ifndef MESHDNS_WATCH_CLOCK
+
 /* The flows bucket of a source port and protocol (the resolver computes the same). */
 static __always_inline __u32 flow_bucket(__u32 port, __u32 proto)
 {
@@ -1062,5 +1110,98 @@ int getpeername6(struct bpf_sock_addr *ctx)
 {
 	return reverse6(ctx, HOOK_GETPEERNAME6);
 }
+
+#else /* MESHDNS_WATCH_CLOCK */
+
+/*
+ * The watch clock (a second object, built with -DMESHDNS_WATCH_CLOCK: BPF
+ * timers need Linux 5.15, the programs above do not). A timer in the kernel
+ * runs every CLOCK_TICK_NS, whether or not anything is being redirected: a
+ * watch always runs from the resolver's last dequeue, and while clients are
+ * sparse the clock looks for them, so a resolver frozen while its clients were
+ * quiet is known to be stalled by the time the next one asks (the agent's watchdog sends an idle,
+ * live resolver an empty datagram a quarter of stall_ns into a watch, so its
+ * watches keep restarting). The timer belongs to the agent that started it:
+ * the kernel cancels it when the last descriptor of watch_clock is closed.
+ */
+enum meshdns_clock {
+	CLOCK_TICK_NS = 10000000,     /* a look every 10 ms */
+	CLOCK_GAP_NS = 50000000,      /* a later tick: the machine did not run */
+	CLOCK_SPARSE_NS = 20000000,   /* clients that look less often than this on average are sparse */
+	CLOCK_SILENT_NS = 1000000000, /* clients that have not looked for this long are too */
+};
+
+struct watch_clock {
+	struct bpf_timer timer;
+	__u64 last_tick; /* bpf_ktime_get_ns of the previous tick */
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__type(key, __u32);
+	__type(value, struct watch_clock);
+	__uint(max_entries, 1);
+} watch_clock SEC(".maps");
+
+/*
+ * One tick. It restarts the watch when something was dequeued, and takes a
+ * look as a redirect would only while clients are sparse: on average more
+ * than CLOCK_SPARSE_NS between the programs' looks, or none for
+ * CLOCK_SILENT_NS. While clients ask every few ms, theirs are the looks that
+ * count, as without a clock: clients that run when the resolver could have
+ * run are what tells a resolver that does not read from one that was not
+ * given a CPU (a machine whose user space is starved starves them both, and
+ * the first client to run afterwards must not find the resolver declared
+ * stalled). Sparse clients would give a frozen resolver one more query before
+ * its next one is bypassed; for them the clock looks. A tick that comes
+ * CLOCK_GAP_NS or more after the previous one found a machine that did not run
+ * (a VM paused, every CPU taken by interrupts): the resolver could not have
+ * dequeued either, so its watch starts afresh instead.
+ */
+static int clock_tick(void *map, __u32 *key, struct watch_clock *c)
+{
+	struct meshdns_config *cfg = get_config();
+	__u32 zero = 0;
+	struct meshdns_progress *p = bpf_map_lookup_elem(&progress, &zero);
+	__u64 now = bpf_ktime_get_ns(), dequeued;
+
+	if (cfg && p) {
+		dequeued = *(volatile __u64 *)&p->dequeued;
+		if (c->last_tick != 0 && now - c->last_tick >= CLOCK_GAP_NS)
+			start_watch(p, dequeued, now);
+		else if (*(volatile __u64 *)&p->client_gap > CLOCK_SPARSE_NS ||
+			 now - *(volatile __u64 *)&p->client_look > CLOCK_SILENT_NS)
+			look(cfg, p, now);
+		else if (dequeued != *(volatile __u64 *)&p->watch_count)
+			start_watch(p, dequeued, now);
+	}
+	if (p)
+		p->clock_tick = now;
+	c->last_tick = now;
+	bpf_timer_start(&c->timer, CLOCK_TICK_NS, 0);
+	return 0;
+}
+
+/* Run once by the agent (BPF_PROG_TEST_RUN): starts the clock. */
+SEC("socket")
+int watch_clock_start(struct __sk_buff *skb)
+{
+	__u32 zero = 0;
+	struct watch_clock *c = bpf_map_lookup_elem(&watch_clock, &zero);
+	long err;
+
+	if (!c)
+		return 1;
+	err = bpf_timer_init(&c->timer, &watch_clock, CLOCK_MONOTONIC);
+	if (err != 0)
+		return 2; /* started already (-EBUSY), or no timers here */
+	if (bpf_timer_set_callback(&c->timer, clock_tick) != 0)
+		return 3;
+	if (bpf_timer_start(&c->timer, CLOCK_TICK_NS, 0) != 0)
+		return 4;
+	return 0;
+}
+
+#endif /* MESHDNS_WATCH_CLOCK */
 
 char LICENSE[] SEC("license") = "Dual BSD/GPL";

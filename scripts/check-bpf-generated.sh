@@ -14,7 +14,7 @@ cp -r "$root/bpf" "$tmp/bpf"
 mkdir -p "$tmp/internal"
 cp -r "$root/internal/redirect" "$tmp/internal/redirect"
 
-generated=(redirect_bpfel.go redirect_bpfel.o)
+generated=(redirect_bpfel.go redirect_bpfel.o watchclock_bpfel.go watchclock_bpfel.o)
 for f in "${generated[@]}"; do
 	rm -f "$tmp/internal/redirect/$f"
 done

@@ -21,8 +21,10 @@ pkgs=(iptables conntrack nftables iproute2 bpftool ca-certificates)
 if [ "$want_test" = 1 ]; then
   # Tests: real resolvers as clients (glibc getent from libc-bin, musl-gcc, dig),
   # setpriv to run clients as other UIDs, clang/llvm/libbpf-dev to check that the
-  # committed BPF objects match the C source, gcc for the musl client.
-  pkgs+=(libc-bin musl-tools bind9-dnsutils util-linux gcc make clang llvm libbpf-dev git)
+  # committed BPF objects match the C source, gcc for the musl client; runc and the
+  # CNI plugins (bridge, host-local, loopback) for the test node (test/node).
+  pkgs+=(libc-bin musl-tools bind9-dnsutils util-linux gcc make clang llvm libbpf-dev git
+    runc containernetworking-plugins)
 fi
 
 missing=()

@@ -147,6 +147,14 @@ struct ip6_hdr {
 	__u32 daddr[4];
 };
 
+/* A BPF timer in a map value (opaque to programs). */
+struct bpf_timer {
+	__u64 : 64;
+	__u64 : 64;
+} __attribute__((aligned(8)));
+
+#define CLOCK_MONOTONIC 1
+
 #define SEC(name) __attribute__((section(name), used))
 #define __always_inline inline __attribute__((always_inline))
 #define __uint(name, val) int(*name)[val]
@@ -168,6 +176,9 @@ static long (*bpf_sk_release)(void *sock) = (void *)86;
 static struct bpf_sock *(*bpf_sk_fullsock)(struct bpf_sock *sk) = (void *)95;
 static void *(*bpf_sk_storage_get)(void *map, void *sk, void *value, __u64 flags) = (void *)107;
 static __u64 (*bpf_get_netns_cookie)(void *ctx) = (void *)122;
+static long (*bpf_timer_init)(struct bpf_timer *timer, void *map, __u64 flags) = (void *)169;
+static long (*bpf_timer_set_callback)(struct bpf_timer *timer, void *callback_fn) = (void *)170;
+static long (*bpf_timer_start)(struct bpf_timer *timer, __u64 nsecs, __u64 flags) = (void *)171;
 
 /* The BPF targets we build for (bpfel) are little-endian. */
 #define bpf_htons(x) ((__u16)__builtin_bswap16((__u16)(x)))

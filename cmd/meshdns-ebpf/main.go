@@ -12,6 +12,7 @@ import (
 	"log/slog"
 	"os"
 	"os/signal"
+	"strings"
 	"syscall"
 
 	"github.com/meshdns/meshdns-ebpf/internal/agent"
@@ -28,6 +29,8 @@ Usage:
   meshdns-ebpf table [flags]     the running agent's merged name table (-o json, or -o ndsz: Istio's format)
   meshdns-ebpf tap [flags]       a live stream of answered queries: who asked, what, the answer and how long it took
   meshdns-ebpf cleanup [flags]   remove what a crashed agent left (pins, links, rules, addresses)
+  meshdns-ebpf probe ready|live [flags]
+                                 a kubelet's exec probe, in the agent's container: is this container's agent ready / live
   meshdns-ebpf version
 `
 
@@ -63,6 +66,8 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		return runTap(ctx, args, stdout, stderr)
 	case "cleanup":
 		return runCleanup(args, stdout, stderr)
+	case "probe":
+		return runProbe(args, stderr)
 	case "version":
 		fmt.Fprintln(stdout, "meshdns-ebpf", version.String())
 		return nil
@@ -208,4 +213,19 @@ func runCleanup(args []string, stdout, stderr io.Writer) error {
 		fmt.Fprintln(stdout, "nothing to clean up")
 	}
 	return err
+}
+
+// runProbe is the DaemonSet's exec probes (agent.Probe): exit 0 when the
+// check passes, else 1 with the reason.
+func runProbe(args []string, stderr io.Writer) error {
+	if len(args) == 0 || strings.HasPrefix(args[0], "-") {
+		return fmt.Errorf("probe: give the check: %s or %s", agent.ProbeReady, agent.ProbeLive)
+	}
+	check, args := args[0], args[1:]
+	fs := newFlagSet("probe "+check, stderr)
+	stateDir := fs.String("state-dir", agent.DefaultStateDir, "the agent's state directory (it holds the agent's local admin socket)")
+	if err := parse(fs, args); err != nil {
+		return err
+	}
+	return agent.Probe(*stateDir, check)
 }

@@ -31,6 +31,9 @@ func TestCLI(t *testing.T) {
 		{[]string{"stats", "extra"}, "", `unexpected argument "extra"`},
 		{[]string{"run", "--mode", "magic"}, "", `--mode "magic"`},
 		{[]string{"run", "--log-level", "loud"}, "", "--log-level"},
+		{[]string{"probe"}, "", "give the check: ready or live"},
+		{[]string{"probe", "sideways", "--state-dir", empty}, "", `probe "sideways": want ready or live`},
+		{[]string{"probe", "ready", "--state-dir", empty}, "", "no agent answers on " + empty + "/admin.sock"},
 	}
 	for _, tc := range tests {
 		t.Run(strings.Join(tc.args, " "), func(t *testing.T) {

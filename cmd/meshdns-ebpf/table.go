@@ -12,10 +12,10 @@ import (
 )
 
 // agentFlags registers how the CLI finds the running agent: its state
-// directory (which records the admin address), or the address itself.
+// directory (which holds its local admin socket), or an admin address.
 func agentFlags(fs *flag.FlagSet) (stateDir, admin *string) {
-	stateDir = fs.String("state-dir", agent.DefaultStateDir, "the agent's state directory (it records the admin address)")
-	admin = fs.String("admin", "", "the agent's admin address ADDR:PORT (default: from the state directory; an agent in --mode off writes none)")
+	stateDir = fs.String("state-dir", agent.DefaultStateDir, "the agent's state directory (it holds the agent's local admin socket)")
+	admin = fs.String("admin", "", "an admin address ADDR:PORT of the agent that serves the debug endpoints: a loopback one (default: the local socket in the state directory; an agent in --mode off has none)")
 	return stateDir, admin
 }
 
@@ -37,18 +37,18 @@ func runTable(args []string, stdout, stderr io.Writer) error {
 	default:
 		return fmt.Errorf("-o %q: want table, json or ndsz", *out)
 	}
-	addr, err := agent.AdminAddress(*stateDir, *admin)
+	ep, err := agent.AgentEndpoint(*stateDir, *admin)
 	if err != nil {
 		return err
 	}
 	if *out == "ndsz" {
-		nt, err := agent.ReadNDS(addr, f.Client)
+		nt, err := agent.ReadNDS(ep, f.Client)
 		if err != nil {
 			return err
 		}
 		return writeJSON(stdout, nt)
 	}
-	entries, err := agent.ReadTable(addr, f)
+	entries, err := agent.ReadTable(ep, f)
 	if err != nil {
 		return err
 	}
@@ -74,11 +74,11 @@ func writeJSONLine(w io.Writer, v any) error { return json.NewEncoder(w).Encode(
 // agent knows. Without an agent (or one without a Kubernetes source) the
 // paths stay; that is only worth a note when the address was given.
 func namePods(s *redirect.Stats, stateDir, admin string, stderr io.Writer) {
-	addr, err := agent.AdminAddress(stateDir, admin)
+	ep, err := agent.AgentEndpoint(stateDir, admin)
 	if err != nil {
 		return
 	}
-	pods, err := agent.ReadPods(addr)
+	pods, err := agent.ReadPods(ep)
 	if err != nil {
 		if admin != "" {
 			fmt.Fprintln(stderr, "note: pods not named:", err)

@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"net/netip"
 	"os"
 	"runtime"
 	"time"
@@ -28,27 +29,38 @@ const (
 	adminMaxHeaderBytes    = 16 << 10
 )
 
-// readiness is what /readyz asks.
-type readiness interface{ Ready() error }
+// checks are what /readyz and /healthz ask.
+type checks interface {
+	Ready() error
+	Live() error
+}
 
-// adminServer serves /healthz, /readyz, /metrics and debug (under /debug/).
+// adminServer serves an admin handler on one listener: the admin address
+// (TCP) or the agent's local socket in its state directory (unix).
 type adminServer struct {
-	addr      string
-	ready     readiness
+	network   string // "tcp" or "unix"
+	addr      string // host:port, or the socket's path
 	log       *slog.Logger
 	inherited *os.File // a predecessor's listener, served instead of binding
-	ln        *net.TCPListener
+	ln        net.Listener
 	hs        *http.Server
 	done      chan struct{}
 }
 
-func newAdminServer(addr string, reg *prometheus.Registry, ready readiness, debug http.Handler, inherited *os.File, log *slog.Logger) *adminServer {
+// adminMux serves /healthz (liveness), /readyz, /metrics and, when debug is not nil,
+// /debug/ (see docs/kubernetes.md for which listener gets which). Every
+// answer names the agent that gave it (agentHeader).
+func adminMux(reg *prometheus.Registry, c checks, debug http.Handler) http.Handler {
 	mux := http.NewServeMux()
 	mux.HandleFunc("/healthz", func(w http.ResponseWriter, _ *http.Request) {
+		if err := c.Live(); err != nil {
+			http.Error(w, "not live: "+err.Error(), http.StatusServiceUnavailable)
+			return
+		}
 		fmt.Fprintln(w, "ok")
 	})
 	mux.HandleFunc("/readyz", func(w http.ResponseWriter, _ *http.Request) {
-		if err := ready.Ready(); err != nil {
+		if err := c.Ready(); err != nil {
 			http.Error(w, "not ready: "+err.Error(), http.StatusServiceUnavailable)
 			return
 		}
@@ -58,10 +70,18 @@ func newAdminServer(addr string, reg *prometheus.Registry, ready readiness, debu
 	if debug != nil {
 		mux.Handle("/debug/", debug)
 	}
+	id := agentID()
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set(agentHeader, id)
+		mux.ServeHTTP(w, r)
+	})
+}
+
+func newAdminServer(network, addr string, handler http.Handler, inherited *os.File, log *slog.Logger) *adminServer {
 	return &adminServer{
-		addr: addr, ready: ready, log: log, inherited: inherited,
+		network: network, addr: addr, log: log, inherited: inherited,
 		hs: &http.Server{
-			Handler:           mux,
+			Handler:           handler,
 			ReadHeaderTimeout: adminReadHeaderTimeout,
 			ReadTimeout:       adminReadTimeout,
 			WriteTimeout:      adminWriteTimeout,
@@ -73,49 +93,82 @@ func newAdminServer(addr string, reg *prometheus.Registry, ready readiness, debu
 
 // Start listens (or takes over the inherited listener) and serves.
 func (a *adminServer) Start(ctx context.Context) error {
-	var ln net.Listener
-	var err error
-	if a.inherited != nil {
-		ln, err = net.FileListener(a.inherited)
-		a.inherited.Close()
-		a.inherited = nil
-		if err != nil {
-			return fmt.Errorf("admin listener from the previous agent: %w", err)
-		}
-	} else {
-		var lc net.ListenConfig
-		lc.SetMultipathTCP(false)
-		if ln, err = lc.Listen(ctx, "tcp", a.addr); err != nil {
-			return fmt.Errorf("admin listen %s: %w", a.addr, err)
-		}
+	ln, err := a.listen(ctx)
+	if err != nil {
+		return err
 	}
-	tl, ok := ln.(*net.TCPListener)
-	if !ok {
-		ln.Close()
-		return fmt.Errorf("admin listener is a %T, not TCP", ln)
-	}
-	a.ln = tl
+	a.ln = ln
 	a.done = make(chan struct{})
 	go func() {
 		defer close(a.done)
-		if err := a.hs.Serve(tl); err != nil && !errors.Is(err, http.ErrServerClosed) {
-			a.log.Error("admin server", "err", err)
+		if err := a.hs.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
+			a.log.Error("admin server", "addr", a.addr, "err", err)
 		}
 	}()
 	return nil
 }
 
+// listen returns the inherited listener, or a new one.
+func (a *adminServer) listen(ctx context.Context) (net.Listener, error) {
+	if a.inherited != nil {
+		ln, err := net.FileListener(a.inherited)
+		a.inherited.Close()
+		a.inherited = nil
+		if err != nil {
+			return nil, fmt.Errorf("admin listener %s from the previous agent: %w", a.addr, err)
+		}
+		if ln.Addr().Network() != a.network {
+			ln.Close()
+			return nil, fmt.Errorf("admin listener %s from the previous agent is %s, not %s", a.addr, ln.Addr().Network(), a.network)
+		}
+		return ln, nil
+	}
+	if a.network == "unix" {
+		return listenLocal(a.addr)
+	}
+	var lc net.ListenConfig
+	lc.SetMultipathTCP(false)
+	ln, err := lc.Listen(ctx, "tcp", a.addr)
+	if err != nil {
+		return nil, fmt.Errorf("admin listen %s: %w", a.addr, err)
+	}
+	return ln, nil
+}
+
+// listenLocal binds the local socket at path, replacing a stale one (ours to
+// replace: the caller holds the state lock), for its owner (root) only. It
+// is not removed when closed: a successor may serve it on.
+func listenLocal(path string) (net.Listener, error) {
+	if err := os.Remove(path); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return nil, fmt.Errorf("replace %s: %w", path, err)
+	}
+	l, err := net.ListenUnix("unix", &net.UnixAddr{Name: path, Net: "unix"})
+	if err != nil {
+		return nil, fmt.Errorf("listen on %s: %w", path, err)
+	}
+	l.SetUnlinkOnClose(false)
+	if err := os.Chmod(path, 0o600); err != nil {
+		l.Close()
+		return nil, fmt.Errorf("restrict %s to its owner: %w", path, err)
+	}
+	return l, nil
+}
+
 // File duplicates the listening socket, for a successor.
 func (a *adminServer) File() (*os.File, error) {
-	if a.ln == nil {
+	f, ok := a.ln.(interface{ File() (*os.File, error) })
+	if a.ln == nil || !ok {
 		return nil, errors.New("admin server is not listening")
 	}
-	return a.ln.File()
+	return f.File()
 }
 
 // Close stops serving (within 2 s for requests in progress) and closes this
 // process's descriptor of the listener. Idempotent; safe without Start.
 func (a *adminServer) Close() error {
+	if a == nil {
+		return nil
+	}
 	if a.inherited != nil {
 		a.inherited.Close()
 		a.inherited = nil
@@ -129,6 +182,61 @@ func (a *adminServer) Close() error {
 	<-a.done
 	a.done = nil
 	return err
+}
+
+// startAdmin serves the admin endpoints: on the admin address /metrics,
+// /healthz and /readyz (and /debug/ when the address is a loopback one: any
+// other is reachable from every pod), and all of them on the local socket in
+// the state directory, which the CLI uses. In a handover both listeners are
+// the predecessor's.
+func (a *Agent) startAdmin(ctx context.Context, reg *prometheus.Registry) error {
+	log := a.log.With("component", "admin")
+	debug := a.cfg.debugHandler(a.store, a.work.tapHandler(a.log.With("component", "tap")))
+	if a.cfg.Admin != "" {
+		var dbg http.Handler
+		if loopbackAdmin(a.cfg.Admin) {
+			dbg = debug
+		}
+		a.admin = newAdminServer("tcp", a.cfg.Admin, adminMux(reg, a, dbg), a.inherit.takeAdmin(), log)
+		if err := a.admin.Start(ctx); err != nil {
+			return err
+		}
+	}
+	if a.mode == ModeOff {
+		return nil // no state directory of its own: nowhere to put the socket
+	}
+	a.local = newAdminServer("unix", LocalPath(a.cfg.StateDir), adminMux(reg, a, debug), a.inherit.takeLocal(), log)
+	if err := a.local.Start(ctx); err != nil {
+		return err
+	}
+	a.st.Local = a.local.addr
+	return nil
+}
+
+// agentHeader names the agent that answered an admin request: its pid and
+// the inode of its pid namespace (a container's own), so a probe run in the
+// agent's container can tell its agent from a predecessor that shares the
+// node's listeners with it until the handover.
+const agentHeader = "Meshdns-Agent"
+
+// agentID is this process's agentHeader value.
+func agentID() string {
+	return fmt.Sprintf("pid=%d pidns=%d", os.Getpid(), currentPidns())
+}
+
+// loopbackAdmin reports whether the admin address is reachable from this
+// host only: a loopback address or "localhost". Such a listener may serve the
+// debug endpoints; any other (the node IP every pod reaches) may not.
+func loopbackAdmin(addr string) bool {
+	host, _, err := net.SplitHostPort(addr)
+	if err != nil {
+		return false
+	}
+	if host == "localhost" {
+		return true
+	}
+	ip, err := netip.ParseAddr(host)
+	return err == nil && ip.IsLoopback()
 }
 
 func newBuildInfo() prometheus.Collector {

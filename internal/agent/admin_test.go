@@ -17,6 +17,7 @@ import (
 type readyFunc func() error
 
 func (f readyFunc) Ready() error { return f() }
+func (readyFunc) Live() error    { return nil }
 
 // The admin server closes connections that send nothing (read timeouts), so a
 // flood of idle connections does not keep /healthz and /metrics from answering;
@@ -25,7 +26,7 @@ func TestAdminServer(t *testing.T) {
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(newBuildInfo())
 	ready := errors.New("name table not loaded yet")
-	a := newAdminServer("127.0.0.1:0", reg, readyFunc(func() error { return ready }), nil, nil, slog.New(slog.DiscardHandler))
+	a := newAdminServer("tcp", "127.0.0.1:0", adminMux(reg, readyFunc(func() error { return ready }), nil), nil, slog.New(slog.DiscardHandler))
 	a.hs.ReadHeaderTimeout = 300 * time.Millisecond // the production value is adminReadHeaderTimeout
 	if err := a.Start(context.Background()); err != nil {
 		t.Fatal(err)
@@ -78,5 +79,26 @@ func TestAdminServer(t *testing.T) {
 	}
 	if code, _ := get("/healthz"); code != http.StatusOK {
 		t.Errorf("/healthz: %d", code)
+	}
+}
+
+// Only an admin address reachable from this host alone may serve the debug
+// endpoints.
+func TestLoopbackAdmin(t *testing.T) {
+	for addr, want := range map[string]bool{
+		"127.0.0.1:9153":      true,
+		"127.0.0.53:9153":     true,
+		"[::1]:9153":          true,
+		"localhost:9153":      true,
+		"10.0.0.7:9153":       false,
+		"[fd00::7]:9153":      false,
+		"0.0.0.0:9153":        false,
+		":9153":               false,
+		"[::]:9153":           false,
+		"node.example.com:80": false,
+	} {
+		if got := loopbackAdmin(addr); got != want {
+			t.Errorf("loopbackAdmin(%q) = %v, want %v", addr, got, want)
+		}
 	}
 }

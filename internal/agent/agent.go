@@ -20,6 +20,7 @@ import (
 
 	"github.com/meshdns/meshdns-ebpf/internal/cgroup2"
 	"github.com/meshdns/meshdns-ebpf/internal/ctzone"
+	"github.com/meshdns/meshdns-ebpf/internal/kubelife"
 	"github.com/meshdns/meshdns-ebpf/internal/names"
 	"github.com/meshdns/meshdns-ebpf/internal/redirect"
 	"github.com/meshdns/meshdns-ebpf/internal/resolver"
@@ -62,8 +63,12 @@ type Agent struct {
 	srv          *resolver.Server
 	dp           *redirect.Datapath
 	rules        *ctzone.Rules
-	admin        *adminServer
+	live         *liveness    // the resolver's liveness (/healthz)
+	liveClose    func() error // closes the liveness probe's socket
+	admin        *adminServer // the admin address
+	local        *adminServer // the local socket in the state dir
 	hl           *net.UnixListener
+	life         *kubelife.Watch // the agent's own pod, DaemonSet and namespace (Kubernetes)
 	stopLoops    chan struct{}
 	loops        sync.WaitGroup
 
@@ -72,9 +77,11 @@ type Agent struct {
 	closing     bool
 	serving     bool          // resolver sockets registered with the datapath
 	handingOver chan struct{} // non-nil while a handover runs; closed when it ends
+	takingOver  int           // the predecessor's pid while this agent takes over from it
 	hconn       *net.UnixConn // the handover connection in progress
 	handedOff   bool
 	successor   int
+	uninstall   bool // the stop removes everything (followLifecycle)
 
 	shutOnce sync.Once
 	shutDone chan struct{}
@@ -208,6 +215,9 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 		st.Upstreams = append(st.Upstreams, u.String())
 	}
 	a.st = st
+	if mode == ModeEBPF {
+		a.reportBPFFS()
+	}
 
 	// The state file is written before anything is installed and again after each
 	// step, so that `cleanup` after a crash at any point knows what to remove. In a
@@ -252,6 +262,9 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 	}
 	if err := a.store.Start(ctx); err != nil {
 		return fmt.Errorf("start name sources: %w", err)
+	}
+	if kubeRest != nil && mode != ModeOff {
+		a.watchLifecycle(ctx, kubeRest)
 	}
 	if a.inherit != nil {
 		// Our resolver will read the predecessor's sockets as soon as it starts:
@@ -308,7 +321,7 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 	rc := resolver.Config{
 		Listen:        listenAddrs,
 		Table:         a.store,
-		Forwarder:     a.fwd,
+		Forwarder:     cfg.forwarder(a.fwd),
 		PodRecords:    cfg.PodRecords,
 		TTL:           cfg.TTL,
 		ClusterDomain: cfg.ClusterDomain,
@@ -333,6 +346,9 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 	if err := a.srv.Start(ctx); err != nil {
 		return fmt.Errorf("start resolver: %w", err)
 	}
+	if err := a.watchLiveness(); err != nil {
+		return err
+	}
 
 	if mode == ModeIptables {
 		if a.rules, err = ctzone.New(cfg.ctzoneConfig(log)); err != nil {
@@ -344,16 +360,9 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 		st.Backend = a.rules.Backend()
 	}
 
-	// Admin endpoints.
-	if cfg.Admin != "" {
-		var inherited *os.File
-		if a.inherit != nil {
-			inherited, a.inherit.admin = a.inherit.admin, nil
-		}
-		a.admin = newAdminServer(cfg.Admin, reg, a, cfg.debugHandler(a.store, a.work.tapHandler(log.With("component", "tap"))), inherited, log.With("component", "admin"))
-		if err := a.admin.Start(ctx); err != nil {
-			return err
-		}
+	// Admin endpoints: the admin address and the local socket.
+	if err := a.startAdmin(ctx, reg); err != nil {
+		return err
 	}
 
 	// Capture on, as soon as the resolver is ready (at once, normally: the name
@@ -377,6 +386,7 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 		}
 		log.Info("took over from the previous agent", "pid", a.inherit.from)
 		a.inherit = nil
+		a.setTakingOver(0)
 		if mode != ModeOff {
 			if a.hl, err = listenHandover(cfg.StateDir); err != nil {
 				log.Error("no handover socket: a successor will not be able to take over", "err", err)
@@ -393,8 +403,9 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 			return err
 		}
 	}
-	a.loops.Add(1)
+	a.loops.Add(2)
 	go a.readinessLoop()
+	go a.livenessLoop()
 	if a.hl != nil {
 		a.loops.Add(1)
 		go a.handoverLoop()
@@ -405,14 +416,18 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 	return nil
 }
 
-// Ready is the agent's readiness (/readyz, and what switches capture on): the
-// name sources' and the resolver's, and not handed over.
+// Ready is the agent's readiness (/readyz): the name sources' and the
+// resolver's, once it serves the node: not while it is still taking over,
+// nor once it handed over.
 func (a *Agent) Ready() error {
 	a.mu.Lock()
-	off, succ := a.handedOff, a.successor
+	off, succ, pred := a.handedOff, a.successor, a.takingOver
 	a.mu.Unlock()
 	if off {
 		return fmt.Errorf("handed over to pid %d", succ)
+	}
+	if pred != 0 {
+		return fmt.Errorf("taking over from pid %d", pred)
 	}
 	if a.srv == nil || a.store == nil {
 		return errors.New("resolver not started")
@@ -421,6 +436,55 @@ func (a *Agent) Ready() error {
 		return err
 	}
 	return a.srv.Ready()
+}
+
+// Live is the agent's liveness (/healthz): its resolver is not wedged. An
+// agent that handed over (it waits for its SIGTERM) or is stopping is live.
+func (a *Agent) Live() error {
+	a.mu.Lock()
+	done := a.handedOff || a.closing
+	a.mu.Unlock()
+	if done || a.live == nil {
+		return nil
+	}
+	return a.live.check(time.Now())
+}
+
+// watchLiveness sets up the resolver's liveness monitor (liveness.go), which
+// probes the resolver's first address.
+func (a *Agent) watchLiveness() error {
+	addrs := a.srv.Addrs()
+	if len(addrs) == 0 {
+		return errors.New("liveness: the resolver has no address")
+	}
+	send, closeProbe, err := resolverProbe(addrs[0])
+	if err != nil {
+		return err
+	}
+	a.liveClose = closeProbe
+	a.live = newLiveness(a.srv.Progress, send, time.Now())
+	return nil
+}
+
+func (a *Agent) livenessLoop() {
+	defer a.loops.Done()
+	t := time.NewTicker(livenessInterval)
+	defer t.Stop()
+	for {
+		select {
+		case <-a.stopLoops:
+			return
+		case now := <-t.C:
+			a.live.look(now)
+		}
+	}
+}
+
+// setTakingOver records the predecessor this agent takes over from (0: none).
+func (a *Agent) setTakingOver(pid int) {
+	a.mu.Lock()
+	a.takingOver = pid
+	a.mu.Unlock()
 }
 
 // waitReady polls ready until it reports nil, ctx is done or d passed.
@@ -478,6 +542,7 @@ func (a *Agent) acquire(ctx context.Context) error {
 				return err
 			}
 			a.lock, a.inherit = in.lock, in
+			a.setTakingOver(in.from)
 			a.log.Info("taking over from the running agent", "pid", in.from)
 			return nil
 		}
@@ -695,13 +760,19 @@ func (a *Agent) handleHandover(c *net.UnixConn) {
 	o := offer{lock: a.lock.f}
 	stCopy := *a.st
 	o.state = &stCopy
-	if a.admin != nil {
-		if o.admin, err = a.admin.File(); err != nil {
-			a.log.Error("handover: admin listener", "err", err)
+	for _, l := range []struct {
+		srv  *adminServer
+		file **os.File
+	}{{a.admin, &o.admin}, {a.local, &o.local}} {
+		if l.srv == nil {
+			continue
+		}
+		if *l.file, err = l.srv.File(); err != nil {
+			a.log.Error("handover: admin listener", "addr", l.srv.addr, "err", err)
 			_ = writeMsg(c, handoverMsg{Op: "error", Error: err.Error()}, nil)
 			return
 		}
-		defer o.admin.Close()
+		defer (*l.file).Close()
 	}
 	if o.listeners, err = a.srv.Files(); err != nil {
 		a.log.Error("handover: resolver sockets", "err", err)
@@ -765,6 +836,12 @@ func (a *Agent) Close() error {
 	a.mu.Lock()
 	handoff := a.handedOff
 	a.mu.Unlock()
+	if !handoff {
+		a.followLifecycle()
+		a.mu.Lock()
+		handoff = a.handedOff
+		a.mu.Unlock()
+	}
 	a.shutdown(handoff)
 	<-a.shutDone
 	return a.shutErr
@@ -795,6 +872,9 @@ func (a *Agent) shutdown(handoff bool) {
 		}
 		close(a.stopLoops)
 		a.loops.Wait()
+		if a.liveClose != nil {
+			add("liveness probe socket", a.liveClose())
+		}
 		if handoff {
 			for _, h := range []interface{ Handoff() }{a.dp, a.rules, a.nodes} {
 				if h != nil && !isNilHandoff(h) {
@@ -802,6 +882,9 @@ func (a *Agent) shutdown(handoff bool) {
 				}
 			}
 		} else {
+			if a.uninstall && a.dp != nil {
+				a.dp.DetachOnClose()
+			}
 			log.Info("stopping: capture off, then the resolver drains")
 			if a.dp != nil {
 				add("capture off", a.dp.Unserve())
@@ -835,11 +918,17 @@ func (a *Agent) shutdown(handoff bool) {
 		if a.nodes != nil {
 			add("node address", a.nodes.Close())
 		}
-		if a.admin != nil {
-			add("admin server", a.admin.Close())
+		add("admin server", a.admin.Close())
+		add("local admin socket", a.local.Close())
+		if a.local != nil && !handoff {
+			add("local admin socket", removeFile(a.local.addr))
 		}
 		if a.st != nil && !handoff {
 			add("state file", removeState(a.cfg.StateDir))
+		}
+		add("lifecycle watch", a.life.Close())
+		if a.uninstall && !handoff {
+			add("state dir", removeStateDir(a.cfg.StateDir))
 		}
 		add("state lock", a.lock.release())
 		a.shutErr = errors.Join(errs...)

@@ -86,6 +86,12 @@ type Config struct {
 	// after taking the descriptors and the datapath, before it serves;
 	// "predecessor" kills itself right after sending its descriptors.
 	handoverFault string
+	// slowSync holds the name sources' first sync back this long (tests: a
+	// slow API server).
+	slowSync time.Duration
+	// wedgeOn wedges the query path at the first query for this name (tests:
+	// a deadlock in the resolver).
+	wedgeOn string
 }
 
 // DefaultBPFFS is where the agent pins its links and maps, and where the CLI reads them.
@@ -195,6 +201,8 @@ func (c *Config) RegisterFlags(fs *flag.FlagSet) {
 	fs.StringVar(&c.LogFormat, "log-format", "text", "text or json")
 	fs.StringVar(&c.forceNoEBPF, "x-force-no-ebpf", "", "testing only: make auto mode behave as if the eBPF probe failed with this reason")
 	fs.StringVar(&c.handoverFault, "x-handover-fault", "", "testing only: crash in a handover, as the successor (before serving) or the predecessor (after sending its descriptors)")
+	fs.DurationVar(&c.slowSync, "x-slow-sync", 0, "testing only: the name sources' first sync takes at least this long (a slow API server)")
+	fs.StringVar(&c.wedgeOn, "x-wedge-on", "", "testing only: the first query for this name wedges the query path (it and every later forwarded query block their reader for good)")
 }
 
 // Validate checks what can be checked without touching the system.

@@ -6,8 +6,9 @@ package agent
 // finds the state lock held connects and:
 //
 //	B -> A  hello {pid}
-//	A -> B  offer {state, listeners, admin} + descriptors (SCM_RIGHTS, in chunks):
-//	        the state lock, the admin listener, every resolver socket
+//	A -> B  offer {state, listeners, admin, local} + descriptors (SCM_RIGHTS, in chunks):
+//	        the state lock, the admin listener, every resolver socket, the
+//	        local admin socket's listener (last: an older successor ignores it)
 //	B       starts on them: serves the same sockets (both read them for a moment),
 //	        adopts the pinned datapath (links get B's programs in place), writes state
 //	B -> A  serving {pid}
@@ -47,6 +48,7 @@ type handoverMsg struct {
 	State     *State             `json:"state,omitempty"`
 	Listeners []handoverListener `json:"listeners,omitempty"`
 	Admin     bool               `json:"admin,omitempty"` // the admin listener follows the lock
+	Local     bool               `json:"local,omitempty"` // the local admin socket's listener is the last descriptor
 	FDs       int                `json:"fds,omitempty"`   // descriptors that follow the offer
 }
 
@@ -61,14 +63,36 @@ type inheritance struct {
 	state     *State
 	lock      *stateLock
 	admin     *os.File
+	local     *os.File
 	listeners []resolver.InheritedListener
 	conn      *net.UnixConn // to tell the predecessor we serve
 }
 
+// takeAdmin and takeLocal hand the caller the inherited admin listener and
+// local socket (nil when there is none), which closeUnused then leaves alone.
+func (in *inheritance) takeAdmin() *os.File {
+	return in.take(func(in *inheritance) **os.File { return &in.admin })
+}
+func (in *inheritance) takeLocal() *os.File {
+	return in.take(func(in *inheritance) **os.File { return &in.local })
+}
+
+func (in *inheritance) take(field func(*inheritance) **os.File) *os.File {
+	if in == nil {
+		return nil
+	}
+	f := field(in)
+	got := *f
+	*f = nil
+	return got
+}
+
 // closeUnused closes what nobody took.
 func (in *inheritance) closeUnused() {
-	if in.admin != nil {
-		in.admin.Close()
+	for _, f := range []*os.File{in.admin, in.local} {
+		if f != nil {
+			f.Close()
+		}
 	}
 	for _, l := range in.listeners {
 		for _, f := range l.UDP {
@@ -206,6 +230,9 @@ func unpackOffer(offer handoverMsg, files []*os.File) (*inheritance, error) {
 	}
 	in := &inheritance{from: offer.PID, state: offer.State, lock: adoptLock(files[0])}
 	files = files[1:]
+	if offer.Local && len(files) > 0 {
+		in.local, files = files[len(files)-1], files[:len(files)-1]
+	}
 	if offer.Admin {
 		in.admin, files = files[0], files[1:]
 	}
@@ -232,6 +259,7 @@ type offer struct {
 	state     *State
 	lock      *os.File
 	admin     *os.File
+	local     *os.File
 	listeners []resolver.InheritedListener
 
 	dieAfterSend bool // fault injection (tests): SIGKILL ourselves once sent
@@ -239,20 +267,10 @@ type offer struct {
 
 // sendOffer sends the offer and its descriptors, then waits for "serving".
 func sendOffer(c *net.UnixConn, o offer) (successor int, err error) {
-	fds := []int{int(o.lock.Fd())}
-	m := handoverMsg{Op: "offer", PID: os.Getpid(), State: o.state}
-	if o.admin != nil {
-		m.Admin = true
-		fds = append(fds, int(o.admin.Fd()))
+	m, fds, err := o.message()
+	if err != nil {
+		return 0, err
 	}
-	for _, l := range o.listeners {
-		m.Listeners = append(m.Listeners, handoverListener{Addr: l.Addr, UDP: len(l.UDP)})
-		for _, f := range l.UDP {
-			fds = append(fds, int(f.Fd()))
-		}
-		fds = append(fds, int(l.TCP.Fd()))
-	}
-	m.FDs = len(fds)
 	first := min(len(fds), maxFDsPerMessage)
 	if err := writeMsg(c, m, fds[:first]); err != nil {
 		return 0, fmt.Errorf("send the offer: %w", err)
@@ -276,6 +294,50 @@ func sendOffer(c *net.UnixConn, o offer) (successor int, err error) {
 		return 0, fmt.Errorf("the successor did not start: %s %s", reply.Op, reply.Error)
 	}
 	return reply.PID, nil
+}
+
+// message is the offer message and its descriptors, in the order
+// unpackOffer takes them: the lock, the admin listener, each listen
+// address's UDP sockets and TCP listener, the local socket's listener.
+func (o offer) message() (handoverMsg, []int, error) {
+	m := handoverMsg{Op: "offer", PID: os.Getpid(), State: o.state, Admin: o.admin != nil, Local: o.local != nil}
+	files := []*os.File{o.lock}
+	if o.admin != nil {
+		files = append(files, o.admin)
+	}
+	for _, l := range o.listeners {
+		m.Listeners = append(m.Listeners, handoverListener{Addr: l.Addr, UDP: len(l.UDP)})
+		files = append(append(files, l.UDP...), l.TCP)
+	}
+	if o.local != nil {
+		files = append(files, o.local)
+	}
+	fds := make([]int, 0, len(files))
+	for _, f := range files {
+		fd, err := rawFD(f)
+		if err != nil {
+			return m, nil, fmt.Errorf("handover descriptor %s: %w", f.Name(), err)
+		}
+		fds = append(fds, fd)
+	}
+	m.FDs = len(fds)
+	return m, fds, nil
+}
+
+// rawFD is f's descriptor, valid while f is open. Unlike f.Fd() it leaves
+// the open file description's mode alone: Fd switches it to blocking, and
+// this process's listener, which shares the description with f and serves
+// on until the drain, would then block in accept (and its Close with it).
+func rawFD(f *os.File) (int, error) {
+	rc, err := f.SyscallConn()
+	if err != nil {
+		return 0, err
+	}
+	fd := -1
+	if err := rc.Control(func(u uintptr) { fd = int(u) }); err != nil {
+		return 0, err
+	}
+	return fd, nil
 }
 
 // listenHandover binds the handover socket, replacing a stale one (ours to

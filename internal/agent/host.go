@@ -123,7 +123,7 @@ func ensureBPFFS(pinDir string) (mounted bool, err error) {
 		return false, fmt.Errorf("--bpffs %s: %s is not on a bpf filesystem (mount one with: mount -t bpf bpf %s)", pinDir, parent, parent)
 	}
 	if !hasCap(capSysAdmin) {
-		return false, fmt.Errorf("--bpffs %s: no bpf filesystem is mounted at %s, and mounting one needs CAP_SYS_ADMIN, which the agent does not have (and need not: mount it for the agent, e.g. mount -t bpf bpf %s, or the DaemonSet's /sys/fs/bpf hostPath)", pinDir, parent, parent)
+		return false, fmt.Errorf("--bpffs %s: no bpf filesystem is mounted at %s, and mounting one needs CAP_SYS_ADMIN, which the agent does not have (and need not: mount it for the agent, e.g. mount -t bpf bpf %s; in Kubernetes the node must have a bpffs at /sys/fs/bpf, as a shared mount, for the DaemonSet's /sys/fs/bpf hostPath)", pinDir, parent, parent)
 	}
 	if err := os.MkdirAll(parent, 0o755); err != nil {
 		return false, fmt.Errorf("create %s: %w", parent, err)

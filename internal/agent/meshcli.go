@@ -23,25 +23,78 @@ import (
 )
 
 // What the CLI (`table`, `status`, `stats`) reads from the running agent's
-// admin endpoint (debugHandler).
+// admin endpoints (debugHandler): on its local socket, or at an admin address
+// given with --admin.
 
-// AdminAddress is the running agent's admin address: override when given,
-// else the one its state file in stateDir records.
-func AdminAddress(stateDir, override string) (string, error) {
+// Endpoint is where the CLI reaches the agent's admin endpoints: the local
+// socket Socket, or else the admin address Addr.
+type Endpoint struct {
+	Socket string
+	Addr   string
+}
+
+// AgentEndpoint is the running agent's admin endpoint: the address override
+// when given, else the local socket in stateDir, else the admin address the
+// agent's state file records (an agent of a version without a local socket;
+// it serves the debug endpoints there).
+func AgentEndpoint(stateDir, override string) (Endpoint, error) {
 	if override != "" {
-		return override, nil
+		return Endpoint{Addr: override}, nil
+	}
+	if fi, err := os.Stat(LocalPath(stateDir)); err == nil && fi.Mode()&os.ModeSocket != 0 {
+		return Endpoint{Socket: LocalPath(stateDir)}, nil
 	}
 	st, err := ReadState(stateDir)
 	if errors.Is(err, os.ErrNotExist) {
-		return "", fmt.Errorf("no agent state in %s: is the agent running? (an agent in --mode off writes none: give --admin ADDR)", stateDir)
+		return Endpoint{}, fmt.Errorf("no agent socket or state in %s: is the agent running? (an agent in --mode off has none: give --admin ADDR)", stateDir)
 	}
 	if err != nil {
-		return "", err
+		return Endpoint{}, err
 	}
 	if st.Admin == "" {
-		return "", errors.New("the agent runs without an admin endpoint (--admin \"\")")
+		return Endpoint{}, errors.New("the agent runs without an admin endpoint (--admin \"\")")
 	}
-	return st.Admin, nil
+	return Endpoint{Addr: st.Admin}, nil
+}
+
+// get asks the agent for path, within ctx (which bounds the body too: the
+// tap streams). A status other than 200 is an error with the agent's
+// message.
+func (e Endpoint) get(ctx context.Context, path string) (*http.Response, error) {
+	c, u := http.DefaultClient, adminURL(e.Addr, path)
+	if e.Socket != "" {
+		c = &http.Client{Transport: &http.Transport{
+			DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
+				return (&net.Dialer{}).DialContext(ctx, "unix", e.Socket)
+			},
+			DisableKeepAlives: true, // one request per CLI call: nothing to keep
+		}}
+		u = "http://agent" + path
+	}
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, u, nil)
+	if err != nil {
+		return nil, err
+	}
+	resp, err := c.Do(req)
+	if err != nil {
+		return nil, fmt.Errorf("ask the agent: %w", err)
+	}
+	if resp.StatusCode != http.StatusOK {
+		b, _ := io.ReadAll(io.LimitReader(resp.Body, 1024))
+		resp.Body.Close()
+		return nil, &statusError{path: path, status: resp.Status, body: strings.TrimSpace(string(b)), header: resp.Header}
+	}
+	return resp, nil
+}
+
+// statusError is the agent's answer other than 200.
+type statusError struct {
+	path, status, body string
+	header             http.Header
+}
+
+func (e *statusError) Error() string {
+	return fmt.Sprintf("agent %s: %s: %s", e.path, e.status, e.body)
 }
 
 // adminURL is the URL of path on the admin address; an unspecified host
@@ -55,14 +108,14 @@ func adminURL(admin, path string) string {
 	return "http://" + admin + path
 }
 
-func getJSON(admin, path string, v any) error {
-	return getJSONWithin(admin, path, v, 30*time.Second) // a table of 100k names is a few MB
+func getJSON(e Endpoint, path string, v any) error {
+	return getJSONWithin(e, path, v, 30*time.Second) // a table of 100k names is a few MB
 }
 
-func getJSONWithin(admin, path string, v any, timeout time.Duration) error {
+func getJSONWithin(e Endpoint, path string, v any, timeout time.Duration) error {
 	ctx, cancel := context.WithTimeout(context.Background(), timeout)
 	defer cancel()
-	resp, err := adminGet(ctx, admin, path)
+	resp, err := e.get(ctx, path)
 	if err != nil {
 		return err
 	}
@@ -73,32 +126,12 @@ func getJSONWithin(admin, path string, v any, timeout time.Duration) error {
 	return nil
 }
 
-// adminGet GETs path from the agent's admin endpoint: the one way the CLI
-// talks to a running agent (JSON answers and the tap's stream alike). A
-// status other than 200 is an error with the agent's message.
-func adminGet(ctx context.Context, admin, path string) (*http.Response, error) {
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, adminURL(admin, path), nil)
-	if err != nil {
-		return nil, err
-	}
-	resp, err := http.DefaultClient.Do(req)
-	if err != nil {
-		return nil, fmt.Errorf("ask the agent: %w", err)
-	}
-	if resp.StatusCode != http.StatusOK {
-		b, _ := io.ReadAll(io.LimitReader(resp.Body, 1024))
-		resp.Body.Close()
-		return nil, fmt.Errorf("agent %s: %s: %s", path, resp.Status, strings.TrimSpace(string(b)))
-	}
-	return resp, nil
-}
-
 // StreamTap streams the agent's answered queries that f selects (/debug/tap)
 // to fn, until ctx ends (then it returns nil), the agent goes away, or fn
 // fails. Records the agent could not hand over because this reader was too
 // slow arrive as notices (Record.Lost).
-func StreamTap(ctx context.Context, admin string, f tap.Filter, fn func(*tap.Record) error) error {
-	resp, err := adminGet(ctx, admin, "/debug/tap?"+f.Values().Encode())
+func StreamTap(ctx context.Context, e Endpoint, f tap.Filter, fn func(*tap.Record) error) error {
+	resp, err := e.get(ctx, "/debug/tap?"+f.Values().Encode())
 	if err != nil {
 		return err
 	}
@@ -114,7 +147,7 @@ func StreamTap(ctx context.Context, admin string, f tap.Filter, fn func(*tap.Rec
 }
 
 // ReadTable lists the agent's name table.
-func ReadTable(admin string, f nameview.Filter) ([]nameview.Entry, error) {
+func ReadTable(e Endpoint, f nameview.Filter) ([]nameview.Entry, error) {
 	q := url.Values{}
 	for k, v := range map[string]string{"name": f.Name, "namespace": f.Namespace, "source": f.Source, "client": f.Client} {
 		if v != "" {
@@ -122,20 +155,20 @@ func ReadTable(admin string, f nameview.Filter) ([]nameview.Entry, error) {
 		}
 	}
 	var out []nameview.Entry
-	return out, getJSON(admin, "/debug/table?"+q.Encode(), &out)
+	return out, getJSON(e, "/debug/table?"+q.Encode(), &out)
 }
 
 // ReadNDS returns the agent's table in Istio's NameTable JSON as a client
 // of namespace ns sees it.
-func ReadNDS(admin, ns string) (*nameview.NameTable, error) {
+func ReadNDS(e Endpoint, ns string) (*nameview.NameTable, error) {
 	var out nameview.NameTable
-	return &out, getJSON(admin, "/debug/ndsz?"+url.Values{"namespace": {ns}}.Encode(), &out)
+	return &out, getJSON(e, "/debug/ndsz?"+url.Values{"namespace": {ns}}.Encode(), &out)
 }
 
 // ReadSources returns the agent's name sources.
-func ReadSources(admin string) ([]names.SourceStatus, error) {
+func ReadSources(e Endpoint) ([]names.SourceStatus, error) {
 	var out []names.SourceStatus
-	return out, getJSONWithin(admin, "/debug/sources", &out, 2*time.Second)
+	return out, getJSONWithin(e, "/debug/sources", &out, 2*time.Second)
 }
 
 // PodUID returns the UID of the Pod a cgroup path belongs to, or "".
@@ -156,9 +189,9 @@ func NamePods(s *redirect.Stats, pods []kubesource.PodRef) {
 }
 
 // ReadPods returns the Pods of this node the agent knows.
-func ReadPods(admin string) ([]kubesource.PodRef, error) {
+func ReadPods(e Endpoint) ([]kubesource.PodRef, error) {
 	var out []kubesource.PodRef
-	return out, getJSON(admin, "/debug/pods", &out)
+	return out, getJSON(e, "/debug/pods", &out)
 }
 
 // writeSources prints the name sources and their state.
@@ -223,16 +256,9 @@ func (s *Status) writeMesh(w io.Writer) error {
 	return writeSources(w, s.Sources)
 }
 
-// readSourcesInto adds the agent's name sources to a status; admin
-// overrides the state file's address.
-func (s *Status) readSourcesInto(admin string) {
-	if admin == "" {
-		if s.Agent == nil || !s.Running || s.Agent.Admin == "" {
-			return
-		}
-		admin = s.Agent.Admin
-	}
-	srcs, err := ReadSources(admin)
+// readSourcesInto adds the agent's name sources to a status.
+func (s *Status) readSourcesInto(e Endpoint) {
+	srcs, err := ReadSources(e)
 	if err != nil {
 		s.Errors = append(s.Errors, "name sources: "+err.Error())
 		return
@@ -247,23 +273,25 @@ func ReadStatusAt(stateDir, pinDir, admin string) *Status {
 	if admin == "" {
 		return s
 	}
-	s.Ready = readyAt(admin)
+	e := Endpoint{Addr: admin}
+	s.Ready = readyAt(e)
 	s.Sources = nil
-	s.readSourcesInto(admin)
+	s.readSourcesInto(e)
 	return s
 }
 
 // readyAt asks the agent's /readyz: "yes", or why not.
-func readyAt(admin string) string {
-	c := http.Client{Timeout: time.Second}
-	resp, err := c.Get(adminURL(admin, "/readyz"))
-	if err != nil {
+func readyAt(e Endpoint) string {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+	defer cancel()
+	resp, err := e.get(ctx, "/readyz")
+	var notOK *statusError
+	switch {
+	case errors.As(err, &notOK):
+		return "no: " + notOK.body
+	case err != nil:
 		return "unknown: " + err.Error()
 	}
-	defer resp.Body.Close()
-	b, _ := io.ReadAll(io.LimitReader(resp.Body, 512))
-	if resp.StatusCode == http.StatusOK {
-		return "yes"
-	}
-	return "no: " + strings.TrimSpace(string(b))
+	resp.Body.Close()
+	return "yes"
 }

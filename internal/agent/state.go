@@ -26,8 +26,10 @@ type State struct {
 	Upstreams   []string   `json:"upstreams"`
 	Cgroup      string     `json:"cgroup,omitempty"`
 	BPFFS       string     `json:"bpffs,omitempty"`
+	BPFFSMount  string     `json:"bpffs_mount,omitempty"` // the mount holding BPFFS: point (fstype, propagation)
 	Backend     string     `json:"iptables_backend,omitempty"`
 	Admin       string     `json:"admin,omitempty"`
+	Local       string     `json:"local,omitempty"` // the local admin socket (every endpoint, debug included)
 	NodeAddrs   []NodeAddr `json:"node_addrs,omitempty"`
 	Persist     bool       `json:"persist"`
 	Started     time.Time  `json:"started"`
@@ -36,9 +38,15 @@ type State struct {
 }
 
 // currentNetns returns the inode of this process's network namespace.
-func currentNetns() uint64 {
+func currentNetns() uint64 { return nsInode("net") }
+
+// currentPidns returns the inode of this process's pid namespace.
+func currentPidns() uint64 { return nsInode("pid") }
+
+// nsInode is the inode of this process's namespace of kind ("net", "pid").
+func nsInode(kind string) uint64 {
 	var st syscall.Stat_t
-	if err := syscall.Stat("/proc/self/ns/net", &st); err != nil {
+	if err := syscall.Stat("/proc/self/ns/"+kind, &st); err != nil {
 		return 0
 	}
 	return st.Ino
@@ -47,6 +55,10 @@ func currentNetns() uint64 {
 func statePath(dir string) string    { return filepath.Join(dir, "agent.json") }
 func lockPath(dir string) string     { return filepath.Join(dir, "agent.lock") }
 func handoverPath(dir string) string { return filepath.Join(dir, "handover.sock") }
+
+// LocalPath is the agent's local admin socket in its state directory: every
+// admin endpoint, the debug ones included (docs/kubernetes.md).
+func LocalPath(dir string) string { return filepath.Join(dir, "admin.sock") }
 
 func writeState(dir string, st *State) error {
 	if err := os.MkdirAll(dir, 0o755); err != nil {
@@ -84,6 +96,14 @@ func removeState(dir string) error {
 	err := os.Remove(statePath(dir))
 	if err != nil && !errors.Is(err, os.ErrNotExist) {
 		return fmt.Errorf("remove state file: %w", err)
+	}
+	return nil
+}
+
+// removeFile removes path; a missing file is no error.
+func removeFile(path string) error {
+	if err := os.Remove(path); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return err
 	}
 	return nil
 }

@@ -54,7 +54,7 @@ func ReadStatus(stateDir, pinDir string) *Status {
 	switch {
 	case err == nil:
 		s.Agent = st
-		s.Ready = probeReady(st, running)
+		s.Ready = probeReady(stateDir, st, running)
 	case errors.Is(err, os.ErrNotExist):
 		s.Errors = append(s.Errors, fmt.Sprintf("no agent state in %s: the agent is not running (or stopped cleanly)", stateDir))
 	default:
@@ -70,18 +70,23 @@ func ReadStatus(stateDir, pinDir string) *Status {
 	} else {
 		s.Errors = append(s.Errors, "conntrack: "+err.Error())
 	}
-	s.readSourcesInto("")
+	if s.Agent != nil && s.Running {
+		if e, err := AgentEndpoint(stateDir, ""); err == nil {
+			s.readSourcesInto(e)
+		}
+	}
 	return s
 }
 
-func probeReady(st *State, running bool) string {
+func probeReady(stateDir string, st *State, running bool) string {
 	if !running {
 		return fmt.Sprintf("no: agent pid %d is not running (it holds no lock)", st.PID)
 	}
-	if st.Admin == "" {
-		return "unknown: admin endpoint disabled"
+	e, err := AgentEndpoint(stateDir, "")
+	if err != nil {
+		return "unknown: " + err.Error()
 	}
-	return readyAt(st.Admin)
+	return readyAt(e)
 }
 
 // WriteTable prints the status for people.
@@ -101,10 +106,16 @@ func (s *Status) WriteTable(w io.Writer) error {
 		if a.Cgroup != "" {
 			fmt.Fprintf(tw, "cgroup\t%s\n", a.Cgroup)
 		}
+		if a.BPFFSMount != "" {
+			fmt.Fprintf(tw, "bpffs mount\t%s\n", a.BPFFSMount)
+		}
 		if a.Backend != "" {
 			fmt.Fprintf(tw, "iptables backend\t%s\n", a.Backend)
 		}
 		fmt.Fprintf(tw, "admin\t%s\n", a.Admin)
+		if a.Local != "" {
+			fmt.Fprintf(tw, "local admin socket\t%s\n", a.Local)
+		}
 		fmt.Fprintf(tw, "started\t%s\n", a.Started.Format(time.RFC3339))
 		fmt.Fprintln(tw)
 	}
@@ -187,8 +198,10 @@ func Cleanup(stateDir, pinDir string, log *slog.Logger) ([]string, error) {
 			removed = append(removed, "state file "+statePath(stateDir))
 		}
 	}
-	if err := os.Remove(handoverPath(stateDir)); err == nil {
-		removed = append(removed, "handover socket "+handoverPath(stateDir))
+	for what, p := range map[string]string{"handover socket": handoverPath(stateDir), "local admin socket": LocalPath(stateDir)} {
+		if err := os.Remove(p); err == nil {
+			removed = append(removed, what+" "+p)
+		}
 	}
 	return removed, errors.Join(errs...)
 }

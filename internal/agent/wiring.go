@@ -272,6 +272,9 @@ func (c *Config) newNameStore(reg prometheus.Registerer, kubeRest *rest.Config, 
 	if err := c.addIstiodSource(store, reg, log); err != nil {
 		return nil, err
 	}
+	if err := c.addFaultSources(store); err != nil {
+		return nil, err
+	}
 	if c.NamesFile == "" && kubeRest == nil && !c.meshSources() && c.Istiod.Addr == "" {
 		demo, err := filesource.NewStatic("demo", defaultNames, store.Domain())
 		if err != nil {

@@ -92,6 +92,12 @@ func (q *keyQueue) shrink() {
 
 // idle waits until no key is queued or held, or ctx ends (false).
 func (q *keyQueue) idle(ctx context.Context) bool {
+	return q.wait(ctx, func() bool { return len(q.dirty) == 0 && len(q.busy) == 0 })
+}
+
+// wait waits until done (called with q.mu held) holds, or ctx ends or the
+// queue stops (false).
+func (q *keyQueue) wait(ctx context.Context, done func() bool) bool {
 	stop := context.AfterFunc(ctx, func() {
 		q.mu.Lock()
 		defer q.mu.Unlock()
@@ -100,7 +106,7 @@ func (q *keyQueue) idle(ctx context.Context) bool {
 	defer stop()
 	q.mu.Lock()
 	defer q.mu.Unlock()
-	for len(q.dirty) > 0 || len(q.busy) > 0 {
+	for !done() {
 		if ctx.Err() != nil || q.stopped {
 			return false
 		}
@@ -119,21 +125,7 @@ func (q *keyQueue) added() uint64 {
 // waitAdded waits until add was called more than n times in all, or ctx
 // ends (false).
 func (q *keyQueue) waitAdded(ctx context.Context, n uint64) bool {
-	stop := context.AfterFunc(ctx, func() {
-		q.mu.Lock()
-		defer q.mu.Unlock()
-		q.cond.Broadcast()
-	})
-	defer stop()
-	q.mu.Lock()
-	defer q.mu.Unlock()
-	for q.adds <= n {
-		if ctx.Err() != nil || q.stopped {
-			return false
-		}
-		q.cond.Wait()
-	}
-	return true
+	return q.wait(ctx, func() bool { return q.adds > n })
 }
 
 // stop wakes every waiter; get returns false from now on.

@@ -79,7 +79,7 @@ func (cp *ControlPlane) InstallServiceEntryCRD(t testing.TB) {
 }
 
 // UninstallServiceEntryCRD deletes the ServiceEntry CRD and waits until it (and
-// with it every ServiceEntry) is gone.
+// with it every ServiceEntry) is gone and its resource is no longer served.
 func (cp *ControlPlane) UninstallServiceEntryCRD(t testing.TB) {
 	t.Helper()
 	ctx, cancel := opContext(t)
@@ -95,6 +95,21 @@ func (cp *ControlPlane) UninstallServiceEntryCRD(t testing.TB) {
 			return err
 		}
 		return errors.New("still present (its instances are being deleted)")
+	})
+	// The CRD object goes before the API server stops serving its resource (the
+	// handler drops its storage when its own informer sees the delete): wait for
+	// that too, so "uninstalled" means what a client sees.
+	cp.waitCRD(t, ServiceEntryCRD, func(*unstructured.Unstructured, error) error {
+		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+		defer cancel()
+		_, err := cp.dynamic.Resource(ServiceEntryGVR).List(ctx, metav1.ListOptions{Limit: 1})
+		if apierrors.IsNotFound(err) {
+			return nil
+		}
+		if err != nil {
+			return err
+		}
+		return errors.New("still served")
 	})
 }
 

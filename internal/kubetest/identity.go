@@ -46,6 +46,7 @@ func (cp *ControlPlane) restConfigForToken(token string) *rest.Config {
 		TLSClientConfig: rest.TLSClientConfig{CAData: cp.pki.caPEM},
 		QPS:             -1,
 		Timeout:         30 * time.Second,
+		Dial:            cp.opts.Dial,
 	}
 }
 
@@ -118,6 +119,45 @@ func (cp *ControlPlane) BindClusterRole(t testing.TB, role, user string) string 
 		t.Fatalf("kubetest: bind ClusterRole %s to %s: %v", role, user, err)
 	}
 	return name
+}
+
+// Grant gives user rules: in namespace through a Role and RoleBinding, or
+// cluster-wide (namespace "") through a ClusterRole and ClusterRoleBinding,
+// all named name. The returned function deletes them again (what kubectl
+// delete -k does to an app's roles).
+func (cp *ControlPlane) Grant(t testing.TB, user, namespace, name string, rules []rbacv1.PolicyRule) (revoke func()) {
+	t.Helper()
+	ctx, cancel := opContext(t)
+	defer cancel()
+	c := cp.client.RbacV1()
+	subjects := []rbacv1.Subject{{APIGroup: rbacv1.GroupName, Kind: rbacv1.UserKind, Name: user}}
+	meta := metav1.ObjectMeta{Namespace: namespace, Name: name}
+	var err error
+	if namespace == "" {
+		if _, err = c.ClusterRoles().Create(ctx, &rbacv1.ClusterRole{ObjectMeta: meta, Rules: rules}, metav1.CreateOptions{}); err == nil {
+			_, err = c.ClusterRoleBindings().Create(ctx, &rbacv1.ClusterRoleBinding{ObjectMeta: meta, Subjects: subjects,
+				RoleRef: rbacv1.RoleRef{APIGroup: rbacv1.GroupName, Kind: "ClusterRole", Name: name}}, metav1.CreateOptions{})
+		}
+	} else {
+		if _, err = c.Roles(namespace).Create(ctx, &rbacv1.Role{ObjectMeta: meta, Rules: rules}, metav1.CreateOptions{}); err == nil {
+			_, err = c.RoleBindings(namespace).Create(ctx, &rbacv1.RoleBinding{ObjectMeta: meta, Subjects: subjects,
+				RoleRef: rbacv1.RoleRef{APIGroup: rbacv1.GroupName, Kind: "Role", Name: name}}, metav1.CreateOptions{})
+		}
+	}
+	if err != nil {
+		t.Fatalf("kubetest: grant %s to %s: %v", name, user, err)
+	}
+	return func() {
+		ctx, cancel := opContext(t)
+		defer cancel()
+		if namespace == "" {
+			_ = c.ClusterRoleBindings().Delete(ctx, name, metav1.DeleteOptions{})
+			_ = c.ClusterRoles().Delete(ctx, name, metav1.DeleteOptions{})
+		} else {
+			_ = c.RoleBindings(namespace).Delete(ctx, name, metav1.DeleteOptions{})
+			_ = c.Roles(namespace).Delete(ctx, name, metav1.DeleteOptions{})
+		}
+	}
 }
 
 var unsafeChars = regexp.MustCompile(`[^a-zA-Z0-9.-]+`)

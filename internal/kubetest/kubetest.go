@@ -19,6 +19,7 @@ import (
 	"crypto/tls"
 	"crypto/x509"
 	"fmt"
+	"net"
 	"net/http"
 	"os"
 	"path/filepath"
@@ -76,6 +77,30 @@ type Options struct {
 	// APIServerArgs are extra kube-apiserver flags, appended after kubetest's own
 	// (a later flag wins).
 	APIServerArgs []string
+
+	// The fields below place the control plane elsewhere than the test's own
+	// network namespace (internal/nodetest runs a whole node in namespaces of its
+	// own); all are optional.
+
+	// Wrap is put before every process's command line, e.g. nsenter into the
+	// node's mount and network namespaces.
+	Wrap []string
+	// Cgroup is a cgroup2 directory every process starts in (CLONE_INTO_CGROUP).
+	Cgroup string
+	// Address is where kube-apiserver binds and what it advertises (default
+	// 127.0.0.1); its serving certificate names it.
+	Address string
+	// Dial makes the test's own connections to the processes (readiness checks,
+	// clients); nil dials from the test's network namespace.
+	Dial func(ctx context.Context, network, addr string) (net.Conn, error)
+	// ServiceAccounts keeps the ServiceAccount admission plugin on, so a pod that
+	// a real kubelet runs gets its token mounted (needs the serviceaccount
+	// controller in Controllers for each namespace's "default" account).
+	ServiceAccounts bool
+	// Controllers replaces the controller-manager's controller list.
+	Controllers string
+	// ControllerManagerArgs are extra kube-controller-manager flags.
+	ControllerManagerArgs []string
 }
 
 // Timings are the measured startup costs of one Start.
@@ -98,6 +123,7 @@ type ControlPlane struct {
 
 	bin        string
 	dir        string
+	opts       Options
 	pki        *pki
 	etcd       *process // nil when the etcd is shared
 	etcdURL    string
@@ -118,9 +144,12 @@ func Start(t testing.TB, opts Options) *ControlPlane {
 	t.Helper()
 	begin := time.Now()
 	bin := binDir(t)
-	cp := &ControlPlane{bin: bin, dir: t.TempDir()}
+	if opts.Address == "" {
+		opts.Address = "127.0.0.1"
+	}
+	cp := &ControlPlane{bin: bin, dir: t.TempDir(), opts: opts}
 	var err error
-	if cp.pki, err = newPKI(cp.dir, opts.Users); err != nil {
+	if cp.pki, err = newPKI(cp.dir, opts.Users, net.ParseIP(opts.Address)); err != nil {
 		t.Fatalf("kubetest: %v", err)
 	}
 	t.Cleanup(func() { cp.stopAll(t) })
@@ -196,14 +225,21 @@ func modulePath(gomod string) string {
 }
 
 func (cp *ControlPlane) newProcess(name string) *process {
-	return &process{name: name, path: filepath.Join(cp.bin, name), logPath: filepath.Join(cp.dir, name+".log")}
+	return &process{name: name, path: filepath.Join(cp.bin, name), logPath: filepath.Join(cp.dir, name+".log"),
+		wrap: cp.opts.Wrap, cgroup: cp.opts.Cgroup}
+}
+
+// httpClient is a client for the readiness checks, dialling with Options.Dial.
+func (cp *ControlPlane) httpClient(tlsConfig *tls.Config) *http.Client {
+	tr := &http.Transport{TLSClientConfig: tlsConfig, DialContext: cp.opts.Dial}
+	return &http.Client{Timeout: 2 * time.Second, Transport: tr}
 }
 
 func (cp *ControlPlane) startEtcd(t testing.TB) {
 	t.Helper()
 	cp.etcd = cp.newProcess("etcd")
 	data := filepath.Join(cp.dir, "etcd-data")
-	httpc := &http.Client{Timeout: 2 * time.Second}
+	httpc := cp.httpClient(nil)
 	ports, took := cp.etcd.startRetrying(t, 2, etcdTimeout,
 		func(p []int) []string {
 			client, peer := "http://127.0.0.1:"+strconv.Itoa(p[0]), "http://127.0.0.1:"+strconv.Itoa(p[1])
@@ -232,13 +268,17 @@ func (cp *ControlPlane) startAPIServerFirst(t testing.TB, extra []string) {
 	certDir := filepath.Join(cp.dir, "apiserver-certs")
 	pool := x509.NewCertPool()
 	pool.AppendCertsFromPEM(cp.pki.caPEM)
-	httpc := &http.Client{Timeout: 2 * time.Second, Transport: &http.Transport{TLSClientConfig: &tls.Config{RootCAs: pool}}}
+	httpc := cp.httpClient(&tls.Config{RootCAs: pool})
+	disabled := []string{"--disable-admission-plugins", "ServiceAccount"}
+	if cp.opts.ServiceAccounts {
+		disabled = nil
+	}
 	args := func(p []int) []string {
 		a := []string{
 			"--etcd-servers", cp.etcdURL,
 			"--etcd-prefix", cp.etcdPrefix,
-			"--bind-address", "127.0.0.1",
-			"--advertise-address", "127.0.0.1",
+			"--bind-address", cp.opts.Address,
+			"--advertise-address", cp.opts.Address,
 			"--secure-port", strconv.Itoa(p[0]),
 			"--cert-dir", certDir,
 			"--tls-cert-file", cp.pki.certFile,
@@ -250,18 +290,18 @@ func (cp *ControlPlane) startAPIServerFirst(t testing.TB, extra []string) {
 			"--service-account-issuer", "https://kubernetes.default.svc.cluster.local",
 			"--service-account-key-file", cp.pki.saPubFile,
 			"--service-account-signing-key-file", cp.pki.saKeyFile,
-			// Pods here are API objects only: no kubelet mounts a token, so the
-			// admission plugin that requires each namespace's "default"
-			// ServiceAccount (made by a controller not run here) is off.
-			"--disable-admission-plugins", "ServiceAccount",
 			// As kubeadm clusters: manifests that ask for privileges are judged by
 			// tests, not refused by the server.
 			"--allow-privileged=true",
 		}
-		return append(a, extra...)
+		// Pods here are API objects only: no kubelet mounts a token, so the
+		// admission plugin that requires each namespace's "default"
+		// ServiceAccount (made by a controller not run here) is off, unless
+		// Options.ServiceAccounts.
+		return append(append(a, disabled...), extra...)
 	}
 	ports, _ := cp.apiserver.startRetrying(t, 1, apiserverTimeout, args, func(p []int) error {
-		return httpOK(httpc, "https://127.0.0.1:"+strconv.Itoa(p[0])+"/readyz", cp.pki.adminToken, "ok")
+		return httpOK(httpc, "https://"+net.JoinHostPort(cp.opts.Address, strconv.Itoa(p[0]))+"/readyz", cp.pki.adminToken, "ok")
 	})
 	cp.port = ports[0]
 	cp.apiArgs = args(ports)
@@ -313,17 +353,24 @@ func (cp *ControlPlane) startControllerManager(t testing.TB) {
 	const ns, probe = "kube-system", "kubetest-kcm-probe"
 	cp.EnsureNamespace(t, ns)
 	cp.CreateService(t, Service{Namespace: ns, Name: probe, Selector: map[string]string{"kubetest-probe": "none"}})
+	controllers := kcmControllers
+	if cp.opts.Controllers != "" {
+		controllers = cp.opts.Controllers
+	}
 	_, took := cp.kcm.startRetrying(t, 1, kcmTimeout,
 		func(p []int) []string {
-			return []string{
+			return append([]string{
 				"--kubeconfig", kubeconfig,
-				"--controllers", kcmControllers,
+				"--controllers", controllers,
 				"--leader-elect=false",
 				"--use-service-account-credentials=false",
 				"--bind-address", "127.0.0.1",
 				"--secure-port", strconv.Itoa(p[0]),
 				"--cert-dir", filepath.Join(cp.dir, "kcm-certs"),
-			}
+				// What the root-ca-cert-publisher controller puts in every
+				// namespace's kube-root-ca.crt (when it runs).
+				"--root-ca-file", filepath.Join(cp.dir, "ca.crt"),
+			}, cp.opts.ControllerManagerArgs...)
 		},
 		func([]int) error {
 			ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
@@ -375,8 +422,17 @@ func (cp *ControlPlane) stopAll(t testing.TB) {
 	}
 }
 
-// Host is the API server's URL, https://127.0.0.1:PORT.
-func (cp *ControlPlane) Host() string { return "https://127.0.0.1:" + strconv.Itoa(cp.port) }
+// Host is the API server's URL, https://127.0.0.1:PORT (or Options.Address).
+func (cp *ControlPlane) Host() string {
+	return "https://" + net.JoinHostPort(cp.opts.Address, strconv.Itoa(cp.port))
+}
+
+// Port is the API server's port.
+func (cp *ControlPlane) Port() int { return cp.port }
+
+// Dir is the directory of the control plane's files: logs, certificates, the CA
+// (ca.crt) and the service-account keys.
+func (cp *ControlPlane) Dir() string { return cp.dir }
 
 // CAData is the PEM certificate of the CA that signed the API server's certificate.
 func (cp *ControlPlane) CAData() []byte { return cp.pki.caPEM }

@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	discoveryv1 "k8s.io/api/discovery/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
@@ -115,6 +116,9 @@ type Pod struct {
 	// ContainerID, when set, is the status's id of the container "app"
 	// ("containerd://<ContainerID>"), as a kubelet reports it.
 	ContainerID string
+	// Controller is the Pod's controller (a DaemonSet's pods: the
+	// DaemonSet; see CreateDaemonSet).
+	Controller *metav1.OwnerReference
 }
 
 // CreatePod creates p (and its Node if missing), sets its status and returns it.
@@ -139,6 +143,9 @@ func (cp *ControlPlane) CreatePod(t testing.TB, p Pod) *corev1.Pod {
 				Ports: p.Ports,
 			}},
 		},
+	}
+	if p.Controller != nil {
+		pod.OwnerReferences = []metav1.OwnerReference{*p.Controller}
 	}
 	created, err := cp.client.CoreV1().Pods(p.Namespace).Create(ctx, pod, metav1.CreateOptions{})
 	if err != nil {
@@ -221,6 +228,42 @@ func (cp *ControlPlane) DeletePod(t testing.TB, namespace, name string) {
 	if err := cp.client.CoreV1().Pods(namespace).Delete(ctx, name, metav1.DeleteOptions{GracePeriodSeconds: &zero}); err != nil {
 		t.Fatalf("kubetest: delete Pod %s/%s: %v", namespace, name, err)
 	}
+}
+
+// DeletePodGracefully deletes a Pod as kubectl delete pod does: it gets a
+// deletionTimestamp and, with no kubelet to confirm, stays Terminating.
+func (cp *ControlPlane) DeletePodGracefully(t testing.TB, namespace, name string) {
+	t.Helper()
+	ctx, cancel := opContext(t)
+	defer cancel()
+	if err := cp.client.CoreV1().Pods(namespace).Delete(ctx, name, metav1.DeleteOptions{}); err != nil {
+		t.Fatalf("kubetest: delete Pod %s/%s: %v", namespace, name, err)
+	}
+}
+
+// CreateDaemonSet creates a DaemonSet (in an existing namespace) and returns
+// it with the controller reference its pods carry (Pod.Controller). No
+// controller runs it: its pods are the ones a test creates.
+func (cp *ControlPlane) CreateDaemonSet(t testing.TB, namespace, name string) (*appsv1.DaemonSet, *metav1.OwnerReference) {
+	t.Helper()
+	ctx, cancel := opContext(t)
+	defer cancel()
+	labels := map[string]string{"app": name}
+	ds := &appsv1.DaemonSet{
+		ObjectMeta: metav1.ObjectMeta{Namespace: namespace, Name: name},
+		Spec: appsv1.DaemonSetSpec{
+			Selector: &metav1.LabelSelector{MatchLabels: labels},
+			Template: corev1.PodTemplateSpec{
+				ObjectMeta: metav1.ObjectMeta{Labels: labels},
+				Spec:       corev1.PodSpec{Containers: []corev1.Container{{Name: "app", Image: "kubetest.invalid/app:none"}}},
+			},
+		},
+	}
+	out, err := cp.client.AppsV1().DaemonSets(namespace).Create(ctx, ds, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatalf("kubetest: create DaemonSet %s/%s: %v", namespace, name, err)
+	}
+	return out, metav1.NewControllerRef(out, appsv1.SchemeGroupVersion.WithKind("DaemonSet"))
 }
 
 // EnsureNode creates the Node name if it does not exist.

@@ -7,3 +7,6 @@ import "syscall"
 func dieWithParent() *syscall.SysProcAttr {
 	return &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 }
+
+// intoCgroup starts the child in the cgroup2 directory open as fd.
+func intoCgroup(a *syscall.SysProcAttr, fd int) { a.UseCgroupFD, a.CgroupFD = true, fd }

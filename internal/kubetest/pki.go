@@ -35,7 +35,10 @@ type pki struct {
 // adminUser is the name of the system:masters identity in the token file.
 const adminUser = "kubetest-admin"
 
-func newPKI(dir string, users []string) (*pki, error) {
+// newPKI generates the keys and certificates; the serving certificate also names
+// extra (the API server's address when it is not the loopback) and the first
+// address of the Service range, which in-cluster clients dial.
+func newPKI(dir string, users []string, extra ...net.IP) (*pki, error) {
 	p := &pki{
 		certFile:    filepath.Join(dir, "serving.crt"),
 		keyFile:     filepath.Join(dir, "serving.key"),
@@ -68,6 +71,9 @@ func newPKI(dir string, users []string) (*pki, error) {
 		return nil, fmt.Errorf("parse CA certificate: %w", err)
 	}
 	p.caPEM = pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: caDER})
+	if err := os.WriteFile(filepath.Join(dir, "ca.crt"), p.caPEM, 0o644); err != nil {
+		return nil, fmt.Errorf("write CA certificate: %w", err)
+	}
 
 	srvKey, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
 	if err != nil {
@@ -80,8 +86,8 @@ func newPKI(dir string, users []string) (*pki, error) {
 		NotAfter:     now.Add(24 * time.Hour),
 		KeyUsage:     x509.KeyUsageDigitalSignature,
 		ExtKeyUsage:  []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth},
-		IPAddresses:  []net.IP{net.IPv4(127, 0, 0, 1), net.IPv6loopback},
-		DNSNames:     []string{"localhost", "kubernetes", "kubernetes.default", "kubernetes.default.svc"},
+		IPAddresses:  append([]net.IP{net.IPv4(127, 0, 0, 1), net.IPv6loopback, net.IPv4(10, 96, 0, 1)}, extra...),
+		DNSNames:     []string{"localhost", "kubernetes", "kubernetes.default", "kubernetes.default.svc", "kubernetes.default.svc.cluster.local"},
 	}
 	srvDER, err := x509.CreateCertificate(rand.Reader, srvTmpl, caCert, &srvKey.PublicKey, caKey)
 	if err != nil {

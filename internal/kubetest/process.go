@@ -21,6 +21,8 @@ type process struct {
 	path    string
 	logPath string
 	env     []string // added to the test binary's environment
+	wrap    []string // put before path (Options.Wrap)
+	cgroup  string   // cgroup2 directory it starts in (Options.Cgroup), "" for the test's own
 
 	mu     sync.Mutex
 	cmd    *exec.Cmd
@@ -50,12 +52,22 @@ func (p *process) start(args []string) error {
 		p.logOff = st.Size()
 	}
 	fmt.Fprintf(f, "=== kubetest: %s start %s\n%s %s\n", p.name, time.Now().Format(time.RFC3339Nano), p.path, strings.Join(args, " "))
-	cmd := exec.Command(p.path, args...)
+	argv := append(append(append([]string{}, p.wrap...), p.path), args...)
+	cmd := exec.Command(argv[0], argv[1:]...)
 	if len(p.env) > 0 {
 		cmd.Env = append(os.Environ(), p.env...)
 	}
 	cmd.Stdout, cmd.Stderr = f, f
 	cmd.SysProcAttr = dieWithParent()
+	if p.cgroup != "" {
+		cg, err := os.Open(p.cgroup)
+		if err != nil {
+			f.Close()
+			return fmt.Errorf("start %s: open its cgroup: %w", p.name, err)
+		}
+		defer cg.Close()
+		intoCgroup(cmd.SysProcAttr, int(cg.Fd()))
+	}
 	if err := spawn(cmd); err != nil {
 		f.Close()
 		return fmt.Errorf("start %s: %w", p.name, err)

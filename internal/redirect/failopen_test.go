@@ -174,6 +174,69 @@ func TestStallDetection(t *testing.T) {
 	_ = d
 }
 
+// A resolver that freezes while nothing is being redirected to it is bypassed
+// by the first query that comes 250 ms or more later: the stall timeout runs
+// from the resolver's last dequeue, not from the first query it leaves unread,
+// so a sparse client loses no lookup to it. Also when it never got a query
+// before it froze.
+func TestStallDetectedBeforeSparseQuery(t *testing.T) {
+	for _, warm := range []bool{true, false} {
+		name := "after a query"
+		if !warm {
+			name = "no query before"
+		}
+		t.Run(name, func(t *testing.T) {
+			n := newTestNet(t)
+			n.start(t, n.config())
+			if !testenv.WaitFor(time.Second, func() bool { return readStatus(t, n).WatchClock }) {
+				testenv.Skip(t, "no watch clock: the kernel has no BPF timers (Linux 5.15)")
+			}
+			slot0 := n.resolvers[0]
+			if warm {
+				wantCaptured(t, n.query(t, proc{uid: userUID}, "-dst="+hp(ns1, 53))[0], 4, 0, hp(ns1, 53), hp(ns1, 53))
+			}
+			thaw, frozen := freezeNow(t, n, slot0)
+			defer thaw()
+			// The spec's point: lookups started 250 ms after the freeze.
+			time.Sleep(time.Duration(frozen + uint64(250*time.Millisecond) - monotonicNow()))
+			r := n.query(t, proc{uid: userUID}, "-dst="+hp(ns1, 53), "-timeout=1s")[0]
+			t.Logf("query connected %v after the freeze: %+v", time.Duration(r.TConn-frozen).Round(time.Millisecond), r)
+			wantOriginal(t, r)
+			if got := hookCounter(t, n.pinDir(), "total", "skip_stalled"); got == 0 {
+				t.Errorf("skip_stalled = 0")
+			}
+		})
+	}
+}
+
+// freezeNow freezes r the way SIGSTOP freezes a resolver: the read its
+// reader is blocked in takes one empty datagram (the fake resolver would
+// otherwise still answer the next query), and from then on nothing is read.
+// It returns the thaw function and the time of the last read.
+func freezeNow(t *testing.T, n *testNet, r *testenv.FakeDNS) (func(), uint64) {
+	t.Helper()
+	thaw := r.Freeze()
+	before := readStatus(t, n).Dequeued
+	err := n.node.Do(func() error {
+		c, err := net.Dial("udp", r.Addr)
+		if err != nil {
+			return err
+		}
+		defer c.Close()
+		_, err = c.Write(nil)
+		return err
+	})
+	if err != nil {
+		thaw()
+		t.Fatalf("send the last datagram before the freeze: %v", err)
+	}
+	if !testenv.WaitFor(2*time.Second, func() bool { return readStatus(t, n).Dequeued > before }) {
+		thaw()
+		t.Fatalf("the resolver did not read its last datagram before the freeze")
+	}
+	return thaw, monotonicNow()
+}
+
 func readStatus(t *testing.T, n *testNet) *Status {
 	t.Helper()
 	st, err := ReadStatus(n.pinDir())

@@ -225,6 +225,7 @@ type Datapath struct {
 	objs     redirectObjects
 	links    []attached
 	progress *progress
+	clock    *watchClock            // nil where the kernel has no BPF timers
 	dequeued atomic.Pointer[uint64] // progress.dequeued while mapped
 	flows    *Flows                 // the flows map, memory-mapped
 	served   []uint32               // resolver_socks keys we registered
@@ -330,6 +331,8 @@ func (d *Datapath) Start(ctx context.Context) (err error) {
 			_ = os.Remove(p)
 		}
 		d.dequeued.Store(nil)
+		_ = d.clock.close()
+		d.clock = nil
 		if d.progress != nil {
 			d.progress.close()
 			d.progress = nil
@@ -361,6 +364,7 @@ func (d *Datapath) Start(ctx context.Context) (err error) {
 	if d.flows, err = mapFlows(d.objs.Flows); err != nil {
 		return err
 	}
+	d.startClock()
 	if pinned, err = d.pinMaps(reused); err != nil {
 		return err
 	}
@@ -390,9 +394,20 @@ func (d *Datapath) Start(ctx context.Context) (err error) {
 	d.log.Info("eBPF datapath attached", "cgroup", cfg.Cgroup, "pin_dir", cfg.PinDir,
 		"target4", d.set.cfg.Target4, "target6", d.set.cfg.Target6, "nameservers", d.set.nameservers,
 		"capture_all", cfg.CaptureAll, "slot_ports", SlotPorts(d.set.cfg),
-		"adopted_links", adopted, "kept_maps", sortedNames(reused))
+		"adopted_links", adopted, "kept_maps", sortedNames(reused), "watch_clock", d.clock != nil)
 	d.logCoexistence(ourIDs(d.programsLocked()))
 	return nil
+}
+
+// startClock starts the watch clock where the kernel can run it; elsewhere
+// stalls are timed by the programs alone (see watchclock.go).
+func (d *Datapath) startClock() {
+	c, err := startWatchClock(d.objs.Config, d.objs.Progress)
+	if err != nil {
+		d.log.Info("no watch clock: a stalled resolver is timed from the first query it leaves unread", "reason", err)
+		return
+	}
+	d.clock = c
 }
 
 func permissionHint(err error) string {
@@ -716,6 +731,15 @@ func (d *Datapath) Discard() {
 	d.discard = true
 }
 
+// DetachOnClose makes Close detach the programs and remove every pin, as
+// Config.Detach does (an uninstall decided while the datapath runs). A
+// handoff still wins: the successor's links stay.
+func (d *Datapath) DetachOnClose() {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	d.set.cfg.Detach = true
+}
+
 // Reassert makes this datapath current again after a successor that had
 // started to take it over failed: this datapath's programs go back into the
 // pinned links and its configuration into the maps. The caller registers its
@@ -796,6 +820,10 @@ func (d *Datapath) Close() error {
 		errs = append(errs, removeEmptyPinDirs(d.pinDir)...)
 	}
 	d.dequeued.Store(nil)
+	if err := d.clock.close(); err != nil {
+		errs = append(errs, fmt.Errorf("close the watch clock: %w", err))
+	}
+	d.clock = nil
 	if d.progress != nil {
 		d.progress.close()
 		d.progress = nil

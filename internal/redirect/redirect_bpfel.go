@@ -137,7 +137,10 @@ type redirectMeshdnsProgress struct {
 	WatchSince   uint64
 	WatchCount   uint64
 	SuspectSince uint64
-	Pad1         [5]uint64
+	ClockTick    uint64
+	ClientLook   uint64
+	ClientGap    uint64
+	Pad1         [2]uint64
 }
 
 type redirectNsKey struct {

@@ -294,6 +294,7 @@ type Status struct {
 	Dequeued        uint64           `json:"dequeued"`         // datagrams and connections the resolver read
 	Stalled         bool             `json:"stalled"`          // a watch aged past the stall timeout and a quarter more (the programs' second look)
 	WatchAge        time.Duration    `json:"watch_age_ns"`     // age of the running watch with no dequeue since; 0: none
+	WatchClock      bool             `json:"watch_clock"`      // the watch clock ticked within clockFresh (watchclock.go)
 	Capturing       bool             `json:"capturing"`        // resolver sockets registered and not stalled
 	StallAfter      time.Duration    `json:"stall_after_ns"`
 	Target4         netip.AddrPort   `json:"target4"`
@@ -349,6 +350,7 @@ func ReadStatus(pinDir string) (*Status, error) {
 		return nil, fmt.Errorf("read resolver_socks map: %w", err)
 	}
 	st.Capturing = st.ResolverSockets > 0 && !st.Stalled
+	st.WatchClock = clockRunning(p.ClockTick, monotonicNow())
 	if c.Flags&flagTarget4 != 0 {
 		var b [4]byte
 		binary.NativeEndian.PutUint32(b[:], c.Target4)
@@ -480,6 +482,11 @@ func (s *Status) WriteText(w io.Writer) error {
 		stall = fmt.Sprintf("yes: nothing dequeued for %s (limit %s)", s.WatchAge.Round(time.Millisecond), s.StallAfter)
 	}
 	fmt.Fprintf(tw, "stalled:\t%s\n", stall)
+	clock := "running (a look at progress every 10ms)"
+	if !s.WatchClock {
+		clock = "not running (no BPF timers before Linux 5.15, or no agent)"
+	}
+	fmt.Fprintf(tw, "watch clock:\t%s\n", clock)
 	if s.Target4.IsValid() {
 		fmt.Fprintf(tw, "target4:\t%s\n", s.Target4)
 	}

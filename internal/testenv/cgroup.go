@@ -33,8 +33,8 @@ func NewCgroup(t testing.TB) *Cgroup {
 	return makeCgroup(t, filepath.Join(root, OwnedName("meshdns-test", 8)))
 }
 
-// makeCgroup creates the cgroup directory path and removes it at cleanup
-// (killing what is left in it).
+// makeCgroup creates the cgroup directory path and removes it at cleanup,
+// thawing and killing what is left in it.
 func makeCgroup(t testing.TB, path string) *Cgroup {
 	t.Helper()
 	if err := os.Mkdir(path, 0o755); err != nil {
@@ -47,6 +47,7 @@ func makeCgroup(t testing.TB, path string) *Cgroup {
 	}
 	cg := &Cgroup{Path: path, dir: dir}
 	t.Cleanup(func() {
+		_ = os.WriteFile(filepath.Join(path, "cgroup.freeze"), []byte("0"), 0o644)
 		dir.Close()
 		if err := cg.remove(); err != nil {
 			t.Errorf("remove cgroup %s: %v", path, err)
@@ -55,8 +56,8 @@ func makeCgroup(t testing.TB, path string) *Cgroup {
 	return cg
 }
 
-// Child creates the cgroup name below c (programs attached to c apply to it)
-// and removes it at cleanup, before c.
+// Child creates the child cgroup name of c for this test; it is removed at
+// cleanup (before c, which was created first), thawed if a test froze it.
 func (c *Cgroup) Child(t testing.TB, name string) *Cgroup {
 	t.Helper()
 	return makeCgroup(t, filepath.Join(c.Path, name))
@@ -71,6 +72,25 @@ func (c *Cgroup) ID(t testing.TB) uint64 {
 		t.Fatalf("stat cgroup %s: %v", c.Path, err)
 	}
 	return st.Ino
+}
+
+// SetFrozen freezes (true) or thaws every process of the cgroup with the
+// cgroup v2 freezer, and waits until the kernel reports it done.
+func (c *Cgroup) SetFrozen(t testing.TB, frozen bool) {
+	t.Helper()
+	v, want := "0", "frozen 0"
+	if frozen {
+		v, want = "1", "frozen 1"
+	}
+	if err := os.WriteFile(filepath.Join(c.Path, "cgroup.freeze"), []byte(v), 0o644); err != nil {
+		Skip(t, "needs the cgroup v2 freezer: %v", err)
+	}
+	if !WaitFor(5*time.Second, func() bool {
+		b, err := os.ReadFile(filepath.Join(c.Path, "cgroup.events"))
+		return err == nil && strings.Contains(string(b), want)
+	}) {
+		t.Fatalf("cgroup %s: not %q within 5 s", c.Path, want)
+	}
 }
 
 // FD is the open directory of the cgroup, for exec.Cmd SysProcAttr.CgroupFD.
@@ -133,4 +153,24 @@ func sweepStaleCgroups(t testing.TB, root string) {
 		}
 		t.Logf("removed cgroup %s, left by a test process that is gone", path)
 	}
+}
+
+// RemoveCgroupTree removes the cgroup directory path (v1 or v2) and every cgroup
+// below it, deepest first, killing the processes in each (removeCgroupDir).
+func RemoveCgroupTree(path string) error {
+	entries, err := os.ReadDir(path)
+	if errors.Is(err, os.ErrNotExist) {
+		return nil
+	}
+	for _, e := range entries {
+		if e.IsDir() {
+			if err := RemoveCgroupTree(filepath.Join(path, e.Name())); err != nil {
+				return err
+			}
+		}
+	}
+	if err := removeCgroupDir(path); err != nil {
+		return fmt.Errorf("remove cgroup %s: %w", path, err)
+	}
+	return nil
 }

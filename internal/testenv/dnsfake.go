@@ -134,17 +134,3 @@ func (f *FakeDNS) Count(name string) int {
 	}
 	return n
 }
-
-// WaitFor polls cond every 20 ms until it holds or timeout passes.
-func WaitFor(timeout time.Duration, cond func() bool) bool {
-	deadline := time.Now().Add(timeout)
-	for {
-		if cond() {
-			return true
-		}
-		if time.Now().After(deadline) {
-			return false
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
-}

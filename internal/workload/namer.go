@@ -67,10 +67,10 @@ func NewNamer(pods PodIndex) *Namer {
 
 // Start finds the cgroup2 mount and starts naming learned keys.
 func (n *Namer) Start(ctx context.Context) error {
-	mount, err := cgroup2.FindMount()
-	if err != nil {
-		return err
-	}
+	// Without a cgroup2 mount (iptables mode on a host or in a container
+	// without one) no query carries a cgroup id: senders are named by
+	// address, and the mount is looked for again when an id comes.
+	mount, _ := cgroup2.FindMount()
 	n.mu.Lock()
 	n.mount = mount
 	n.mu.Unlock()

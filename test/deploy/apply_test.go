@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"log/slog"
 	"net/http"
 	"os"
 	"os/exec"
@@ -19,15 +20,20 @@ import (
 	"time"
 
 	"github.com/miekg/dns"
+	appsv1 "k8s.io/api/apps/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/discovery/cached/memory"
+	"k8s.io/client-go/dynamic"
 	"k8s.io/client-go/restmapper"
+	"k8s.io/client-go/tools/clientcmd"
 
+	"github.com/meshdns/meshdns-ebpf/internal/kubelife"
 	"github.com/meshdns/meshdns-ebpf/internal/kubetest"
 	"github.com/meshdns/meshdns-ebpf/internal/testenv"
 )
@@ -101,11 +107,54 @@ func installCRD(t *testing.T, cp *kubetest.ControlPlane, crd *unstructured.Unstr
 	}) {
 		t.Fatalf("CRD %s not established", crd.GetName())
 	}
+	// Established comes before the API server's discovery serves the kind,
+	// which is what a REST mapper (kubectl's, the tests' apply) reads.
+	group, _, _ := unstructured.NestedString(crd.Object, "spec", "group")
+	plural, _, _ := unstructured.NestedString(crd.Object, "spec", "names", "plural")
+	versions, _, _ := unstructured.NestedSlice(crd.Object, "spec", "versions")
+	for _, v := range versions {
+		name, _, _ := unstructured.NestedString(v.(map[string]any), "name")
+		if !testenv.WaitFor(30*time.Second, func() bool {
+			l, err := cp.AdminClient().Discovery().ServerResourcesForGroupVersion(group + "/" + name)
+			return err == nil && slices.ContainsFunc(l.APIResources, func(r metav1.APIResource) bool { return r.Name == plural })
+		}) {
+			t.Fatalf("CRD %s: %s/%s %s not in the API server's discovery", crd.GetName(), group, name, plural)
+		}
+	}
 }
 
 // apply server-side applies objects (as kubectl apply --server-side does)
 // and returns the first error.
 func apply(t *testing.T, cp *kubetest.ControlPlane, objs []object) error {
+	t.Helper()
+	return eachObject(t, cp, objs, func(ctx context.Context, res dynamic.ResourceInterface, u *unstructured.Unstructured) error {
+		body, err := json.Marshal(u)
+		if err != nil {
+			return err
+		}
+		if _, err := res.Patch(ctx, u.GetName(), types.ApplyPatchType, body, metav1.PatchOptions{FieldManager: "meshdns-deploy-test", Force: ptr(true)}); err != nil {
+			return fmt.Errorf("server-side apply %s %s: %w", u.GetKind(), u.GetName(), err)
+		}
+		return nil
+	})
+}
+
+// deleteAll deletes objects in their order, as kubectl delete -k does
+// (background propagation; objects already gone are no error).
+func deleteAll(t *testing.T, cp *kubetest.ControlPlane, objs []object) error {
+	t.Helper()
+	return eachObject(t, cp, objs, func(ctx context.Context, res dynamic.ResourceInterface, u *unstructured.Unstructured) error {
+		if err := res.Delete(ctx, u.GetName(), metav1.DeleteOptions{}); err != nil && !apierrors.IsNotFound(err) {
+			return fmt.Errorf("delete %s %s: %w", u.GetKind(), u.GetName(), err)
+		}
+		return nil
+	})
+}
+
+// eachObject calls fn with each object's API resource (in its namespace) and
+// the object, in order, and returns the first error.
+func eachObject(t *testing.T, cp *kubetest.ControlPlane, objs []object,
+	fn func(context.Context, dynamic.ResourceInterface, *unstructured.Unstructured) error) error {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
@@ -129,19 +178,12 @@ func apply(t *testing.T, cp *kubetest.ControlPlane, objs []object) error {
 		if err != nil {
 			return fmt.Errorf("%s %s: %w", gvk, u.GetName(), err)
 		}
-		body, err := json.Marshal(u)
-		if err != nil {
-			return err
-		}
-		res := cp.DynamicClient().Resource(mapping.Resource)
-		var rerr error
+		var res dynamic.ResourceInterface = cp.DynamicClient().Resource(mapping.Resource)
 		if ns := u.GetNamespace(); ns != "" {
-			_, rerr = res.Namespace(ns).Patch(ctx, u.GetName(), types.ApplyPatchType, body, metav1.PatchOptions{FieldManager: "meshdns-deploy-test", Force: ptr(true)})
-		} else {
-			_, rerr = res.Patch(ctx, u.GetName(), types.ApplyPatchType, body, metav1.PatchOptions{FieldManager: "meshdns-deploy-test", Force: ptr(true)})
+			res = cp.DynamicClient().Resource(mapping.Resource).Namespace(ns)
 		}
-		if rerr != nil {
-			return fmt.Errorf("server-side apply %s %s: %w", gvk.Kind, u.GetName(), rerr)
+		if err := fn(ctx, res, u); err != nil {
+			return err
 		}
 	}
 	return nil
@@ -432,4 +474,88 @@ func mentionsAny(s string, words []string) bool {
 		}
 	}
 	return false
+}
+
+// The shipped roles let the agent tell an uninstall from a restart
+// (kubelife): with the token of the shipped ServiceAccount it watches its
+// namespace and DaemonSet, and a SIGTERM after `kubectl delete -k` (every
+// object of the install deleted in the rendered order: the namespace first,
+// the roles and service account before the DaemonSet) is an uninstall, while
+// before it, it is a restart. Without either lifecycle role the agent says
+// what it cannot watch, and takes a SIGTERM for a restart (it keeps its pins).
+func TestShippedRolesTellUninstallFromRestart(t *testing.T) {
+	testenv.RequirePrivileged(t)
+	cp := kubetest.Start(t, kubetest.Options{})
+	objs := render(t)
+	if err := apply(t, cp, objs); err != nil {
+		t.Fatal(err)
+	}
+	ctx := t.Context()
+	ds, err := cp.AdminClient().AppsV1().DaemonSets("meshdns-system").Get(ctx, "meshdns-ebpf", metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ref := metav1.NewControllerRef(ds, appsv1.SchemeGroupVersion.WithKind("DaemonSet"))
+	cp.CreatePod(t, kubetest.Pod{Namespace: "meshdns-system", Name: "meshdns-ebpf-x1", Node: "node-a", Controller: ref})
+	kubeconfig := cp.ServiceAccountKubeconfig(t, "meshdns-system", "meshdns-ebpf")
+	rc, err := clientcmd.BuildConfigFromFlags("", kubeconfig)
+	if err != nil {
+		t.Fatal(err)
+	}
+	watchAs := func(t *testing.T) (*kubelife.Watch, *testenv.SyncBuffer) {
+		t.Helper()
+		log := &testenv.SyncBuffer{}
+		w, err := kubelife.New(kubelife.Config{Rest: rc, Self: kubelife.Self{Namespace: "meshdns-system", Pod: "meshdns-ebpf-x1"},
+			Node: "node-a", Logger: slog.New(slog.NewTextHandler(log, nil))})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := w.Start(ctx); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { w.Close() })
+		return w, log
+	}
+	for _, name := range []string{"ClusterRoleBinding/meshdns-ebpf-lifecycle", "RoleBinding/meshdns-ebpf-lifecycle"} {
+		t.Run("without "+name, func(t *testing.T) {
+			var binding []object
+			for _, o := range objs {
+				if o.kind+"/"+o.name == name {
+					binding = append(binding, o)
+				}
+			}
+			if err := deleteAll(t, cp, binding); err != nil {
+				t.Fatal(err)
+			}
+			defer func() {
+				if err := apply(t, cp, binding); err != nil {
+					t.Errorf("restore %s: %v", name, err)
+				}
+			}()
+			w, log := watchAs(t)
+			if !testenv.WaitFor(30*time.Second, func() bool { return strings.Contains(log.String(), "cannot watch the agent's own") }) {
+				t.Errorf("without %s the agent did not say what it cannot watch:\n%s", name, log.String())
+			}
+			if v := w.Verdict(ctx, time.Second); v.Uninstall || v.Successor != "" {
+				t.Errorf("without %s: %+v, want a restart", name, v)
+			}
+			t.Logf("without %s: %s", name, strings.TrimSpace(log.String()))
+		})
+	}
+
+	w, log := watchAs(t)
+	if v := w.Verdict(ctx, 2*time.Second); v.Uninstall || v.Successor != "" {
+		t.Fatalf("installed: %+v, want a restart", v)
+	}
+	if strings.Contains(log.String(), "cannot watch") {
+		t.Errorf("with the shipped roles the agent cannot watch everything:\n%s", log.String())
+	}
+	if err := deleteAll(t, cp, objs); err != nil {
+		t.Fatal(err)
+	}
+	if v := w.Verdict(ctx, 5*time.Second); !v.Uninstall {
+		t.Errorf("after kubectl delete -k: %+v, want an uninstall", v)
+	} else {
+		t.Logf("after kubectl delete -k: %s", v.Reason)
+	}
 }

@@ -21,6 +21,7 @@ import (
 	"time"
 
 	"github.com/miekg/dns"
+	corev1 "k8s.io/api/core/v1"
 
 	"github.com/meshdns/meshdns-ebpf/internal/testenv"
 )
@@ -354,6 +355,15 @@ func TestImageIptablesFallback(t *testing.T) {
 	})
 	if !ready || exitErr != nil || cmd.ProcessState != nil {
 		t.Fatalf("the agent in the image did not become ready (exit: %v):\n%s", exitErr, log.String())
+	}
+	// The shipped DaemonSet's probes, run as a kubelet runs exec probes: in the
+	// container's namespaces and root.
+	c := agent(t, render(t))
+	for name, p := range map[string]*corev1.Probe{"startup": c.StartupProbe, "liveness": c.LivenessProbe, "readiness": c.ReadinessProbe} {
+		args := append([]string{"--target", fmt.Sprint(cmd.Process.Pid), "--mount", "--net", "--root", "--wd", "--"}, p.Exec.Command...)
+		if out, err := exec.Command("nsenter", args...).CombinedOutput(); err != nil {
+			t.Errorf("the shipped %s probe %v in the image's container: %v\n%s", name, p.Exec.Command, err, out)
+		}
 	}
 	query := func(name string) (*dns.Msg, error) {
 		var r *dns.Msg

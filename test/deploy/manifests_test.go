@@ -158,8 +158,10 @@ func TestManifestSourcesDecodeStrictly(t *testing.T) {
 
 func TestDefaultInstall(t *testing.T) {
 	objs := renderChecked(t)
-	want := []string{"ClusterRole/meshdns-ebpf", "ClusterRoleBinding/meshdns-ebpf", "DaemonSet/meshdns-ebpf",
-		"Namespace/meshdns-system", "ResourceQuota/meshdns-ebpf-critical-pods", "ServiceAccount/meshdns-ebpf"}
+	want := []string{"ClusterRole/meshdns-ebpf", "ClusterRole/meshdns-ebpf-lifecycle", "ClusterRoleBinding/meshdns-ebpf",
+		"ClusterRoleBinding/meshdns-ebpf-lifecycle", "DaemonSet/meshdns-ebpf", "Namespace/meshdns-system",
+		"ResourceQuota/meshdns-ebpf-critical-pods", "Role/meshdns-ebpf-lifecycle", "RoleBinding/meshdns-ebpf-lifecycle",
+		"ServiceAccount/meshdns-ebpf"}
 	if got := kinds(objs); !slices.Equal(got, want) {
 		t.Errorf("objects:\n got %v\nwant %v", got, want)
 	}
@@ -365,8 +367,19 @@ func TestPolicyCatchesViolations(t *testing.T) {
 			c := &d.Spec.Template.Spec.Containers[0]
 			c.Args = append(c.Args, "--admin=127.0.0.1:9153")
 		}},
-		{"probe host", "sets host", func(d *appsv1.DaemonSet) {
-			d.Spec.Template.Spec.Containers[0].ReadinessProbe.HTTPGet.Host = "127.0.0.1"
+		{"HTTP readiness probe", "must be an exec probe", func(d *appsv1.DaemonSet) {
+			d.Spec.Template.Spec.Containers[0].ReadinessProbe.ProbeHandler = corev1.ProbeHandler{
+				HTTPGet: &corev1.HTTPGetAction{Path: "/readyz", Port: intstr.FromInt32(9153)},
+			}
+		}},
+		{"readiness probe that checks liveness", "readinessProbe runs", func(d *appsv1.DaemonSet) {
+			d.Spec.Template.Spec.Containers[0].ReadinessProbe.Exec.Command = []string{"/usr/local/bin/meshdns-ebpf", "probe", "live"}
+		}},
+		{"probe timeout of the default 1 s", "timeoutSeconds", func(d *appsv1.DaemonSet) {
+			d.Spec.Template.Spec.Containers[0].LivenessProbe.TimeoutSeconds = 0
+		}},
+		{"grace period of 30 s", "terminationGracePeriodSeconds", func(d *appsv1.DaemonSet) {
+			d.Spec.Template.Spec.TerminationGracePeriodSeconds = ptr(int64(30))
 		}},
 		{"cluster DNS for the agent", "dnsPolicy", func(d *appsv1.DaemonSet) {
 			d.Spec.Template.Spec.DNSPolicy = corev1.DNSClusterFirstWithHostNet

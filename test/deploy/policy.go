@@ -118,6 +118,9 @@ func checkDaemonSet(ds *appsv1.DaemonSet, bad func(string, ...any)) {
 			bad("volume %q mounts host path %s: allowed are %v", vol.Name, hp.Path, allowedHostPaths)
 		}
 	}
+	if g := p.TerminationGracePeriodSeconds; g == nil || *g < minGrace {
+		bad("terminationGracePeriodSeconds must be at least %d (a handover in progress, then the drain)", minGrace)
+	}
 	if len(p.InitContainers) > 0 || len(p.EphemeralContainers) > 0 {
 		bad("no init or ephemeral containers")
 	}
@@ -190,6 +193,37 @@ func checkMemoryLimitEnv(c corev1.Container, bad func(string, ...any)) {
 	}
 }
 
+// Probes and the grace period (docs/kubernetes.md, "Upgrade"): every probe is
+// the agent's own exec probe, which asks this pod's agent. An HTTP probe of the
+// node IP is answered by the old pod's agent during a surge rollout, which
+// makes the new pod Ready (and the old one deleted) before its agent took over.
+const (
+	// minProbeTimeout: `meshdns-ebpf probe` gives the agent 3 s.
+	minProbeTimeout = 3
+	// minGrace: a stopping agent first waits for a handover in progress (30 s),
+	// then drains (up to 5 s).
+	minGrace = 36
+)
+
+func checkProbes(c corev1.Container, bad func(string, ...any)) {
+	for _, probe := range []struct {
+		name, check string
+		p           *corev1.Probe
+	}{{"startupProbe", "live", c.StartupProbe}, {"livenessProbe", "live", c.LivenessProbe}, {"readinessProbe", "ready", c.ReadinessProbe}} {
+		want := []string{"/usr/local/bin/meshdns-ebpf", "probe", probe.check}
+		switch {
+		case probe.p == nil:
+			bad("no %s", probe.name)
+		case probe.p.Exec == nil:
+			bad("%s must be an exec probe running %v (an HTTP probe of the node IP is answered by the old pod during a rollout)", probe.name, want)
+		case !slices.Equal(probe.p.Exec.Command, want):
+			bad("%s runs %v, want %v", probe.name, probe.p.Exec.Command, want)
+		case probe.p.TimeoutSeconds < minProbeTimeout:
+			bad("%s timeoutSeconds %d: the probe takes up to %d s", probe.name, probe.p.TimeoutSeconds, minProbeTimeout)
+		}
+	}
+}
+
 func checkContainer(c corev1.Container, pod *corev1.PodSecurityContext, bad func(string, ...any)) {
 	if len(c.Ports) > 0 {
 		bad("declares ports %v: with hostNetwork they are host ports and block the surge pod", c.Ports)
@@ -229,19 +263,7 @@ func checkContainer(c corev1.Container, pod *corev1.PodSecurityContext, bad func
 			}
 		}
 	}
-	for _, probe := range []struct {
-		name string
-		p    *corev1.Probe
-	}{{"startupProbe", c.StartupProbe}, {"livenessProbe", c.LivenessProbe}, {"readinessProbe", c.ReadinessProbe}} {
-		switch {
-		case probe.p == nil:
-			bad("no %s", probe.name)
-		case probe.p.HTTPGet == nil:
-			bad("%s must be an HTTP probe of the agent's admin endpoint", probe.name)
-		case probe.p.HTTPGet.Host != "":
-			bad("%s sets host %q: probes must reach the agent on the node IP (the pod IP)", probe.name, probe.p.HTTPGet.Host)
-		}
-	}
+	checkProbes(c, bad)
 	if lim, ok := c.Resources.Limits[corev1.ResourceMemory]; !ok || lim.Cmp(minMemoryLimit) < 0 {
 		bad("memory limit must be at least %s", minMemoryLimit.String())
 	}
@@ -257,7 +279,7 @@ func checkContainer(c corev1.Container, pod *corev1.PodSecurityContext, bad func
 	}
 	for _, a := range c.Args {
 		if strings.HasPrefix(a, "--admin=") && strings.HasPrefix(strings.TrimPrefix(a, "--admin="), "127.") {
-			bad("%s: a loopback admin address is unreachable for Prometheus and for kubelet's probes", a)
+			bad("%s: a loopback admin address is unreachable for Prometheus", a)
 		}
 	}
 }

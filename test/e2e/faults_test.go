@@ -1,6 +1,7 @@
 package e2e
 
 import (
+	"net/http"
 	"os/exec"
 	"runtime"
 	"strings"
@@ -230,31 +231,30 @@ func TestNoFalseFailOpenUnderCPUSaturation(t *testing.T) {
 	n := newNode(t)
 	pod := n.addLoadPod()
 	n.start("ebpf")
-	hogs := runtime.NumCPU()
-	for i := 0; i < hogs; i++ {
-		hog := exec.Command("sh", "-c", "while :; do :; done")
-		if err := hog.Start(); err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() {
-			_ = hog.Process.Kill()
-			_ = hog.Wait()
-		})
-	}
+	hogs := startCPUHogs(t)
 	stalledBefore := hookCounter(t, n, "total", "skip_stalled")
 	noResolverBefore := hookCounter(t, n, "total", "skip_no_resolver")
 	n.orig.Reset()
 	ld := n.startLoad(pod, 2000)
 	start := time.Now()
-	time.Sleep(60 * time.Second) // the duration the test is about
+	// The duration the test is about, asking /healthz every second: a busy
+	// agent is live.
+	notLive := 0
+	for time.Since(start) < 60*time.Second {
+		time.Sleep(time.Second)
+		if code, body := n.httpGet("http://" + adminAddr + "/healthz"); code != http.StatusOK {
+			notLive++
+			t.Errorf("/healthz %v into the run: %d %s", time.Since(start).Round(time.Second), code, body)
+		}
+	}
 	res := ld.stop()
 	el := time.Since(start)
 	fell := n.orig.Count(meshName) + n.orig.Count("ratings.default.svc.cluster.local")
 	stalled := hookCounter(t, n, "total", "skip_stalled") - stalledBefore
 	noResolver := hookCounter(t, n, "total", "skip_no_resolver") - noResolverBefore
-	t.Logf("%v of load with %d CPU hogs on %d CPUs: %d lookups (%.0f/s): %d ok, %d wrong, %d NXDOMAIN, %d failed; %d mesh queries reached the original nameserver; redirects skipped as stalled: %d, for no resolver: %d",
+	t.Logf("%v of load with %d CPU hogs on %d CPUs: %d lookups (%.0f/s): %d ok, %d wrong, %d NXDOMAIN, %d failed; %d mesh queries reached the original nameserver; redirects skipped as stalled: %d, for no resolver: %d; /healthz not 200: %d times",
 		el.Round(time.Second), hogs, runtime.NumCPU(), res.sent, float64(res.sent)/el.Seconds(), res.ok, res.wrong, res.nx, res.failed,
-		fell, stalled, noResolver)
+		fell, stalled, noResolver, notLive)
 	if fell != 0 || res.failed+res.wrong+res.nx != 0 || stalled != 0 || noResolver != 0 {
 		t.Errorf("false fail-open or loss under CPU saturation:\n%s", describe(res.fails, 0))
 	}
@@ -354,4 +354,22 @@ func TestIptablesStopDrainsUnderLoad(t *testing.T) {
 	if len(bad) > 10 {
 		t.Errorf("%d lookups failed across the stop, want at most 10:\n%s", len(bad), describe(bad, stop))
 	}
+}
+
+// startCPUHogs keeps every CPU busy with a shell loop (at the test's
+// priority) until the test ends, and returns how many it started.
+func startCPUHogs(t *testing.T) int {
+	t.Helper()
+	hogs := runtime.NumCPU()
+	for i := 0; i < hogs; i++ {
+		hog := exec.Command("sh", "-c", "while :; do :; done")
+		if err := hog.Start(); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() {
+			_ = hog.Process.Kill()
+			_ = hog.Wait()
+		})
+	}
+	return hogs
 }

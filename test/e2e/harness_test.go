@@ -147,8 +147,9 @@ type node struct {
 	orig6    *testenv.FakeDNS
 	other    *testenv.FakeDNS
 
-	agent  *agentProc // the current agent
-	stderr *syncBuffer
+	agent   *agentProc      // the current agent
+	agentCg *testenv.Cgroup // where agents run (nil: cg); a child of cg, so their upstream queries meet the programs too
+	stderr  *syncBuffer
 }
 
 // agentProc is one agent process.
@@ -307,7 +308,11 @@ func (n *node) spawnWrapped(mode string, wrapper []string, extra ...string) *age
 		caps = nil
 	}
 	argv = append(append(argv, bins.agent), n.agentArgs(mode, extra...)...)
-	cmd := testenv.Command(context.Background(), testenv.Proc{Netns: n.ns, Cgroup: n.cg, NetOnly: true, Caps: caps},
+	cg := n.cg
+	if n.agentCg != nil {
+		cg = n.agentCg
+	}
+	cmd := testenv.Command(context.Background(), testenv.Proc{Netns: n.ns, Cgroup: cg, NetOnly: true, Caps: caps},
 		argv[0], argv[1:]...)
 	cmd.Stdout = n.stderr
 	cmd.Stderr = n.stderr

@@ -187,7 +187,7 @@ func TestStatsCountExactly(t *testing.T) {
 	if err != nil {
 		t.Fatalf("status: %v\n%s", err, status)
 	}
-	for _, w := range []string{"ebpf", listen4, "connect4"} {
+	for _, w := range []string{"ebpf", listen4, "connect4", "bpffs mount", filepath.Dir(n.bpffs) + " (bpf, "} {
 		if !strings.Contains(status, w) {
 			t.Errorf("status lacks %q:\n%s", w, status)
 		}

@@ -43,6 +43,7 @@ func TestSoak(t *testing.T) {
 	pod := n.addLoadPod()
 	n.start("ebpf")
 	missBefore := n.mapMiss()
+	stalledBefore, noResolverBefore := hookCounter(t, n, "total", "skip_stalled"), hookCounter(t, n, "total", "skip_no_resolver")
 	// glibc and musl cannot tell SERVFAIL (a failing upstream) from no answer:
 	// they ask for table names only. The raw client asks for everything and
 	// tells them apart: SERVFAIL is an answer, silence is loss. It waits longer
@@ -124,6 +125,8 @@ func TestSoak(t *testing.T) {
 	res := ld.stop()
 	el := time.Since(start)
 	miss := n.mapMiss() - missBefore
+	stalled := hookCounter(t, n, "total", "skip_stalled") - stalledBefore
+	noResolver := hookCounter(t, n, "total", "skip_no_resolver") - noResolverBefore
 
 	// A lookup that began up to a second before the stop may send its query
 	// after capture went off.
@@ -160,6 +163,7 @@ func TestSoak(t *testing.T) {
 		el.Round(time.Second), res.sent, float64(res.sent)/el.Seconds(), upgrades, restarts, reloads)
 	t.Logf("soak: %d lost, %d wrong, %d wrong-source replies; %d SERVFAIL while the upstream failed (%s); %d mesh lookups answered by the original nameserver during plain restarts",
 		len(lost), len(wrong), miss, len(servfail), byZone(servfail), len(fell))
+	t.Logf("soak: redirects skipped as stalled %d, for no resolver %d (plain restarts)", stalled, noResolver)
 	t.Logf("soak: agent RSS start %.1f MiB, peak %.1f MiB, end %.1f MiB (%d samples, one per second, over %d agent processes)",
 		float64(first)/1024, float64(peak)/1024, float64(last)/1024, len(samples), upgrades+restarts+1)
 	t.Logf("soak clients: glibc: %s; musl: %s; raw: %s", res.perClient["glibc"], res.perClient["musl"], res.perClient["raw"])

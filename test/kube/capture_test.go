@@ -7,6 +7,7 @@ import (
 	"io"
 	"net"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strings"
 	"syscall"
@@ -103,37 +104,68 @@ func TestCaptureClusterDNS(t *testing.T) {
 // capturing a test cgroup, reaching the API server through a proxy into
 // that namespace (it listens on the test's loopback).
 type nodeAgent struct {
+	cmd             *exec.Cmd
 	done            chan error
 	log             *logBuffer
 	stateDir, bpffs string
 }
 
+// nodeHost is what agents of one node share: the state dir and the bpffs
+// (host paths in the DaemonSet).
+type nodeHost struct {
+	stateDir, bpffs string
+}
+
+func newNodeHost(t *testing.T) nodeHost {
+	return nodeHost{stateDir: t.TempDir(), bpffs: filepath.Join(testenv.NewBPFFS(t), "meshdns")}
+}
+
 func startNodeAgent(t *testing.T, c *cluster, nodeNS *testenv.Netns, cg *testenv.Cgroup, extra ...string) *nodeAgent {
+	t.Helper()
+	return startNodeAgentOn(t, c, nodeNS, cg, newNodeHost(t), nil, extra...)
+}
+
+// startNodeAgentOn starts an agent on host's state dir and bpffs, with env
+// added to the test's environment. The test's cleanup stops it.
+func startNodeAgentOn(t *testing.T, c *cluster, nodeNS *testenv.Netns, cg *testenv.Cgroup, host nodeHost, env []string, extra ...string) *nodeAgent {
 	t.Helper()
 	apiPort := proxyIntoNetns(t, nodeNS, strings.TrimPrefix(c.Host(), "https://"))
 	kubeconfig := rewriteServer(t, c.kubeconfig, fmt.Sprintf("https://127.0.0.1:%d", apiPort))
-	a := &nodeAgent{done: make(chan error, 1), log: &logBuffer{}, stateDir: t.TempDir(), bpffs: filepath.Join(testenv.NewBPFFS(t), "meshdns")}
+	a := &nodeAgent{done: make(chan error, 1), log: &logBuffer{}, stateDir: host.stateDir, bpffs: host.bpffs}
 	args := []string{"run", "--mode", "ebpf", "--cgroup", cg.Path, "--kubeconfig", kubeconfig, "--node-name", node,
 		"--listen", "169.254.20.53:53", "--bpffs", a.bpffs, "--state-dir", a.stateDir, "--log-level", "debug"}
 	cmd := testenv.Command(context.Background(), testenv.Proc{Netns: nodeNS, Cgroup: cg, NetOnly: true}, buildAgent(t), append(args, extra...)...)
+	cmd.Env = append(os.Environ(), env...)
 	cmd.Stdout, cmd.Stderr = a.log, a.log
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
+	a.cmd = cmd
 	go func() { a.done <- cmd.Wait() }()
 	t.Cleanup(func() {
-		_ = cmd.Process.Signal(syscall.SIGTERM)
-		select {
-		case <-a.done:
-		case <-time.After(10 * time.Second):
+		if _, ok := a.stop(syscall.SIGTERM, 10*time.Second); !ok {
 			_ = cmd.Process.Kill()
-			<-a.done
+			a.stop(0, 10*time.Second)
 		}
 		if t.Failed() {
 			t.Logf("agent log:\n%s", a.log.tail(60))
 		}
 	})
 	return a
+}
+
+// stop signals the agent (sig 0: none) and waits up to d for it to exit.
+func (a *nodeAgent) stop(sig syscall.Signal, d time.Duration) (error, bool) {
+	if sig != 0 {
+		_ = a.cmd.Process.Signal(sig)
+	}
+	select {
+	case err := <-a.done:
+		a.done <- err
+		return err, true
+	case <-time.After(d):
+		return nil, false
+	}
 }
 
 // checkRunning fails the test when the agent has exited.

@@ -24,10 +24,6 @@ import (
 // istio.io/istio, internal/kubetest's istiod fixture) on the test API
 // server.
 
-// agentNS is the agent's own namespace (--namespace): its view serves
-// clients of unknown namespace.
-const agentNS = "meshdns-system"
-
 // proxyName is the pod-name part of the agent's proxies at istiod.
 const proxyName = "meshdns-test"
 

@@ -7,6 +7,8 @@
 //	image build -lock deploy/image/debs.lock -debs DIR -bin amd64=PATH[,arm64=PATH] \
 //	            -version V [-revision SHA] -epoch SECONDS -out DIR
 //	image push  -layout DIR/oci -ref REGISTRY/meshdns-ebpf:TAG
+//	image bundle -name localhost/NAME -out DIR [-host PATH] [-file DEST=SRC] ...
+//	            (a test workload image from files of this machine; bundle.go)
 package main
 
 import (
@@ -24,14 +26,16 @@ func main() {
 
 func run(args []string, stdout io.Writer) error {
 	if len(args) == 0 {
-		return fmt.Errorf("usage: image build|push [flags]")
+		return fmt.Errorf("usage: image build|push|bundle [flags]")
 	}
 	switch args[0] {
 	case "build":
 		return runBuild(args[1:], stdout)
 	case "push":
 		return runPush(args[1:], stdout)
+	case "bundle":
+		return runBundle(args[1:], stdout)
 	default:
-		return fmt.Errorf("unknown command %q (want build or push)", args[0])
+		return fmt.Errorf("unknown command %q (want build, push or bundle)", args[0])
 	}
 }

@@ -86,17 +86,37 @@ func buildImage(o buildOptions, pf platform) (*archImage, error) {
 		return nil, fmt.Errorf("%s: %w", pf.arch, err)
 	}
 
-	img := mutate.MediaType(empty.Image, types.OCIManifestSchema1)
-	img = mutate.ConfigMediaType(img, types.OCIConfigJSON)
-	created := v1.Time{Time: o.Epoch}
-	for _, l := range []struct {
-		t   fsTree
-		why string
-	}{
+	img, err := assemble(pf, o.Epoch, gzip.BestCompression, []layerSpec{
 		{base, "Debian packages for the iptables fallback (deploy/image/debs.lock)"},
 		{app, "meshdns-ebpf " + o.Version},
-	} {
-		layer, err := tarLayer(l.t, o.Epoch)
+	}, v1.Config{
+		Entrypoint: []string{"/" + binaryPath},
+		Cmd:        []string{"run"},
+		Env:        []string{"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"},
+		User:       fmt.Sprintf("%d:%d", nonRootID, nonRootID),
+		WorkingDir: "/",
+		Labels:     o.labels(),
+	})
+	if err != nil {
+		return nil, err
+	}
+	img = mutate.Annotations(img, o.labels()).(v1.Image)
+	return &archImage{platform: pf, img: img, rootfsSize: merged.size(), elfChecked: checked}, nil
+}
+
+// layerSpec is one layer of an image: its files and why it is there (history).
+type layerSpec struct {
+	t   fsTree
+	why string
+}
+
+// assemble is an OCI image of one platform: the layers in order (gzip at
+// level), every timestamp epoch, and cfg.
+func assemble(pf platform, epoch time.Time, level int, layers []layerSpec, cfg v1.Config) (v1.Image, error) {
+	img := mutate.ConfigMediaType(mutate.MediaType(empty.Image, types.OCIManifestSchema1), types.OCIConfigJSON)
+	created := v1.Time{Time: epoch}
+	for _, l := range layers {
+		layer, err := tarLayerLevel(l.t, epoch, level)
 		if err != nil {
 			return nil, err
 		}
@@ -116,19 +136,8 @@ func buildImage(o buildOptions, pf platform) (*archImage, error) {
 	cf = cf.DeepCopy()
 	cf.Architecture, cf.Variant, cf.OS = pf.arch, pf.variant, "linux"
 	cf.Created = created
-	cf.Config = v1.Config{
-		Entrypoint: []string{"/" + binaryPath},
-		Cmd:        []string{"run"},
-		Env:        []string{"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"},
-		User:       fmt.Sprintf("%d:%d", nonRootID, nonRootID),
-		WorkingDir: "/",
-		Labels:     o.labels(),
-	}
-	if img, err = mutate.ConfigFile(img, cf); err != nil {
-		return nil, err
-	}
-	img = mutate.Annotations(img, o.labels()).(v1.Image)
-	return &archImage{platform: pf, img: img, rootfsSize: merged.size(), elfChecked: checked}, nil
+	cf.Config = cfg
+	return mutate.ConfigFile(img, cf)
 }
 
 func (o buildOptions) labels() map[string]string {
@@ -178,9 +187,9 @@ func addImageFiles(t fsTree) error {
 	return nil
 }
 
-// tarLayer is a gzip-compressed OCI layer of t. gzip with a fixed level and no
-// header timestamp is deterministic for a given Go release.
-func tarLayer(t fsTree, mtime time.Time) (v1.Layer, error) {
+// tarLayerLevel is a gzip-compressed OCI layer of t. gzip with a fixed level and
+// no header timestamp is deterministic for a given Go release.
+func tarLayerLevel(t fsTree, mtime time.Time, level int) (v1.Layer, error) {
 	var buf bytes.Buffer
 	if err := t.writeTar(&buf, mtime); err != nil {
 		return nil, err
@@ -188,7 +197,7 @@ func tarLayer(t fsTree, mtime time.Time) (v1.Layer, error) {
 	raw := buf.Bytes()
 	return tarball.LayerFromOpener(func() (io.ReadCloser, error) {
 		return io.NopCloser(bytes.NewReader(raw)), nil
-	}, tarball.WithCompressionLevel(gzip.BestCompression), tarball.WithMediaType(types.OCILayer))
+	}, tarball.WithCompressionLevel(level), tarball.WithMediaType(types.OCILayer))
 }
 
 // buildIndex makes the multi-platform index of the images, in the order given.

@@ -5,7 +5,10 @@
  * resolver socket, as applications do. Arguments after the flags are
  * name=expected-address pairs, used in turn.
  *
- *   dnsload -r RATE -t THREADS -d SECONDS name=ip ...
+ *   dnsload -r RATE -t THREADS -d SECONDS [-i] name=ip ...
+ *
+ * -i also stops at the end of standard input (a test driving it through
+ * `kubectl exec -i` stops it by closing the stream).
  *
  * A name with "%d" in it gets a new number each time (a name no cache holds).
  *
@@ -116,19 +119,30 @@ static void on_term(int sig)
 	atomic_store(&stop, 1);
 }
 
+static void *stdin_watch(void *arg)
+{
+	char buf[256];
+	(void)arg;
+	while (read(0, buf, sizeof(buf)) > 0)
+		;
+	atomic_store(&stop, 1);
+	return NULL;
+}
+
 int main(int argc, char **argv)
 {
 	double rate = 100, secs = 3600;
-	int threads = 8, opt;
-	pthread_t *tids;
+	int threads = 8, opt, watch_stdin = 0;
+	pthread_t *tids, watcher;
 
-	while ((opt = getopt(argc, argv, "r:t:d:")) != -1) {
+	while ((opt = getopt(argc, argv, "r:t:d:i")) != -1) {
 		switch (opt) {
+		case 'i': watch_stdin = 1; break;
 		case 'r': rate = atof(optarg); break;
 		case 't': threads = atoi(optarg); break;
 		case 'd': secs = atof(optarg); break;
 		default:
-			fprintf(stderr, "usage: dnsload -r RATE -t THREADS -d SECONDS name=ip ...\n");
+			fprintf(stderr, "usage: dnsload -r RATE -t THREADS -d SECONDS [-i] name=ip ...\n");
 			return 2;
 		}
 	}
@@ -152,6 +166,8 @@ int main(int argc, char **argv)
 	signal(SIGINT, on_term);
 	setvbuf(stdout, NULL, _IOLBF, 0);
 	printf("START %lld\n", now_ns());
+	if (watch_stdin)
+		pthread_create(&watcher, NULL, stdin_watch, NULL);
 	tids = calloc(threads, sizeof(*tids));
 	for (long i = 0; i < threads; i++)
 		pthread_create(&tids[i], NULL, worker, (void *)i);

@@ -10,7 +10,12 @@
 // With -raw it sends each query itself (a fresh connected UDP socket per
 // query, like glibc), to the nameserver of -server, so that an answer with an
 // error code (servfail) is told apart from no answer at all (lost): the
-// summary then also has servfail=N and lost=N.
+// summary then also has servfail=N and lost=N. -unconnected sends each raw query
+// from an unconnected socket, as musl does, and counts a reply whose source is
+// not the nameserver asked as wrongsrc (it keeps waiting for the right one).
+//
+// -i also stops at the end of standard input (a test driving it through
+// `kubectl exec -i` stops it by closing the stream).
 package main
 
 import (
@@ -18,6 +23,7 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"io"
 	"net"
 	"net/netip"
 	"os"
@@ -50,6 +56,8 @@ func main() {
 	raw := flag.Bool("raw", false, "send the queries directly to -server and count servfail and lost apart")
 	server := flag.String("server", "", "with -raw: nameserver ip:port")
 	timeout := flag.Duration("timeout", 3*time.Second, "with -raw: how long to wait for an answer")
+	unconnected := flag.Bool("unconnected", false, "with -raw: send from an unconnected socket and count replies from another source")
+	watchStdin := flag.Bool("i", false, "also stop at the end of standard input")
 	flag.Parse()
 	var targets []target
 	for _, a := range flag.Args() {
@@ -69,7 +77,13 @@ func main() {
 	defer stop()
 	ctx, cancel := context.WithTimeout(ctx, *dur)
 	defer cancel()
-	var sent, ok, wrong, nx, failed, servfail, lost atomic.Int64
+	if *watchStdin {
+		go func() {
+			_, _ = io.Copy(io.Discard, os.Stdin)
+			cancel()
+		}()
+	}
+	var sent, ok, wrong, nx, failed, servfail, lost, wrongSrc atomic.Int64
 	var mu sync.Mutex
 	report := func(start, end int64, name, what string) {
 		mu.Lock()
@@ -94,7 +108,17 @@ func main() {
 				}
 				start := monotonic()
 				if *raw {
-					what := exchange(*server, name, t.want, *timeout)
+					what := ""
+					if *unconnected {
+						var strays []string
+						what, strays = exchangeUnconnected(*server, name, t.want, *timeout)
+						for _, src := range strays {
+							wrongSrc.Add(1)
+							report(start, monotonic(), name, "wrongsrc:"+src)
+						}
+					} else {
+						what = exchange(*server, name, t.want, *timeout)
+					}
 					end := monotonic()
 					sent.Add(1)
 					switch what {
@@ -142,11 +166,50 @@ func main() {
 	}
 	wg.Wait()
 	if *raw {
-		fmt.Printf("SUMMARY sent=%d ok=%d wrong=%d nxdomain=%d failed=%d servfail=%d lost=%d\n",
-			sent.Load(), ok.Load(), wrong.Load(), nx.Load(), servfail.Load()+lost.Load(), servfail.Load(), lost.Load())
+		fmt.Printf("SUMMARY sent=%d ok=%d wrong=%d nxdomain=%d failed=%d servfail=%d lost=%d wrongsrc=%d\n",
+			sent.Load(), ok.Load(), wrong.Load(), nx.Load(), servfail.Load()+lost.Load(), servfail.Load(), lost.Load(), wrongSrc.Load())
 		return
 	}
 	fmt.Printf("SUMMARY sent=%d ok=%d wrong=%d nxdomain=%d failed=%d\n", sent.Load(), ok.Load(), wrong.Load(), nx.Load(), failed.Load())
+}
+
+// exchangeUnconnected is exchange from an unconnected socket: it reads until a
+// reply from server arrives or timeout passes, and returns the sources of the
+// replies that came from elsewhere.
+func exchangeUnconnected(server, name string, want netip.Addr, timeout time.Duration) (string, []string) {
+	dst, err := net.ResolveUDPAddr("udp", server)
+	if err != nil {
+		return "wrong:" + strings.ReplaceAll(err.Error(), " ", "_"), nil
+	}
+	c, err := net.ListenUDP("udp", nil)
+	if err != nil {
+		return "wrong:" + strings.ReplaceAll(err.Error(), " ", "_"), nil
+	}
+	defer c.Close()
+	m := new(dns.Msg)
+	m.SetQuestion(dns.Fqdn(name), dns.TypeA)
+	b, _ := m.Pack()
+	if _, err := c.WriteToUDP(b, dst); err != nil {
+		return "wrong:" + strings.ReplaceAll(err.Error(), " ", "_"), nil
+	}
+	_ = c.SetReadDeadline(time.Now().Add(timeout))
+	var strays []string
+	buf := make([]byte, 4096)
+	for {
+		n, from, err := c.ReadFromUDPAddrPort(buf)
+		if err != nil {
+			return "lost", strays
+		}
+		if from.Addr().Unmap() != dst.AddrPort().Addr().Unmap() || from.Port() != dst.AddrPort().Port() {
+			strays = append(strays, from.String())
+			continue
+		}
+		r := new(dns.Msg)
+		if err := r.Unpack(buf[:n]); err != nil || r.Id != m.Id {
+			continue
+		}
+		return judge(r, want), strays
+	}
 }
 
 // exchange sends one A query for name on a fresh connected UDP socket and says
@@ -157,13 +220,19 @@ func exchange(server, name string, want netip.Addr, timeout time.Duration) strin
 	m.SetQuestion(dns.Fqdn(name), dns.TypeA)
 	c := &dns.Client{Net: "udp", Timeout: timeout}
 	r, _, err := c.Exchange(m, server)
-	switch {
-	case err != nil:
+	if err != nil {
 		var ne net.Error
 		if errors.As(err, &ne) && ne.Timeout() {
 			return "lost"
 		}
 		return "wrong:" + strings.ReplaceAll(err.Error(), " ", "_")
+	}
+	return judge(r, want)
+}
+
+// judge says what an answer is: ok, servfail, nxdomain or wrong:<what>.
+func judge(r *dns.Msg, want netip.Addr) string {
+	switch {
 	case r.Rcode == dns.RcodeServerFailure:
 		return "servfail"
 	case r.Rcode == dns.RcodeNameError:
