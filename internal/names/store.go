@@ -142,10 +142,40 @@ type Config struct {
 	Table nametable.Options
 	// Window coalesces changes (default DefaultWindow).
 	Window time.Duration
+	// Clock measures the window (default the system's clock).
+	Clock  Clock
 	Logger *slog.Logger
 	// Metrics, when set, receives the store's metrics (NewMetrics).
 	Metrics *Metrics
 }
+
+// Clock is the time the store's coalescing window is measured in.
+type Clock interface {
+	Now() time.Time
+	// NewTimer starts a timer that fires once, after d.
+	NewTimer(d time.Duration) Timer
+}
+
+// Timer is a Clock's timer.
+type Timer interface {
+	// C receives the time once the timer fires.
+	C() <-chan time.Time
+	// Stop stops the timer; it reports whether it had not fired yet.
+	Stop() bool
+}
+
+// systemClock is the Clock of time.Now and time.Timer.
+type systemClock struct{}
+
+func (systemClock) Now() time.Time { return time.Now() }
+
+func (systemClock) NewTimer(d time.Duration) Timer { return systemTimer{time.NewTimer(d)} }
+
+type systemTimer struct{ t *time.Timer }
+
+func (t systemTimer) C() <-chan time.Time { return t.t.C }
+
+func (t systemTimer) Stop() bool { return t.t.Stop() }
 
 // Store runs sources and publishes tables. Create with New, add sources,
 // then Start; Close stops everything.
@@ -172,7 +202,6 @@ type Store struct {
 	kick     chan struct{}
 	closed   chan struct{}
 	closeOne sync.Once
-	lastPub  atomic.Int64 // unix nanos of the last publish
 }
 
 type sourceState struct {
@@ -197,6 +226,9 @@ func New(cfg Config) (*Store, error) {
 	}
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
+	}
+	if cfg.Clock == nil {
+		cfg.Clock = systemClock{}
 	}
 	b, err := nametable.NewBuilder(cfg.Table)
 	if err != nil {
@@ -356,22 +388,6 @@ func (s *Store) Ready() error {
 	return fmt.Errorf("waiting for name sources to sync: %s", strings.Join(waiting, ", "))
 }
 
-// WaitReady blocks until Ready is nil or ctx ends.
-func (s *Store) WaitReady(ctx context.Context) error {
-	t := time.NewTicker(5 * time.Millisecond)
-	defer t.Stop()
-	for {
-		if s.cur.Load() != nil {
-			return nil
-		}
-		select {
-		case <-ctx.Done():
-			return fmt.Errorf("%w: %v", ctx.Err(), s.Ready())
-		case <-t.C:
-		}
-	}
-}
-
 // Status lists the sources by name.
 func (s *Store) Status() []SourceStatus {
 	s.mu.Lock()
@@ -392,14 +408,6 @@ func (s *Store) Status() []SourceStatus {
 	}
 	slices.SortFunc(out, func(a, b SourceStatus) int { return strings.Compare(a.Name, b.Name) })
 	return out
-}
-
-// LastPublish is when the last table was published (zero before).
-func (s *Store) LastPublish() time.Time {
-	if n := s.lastPub.Load(); n != 0 {
-		return time.Unix(0, n)
-	}
-	return time.Time{}
 }
 
 func (s *Store) poke() {
@@ -456,30 +464,32 @@ func (s *Store) holdingLocked() bool {
 // per window.
 func (s *Store) publisher() {
 	defer s.wg.Done()
-	timer := time.NewTimer(time.Hour)
-	timer.Stop()
-	armed := false
+	clock := s.cfg.Clock
+	var timer Timer
+	var fire <-chan time.Time // timer's, while it is armed
 	var last time.Time
 	for {
 		select {
 		case <-s.closed:
-			timer.Stop()
+			if timer != nil {
+				timer.Stop()
+			}
 			return
 		case <-s.kick:
-			if armed {
+			if fire != nil {
 				continue
 			}
-			if wait := s.cfg.Window - time.Since(last); wait > 0 {
-				timer.Reset(wait)
-				armed = true
+			if wait := s.cfg.Window - clock.Now().Sub(last); wait > 0 {
+				timer = clock.NewTimer(wait)
+				fire = timer.C()
 				continue
 			}
+			last = clock.Now()
 			s.publish()
-			last = time.Now()
-		case <-timer.C:
-			armed = false
+		case <-fire:
+			timer, fire = nil, nil
+			last = clock.Now()
 			s.publish()
-			last = time.Now()
 		}
 	}
 }
@@ -499,7 +509,6 @@ func (s *Store) publish() {
 	}
 	first := s.cur.Load() == nil
 	s.cur.Store(t)
-	s.lastPub.Store(time.Now().UnixNano())
 	d := time.Since(start)
 	if m := s.cfg.Metrics; m != nil {
 		m.published(t, d)
@@ -638,8 +647,11 @@ func (k *sink) Synced() {
 	}
 	k.st.synced = true
 	k.s.log.Info("name source synced", "source", k.name, "objects", k.s.b.Objects(k.name))
-	k.s.checkReadyLocked()
-	k.s.poke()
+	if k.s.ready {
+		k.s.poke() // an optional source's first state may be held back until now
+	} else {
+		k.s.checkReadyLocked() // pokes when it makes the store ready
+	}
 }
 
 func (k *sink) Failed(err error) {

@@ -6,7 +6,9 @@ import (
 	"fmt"
 	"log/slog"
 	"net/netip"
+	"slices"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -14,6 +16,7 @@ import (
 
 	"github.com/meshdns/meshdns-ebpf/internal/metrictest"
 	"github.com/meshdns/meshdns-ebpf/internal/nametable"
+	"github.com/meshdns/meshdns-ebpf/internal/testenv"
 )
 
 // fakeSource hands its sink to the test and waits.
@@ -32,36 +35,122 @@ func (f *fakeSource) Run(ctx context.Context, sink Sink) error {
 	return nil
 }
 
+// fakeClock is a Clock that moves only when the test advances it.
+type fakeClock struct {
+	mu     sync.Mutex
+	now    time.Time
+	timers []*fakeTimer // armed, not fired
+}
+
+type fakeTimer struct {
+	clock *fakeClock
+	at    time.Time
+	c     chan time.Time
+}
+
+func newFakeClock() *fakeClock { return &fakeClock{now: time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)} }
+
+func (c *fakeClock) Now() time.Time {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.now
+}
+
+func (c *fakeClock) NewTimer(d time.Duration) Timer {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	t := &fakeTimer{clock: c, at: c.now.Add(d), c: make(chan time.Time, 1)}
+	c.timers = append(c.timers, t)
+	return t
+}
+
+// Advance moves the clock on by d and fires the timers due.
+func (c *fakeClock) Advance(d time.Duration) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.now = c.now.Add(d)
+	c.timers = slices.DeleteFunc(c.timers, func(t *fakeTimer) bool {
+		if t.at.After(c.now) {
+			return false
+		}
+		t.c <- c.now
+		return true
+	})
+}
+
+// Armed is how many timers wait to fire.
+func (c *fakeClock) Armed() int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return len(c.timers)
+}
+
+func (t *fakeTimer) C() <-chan time.Time { return t.c }
+
+func (t *fakeTimer) Stop() bool {
+	c := t.clock
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	n := len(c.timers)
+	c.timers = slices.DeleteFunc(c.timers, func(x *fakeTimer) bool { return x == t })
+	return len(c.timers) < n
+}
+
 func newStore(t *testing.T, window time.Duration) (*Store, *prometheus.Registry) {
+	t.Helper()
+	return newStoreClock(t, window, nil)
+}
+
+// newStoreClock is newStore with clock (nil: the system's).
+func newStoreClock(t *testing.T, window time.Duration, clock Clock) (*Store, *prometheus.Registry) {
 	t.Helper()
 	reg := prometheus.NewRegistry()
 	m, err := NewMetrics(reg)
 	if err != nil {
 		t.Fatal(err)
 	}
-	s, err := New(Config{Window: window, Metrics: m, Logger: slog.New(slog.DiscardHandler)})
+	s, err := New(Config{Window: window, Clock: clock, Metrics: m, Logger: slog.New(slog.DiscardHandler)})
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { _ = s.Close() })
+	t.Cleanup(func() {
+		if err := s.Close(); err != nil {
+			t.Errorf("Close: %v", err)
+		}
+	})
 	return s, reg
+}
+
+// mustSet is sink.Set that fails the test on an error.
+func mustSet(t *testing.T, sink Sink, key string, hosts []nametable.Host) {
+	t.Helper()
+	if err := sink.Set(key, hosts); err != nil {
+		t.Fatalf("Set(%s): %v", key, err)
+	}
+}
+
+// mustAdd is s.Add that fails the test on an error.
+func mustAdd(t *testing.T, s *Store, src Source, opts SourceOptions) {
+	t.Helper()
+	if err := s.Add(src, opts); err != nil {
+		t.Fatalf("Add(%s): %v", src.Name(), err)
+	}
 }
 
 func host(name, ip string) []nametable.Host {
 	return []nametable.Host{{Name: name, V4: []netip.Addr{netip.MustParseAddr(ip)}}}
 }
 
-func waitTable(t *testing.T, s *Store, what string, cond func(*nametable.Table) bool) time.Duration {
+func waitTable(t *testing.T, s *Store, what string, cond func(*nametable.Table) bool) *nametable.Table {
 	t.Helper()
-	start := time.Now()
-	for time.Since(start) < 5*time.Second {
-		if tb := s.Table(); tb != nil && cond(tb) {
-			return time.Since(start)
-		}
-		time.Sleep(100 * time.Microsecond)
+	var tb *nametable.Table
+	if !testenv.WaitFor(5*time.Second, func() bool {
+		tb = s.Table()
+		return tb != nil && cond(tb)
+	}) {
+		t.Fatalf("not within 5s: %s", what)
 	}
-	t.Fatalf("not within 5s: %s", what)
-	return 0
+	return tb
 }
 
 func addr(tb *nametable.Table, name string) string {
@@ -93,10 +182,10 @@ func TestReadiness(t *testing.T) {
 	}
 	sa, sb := <-a.sink, <-b.sink
 	<-remote.sink
-	_ = sa.Set("x", host("x.example.com", "192.0.2.1"))
+	mustSet(t, sa, "x", host("x.example.com", "192.0.2.1"))
 	sa.Synced()
 	sb.Failed(errors.New("connection refused"))
-	time.Sleep(50 * time.Millisecond)
+	s.publish() // what the publisher does at a change: here nothing, as b is waited for
 	if s.Table() != nil {
 		t.Fatalf("a table is published before b synced")
 	}
@@ -129,7 +218,7 @@ func TestOptionalSourceFailingDoesNotBlock(t *testing.T) {
 		t.Fatal(err)
 	}
 	ks, ses := <-k.sink, <-se.sink
-	_ = ks.Set("default/web", host("web.default.svc.cluster.local", "10.96.0.10"))
+	mustSet(t, ks, "default/web", host("web.default.svc.cluster.local", "10.96.0.10"))
 	ks.Synced()
 	// Not failing: still waited for (readiness is decided under the lock
 	// as the sources report, so no table can have been published).
@@ -149,8 +238,8 @@ func TestOptionalSourceFailingDoesNotBlock(t *testing.T) {
 	}
 	// Allowed again: the whole first state goes out in one snapshot.
 	ses.Failed(nil)
-	_ = ses.Set("infra/a", host("a.example.com", "192.0.2.1"))
-	_ = ses.Set("infra/b", host("b.example.com", "192.0.2.2"))
+	mustSet(t, ses, "infra/a", host("a.example.com", "192.0.2.1"))
+	mustSet(t, ses, "infra/b", host("b.example.com", "192.0.2.2"))
 	if tb := s.Table(); addr(tb, "a.example.com.") != "" {
 		t.Fatalf("part of the optional source's first state was published before it synced")
 	}
@@ -175,36 +264,50 @@ func statusOf(t *testing.T, s *Store, name string) SourceStatus {
 }
 
 // An isolated update is published at once; a burst within the window is
-// one snapshot, and the last state wins. The window is long enough that "at
-// once" (under half of it) is told from "at the end of a window" on a machine
-// busy with other tests.
+// one snapshot, published when the window ends, and the last state wins.
+// The store's clock is the test's: it moves only when the test moves it.
 func TestPublishLatencyAndCoalescing(t *testing.T) {
-	const window = 400 * time.Millisecond
-	s, reg := newStore(t, window)
+	const window = 5 * time.Second
+	clock := newFakeClock()
+	s, reg := newStoreClock(t, window, clock)
 	src := newFake("k")
-	if err := s.Add(src, SourceOptions{Priority: 10}); err != nil {
-		t.Fatal(err)
-	}
+	mustAdd(t, s, src, SourceOptions{Priority: 10})
 	if err := s.Start(context.Background()); err != nil {
 		t.Fatal(err)
 	}
 	k := <-src.sink
 	k.Synced()
 	waitTable(t, s, "first table", func(*nametable.Table) bool { return true })
-	time.Sleep(window + window/4) // a window after the first publish
-	_ = k.Set("a", host("a.example.com", "192.0.2.1"))
-	d := waitTable(t, s, "isolated update", func(tb *nametable.Table) bool { return addr(tb, "a.example.com.") == "192.0.2.1" })
-	t.Logf("isolated update published after %v", d)
-	if d > window/2 {
-		t.Errorf("an isolated update took %v, want it published at once, not at the end of the %v window", d, window)
-	}
+	clock.Advance(window) // a window after the first publish
+
+	mustSet(t, k, "a", host("a.example.com", "192.0.2.1"))
+	first := waitTable(t, s, "isolated update, the clock standing still", func(tb *nametable.Table) bool {
+		return addr(tb, "a.example.com.") == "192.0.2.1"
+	})
+
 	before := metrictest.Value(t, reg, "meshdns_names_publishes_total")
 	for i := range 200 {
-		_ = k.Set("b", host("b.example.com", fmt.Sprintf("192.0.2.%d", i%250+1)))
+		mustSet(t, k, "b", host("b.example.com", fmt.Sprintf("192.0.2.%d", i%250+1)))
 	}
-	waitTable(t, s, "last of the burst", func(tb *nametable.Table) bool { return addr(tb, "b.example.com.") == "192.0.2.200" })
-	if n := metrictest.Value(t, reg, "meshdns_names_publishes_total") - before; n > 3 {
-		t.Errorf("200 updates in a burst made %v snapshots, want them coalesced", n)
+	// The burst came within a window of the last publish: the publisher
+	// arms a timer for the window's end and publishes nothing before.
+	// Once its kicks are all taken, nothing but the timer can publish.
+	if !testenv.WaitFor(5*time.Second, func() bool { return clock.Armed() == 1 && len(s.kick) == 0 }) {
+		t.Fatalf("no timer armed for the end of the window after a burst (%d armed)", clock.Armed())
+	}
+	if tb := s.Table(); tb != first {
+		t.Fatalf("a table (serial %d) was published within the window, before its end", tb.Serial())
+	}
+	clock.Advance(window)
+	last := waitTable(t, s, "last of the burst", func(tb *nametable.Table) bool { return addr(tb, "b.example.com.") == "192.0.2.200" })
+	if last.Serial() != first.Serial()+1 {
+		t.Errorf("the burst went out as serials %d..%d, want one snapshot", first.Serial()+1, last.Serial())
+	}
+	if n := metrictest.Value(t, reg, "meshdns_names_publishes_total") - before; n != 1 {
+		t.Errorf("200 updates in a burst made %v snapshots, want 1", n)
+	}
+	if n := clock.Armed(); n != 0 {
+		t.Errorf("%d timers armed after the burst went out, want none", n)
 	}
 }
 
@@ -212,15 +315,17 @@ func TestPublishLatencyAndCoalescing(t *testing.T) {
 func TestRemoveSourceAndStatus(t *testing.T) {
 	s, reg := newStore(t, time.Millisecond)
 	a, b := newFake("a"), newFake("b")
-	_ = s.Add(a, SourceOptions{Priority: 10})
-	_ = s.Add(b, SourceOptions{Priority: 5, NonBlocking: true})
+	mustAdd(t, s, a, SourceOptions{Priority: 10})
+	mustAdd(t, s, b, SourceOptions{Priority: 5, NonBlocking: true})
 	if err := s.Start(context.Background()); err != nil {
 		t.Fatal(err)
 	}
 	sa, sb := <-a.sink, <-b.sink
 	sa.Synced()
-	_ = sb.Set("y", host("y.example.com", "192.0.2.2"))
-	_ = sb.SetClients("pod", []netip.Addr{netip.MustParseAddr("10.244.0.9")}, "ns1")
+	mustSet(t, sb, "y", host("y.example.com", "192.0.2.2"))
+	if err := sb.SetClients("pod", []netip.Addr{netip.MustParseAddr("10.244.0.9")}, "ns1"); err != nil {
+		t.Fatal(err)
+	}
 	sb.Failed(errors.New("unreachable"))
 	waitTable(t, s, "b's host", func(tb *nametable.Table) bool { return addr(tb, "y.example.com.") == "192.0.2.2" })
 	st := s.Status()
