@@ -538,10 +538,10 @@ func (b *Builder) setEntry(x string, e *Name) {
 		w.set(key, e)
 	}
 	if old != nil && old.Host.Name == x {
-		b.unindex(x, old.Host)
+		b.index(x, old.Host, -1)
 	}
 	if e != nil && e.Host.Name == x {
-		b.index(x, e.Host)
+		b.index(x, e.Host, +1)
 	}
 	for _, n := range []*Name{old, e} {
 		if n != nil && n.Host.shortLen > 0 && n.Host.Name == x {
@@ -551,47 +551,30 @@ func (b *Builder) setEntry(x string, e *Name) {
 	}
 }
 
-// index adds the canonical entry of host h (named x) to the counts and
-// the reverse and empty-non-terminal indexes; unindex takes it out.
-func (b *Builder) index(x string, h *Host) {
-	b.hosts++
+// index adds (d = +1) or takes out (d = -1) the canonical entry of host h
+// (named x) in the counts and the reverse and empty-non-terminal indexes.
+func (b *Builder) index(x string, h *Host, d int32) {
+	b.hosts += int(d)
 	if h.Wildcard {
 		return
 	}
 	if !h.NoPTR {
+		ptr := b.ptrAdd
+		if d < 0 {
+			ptr = b.ptrDel
+		}
 		for _, a := range h.V4 {
-			b.ptrAdd(a, x)
+			ptr(a, x)
 		}
 		for _, a := range h.V6 {
-			b.ptrAdd(a, x)
+			ptr(a, x)
 		}
 	}
 	if h.inDomain {
-		b.entAdd(x, +1)
+		b.entAdd(x, d)
 	}
 	if h.shortLen > 0 {
-		b.shortAdd(h.shortLabel(), h.Namespace(), +1)
-	}
-}
-
-func (b *Builder) unindex(x string, h *Host) {
-	b.hosts--
-	if h.Wildcard {
-		return
-	}
-	if !h.NoPTR {
-		for _, a := range h.V4 {
-			b.ptrDel(a, x)
-		}
-		for _, a := range h.V6 {
-			b.ptrDel(a, x)
-		}
-	}
-	if h.inDomain {
-		b.entAdd(x, -1)
-	}
-	if h.shortLen > 0 {
-		b.shortAdd(h.shortLabel(), h.Namespace(), -1)
+		b.shortAdd(h.shortLabel(), h.Namespace(), d)
 	}
 }
 
