@@ -60,22 +60,60 @@ func (b *bench) runLookups(ctx context.Context, env *dpEnv, port, fakePort int, 
 		return lookupReport{skipped: "the table has fewer than two namespaces"}
 	}
 	own, other := nss[0], nss[1]
-	// The table plus the client map: the captured client reaches the agent from the
-	// listen address's side of loopback.
+	names, err := b.lookupTable(own)
+	if err != nil {
+		return lookupReport{skipped: err.Error()}
+	}
+	srv, err := b.startLookupAgent(ctx, env, port, fakePort, resolv, names)
+	if err != nil {
+		return lookupReport{skipped: err.Error()}
+	}
+	defer srv.stop()
+
+	rep := lookupReport{rows: []lookupRow{
+		{label: fmt.Sprintf("autopath (client known: search %s.svc...)", own)},
+		{label: fmt.Sprintf("no autopath (search path unknown: %s.svc...)", other)},
+	}}
+	runs := lookupRuns{b: b, ctx: ctx, env: env,
+		searches: []string{strings.Join(meshdata.SearchList(own), ","), strings.Join(meshdata.SearchList(other), ",")},
+		files:    make([]string, len(rep.rows))}
+	runs.cold(&rep)
+	runs.warm(&rep)
+	for i := range rep.rows {
+		r := &rep.rows[i]
+		if r.err != "" {
+			continue
+		}
+		r.warm = *medianRun(r.rounds, func(x *lookupResult) float64 { return x.P50US })
+		fmt.Fprintf(os.Stderr, "  lookup %-50s cold mean %.0f µs (%.1f queries)  warm median round: mean %.0f µs p50 %.0f µs p99 %.0f µs (%.1f queries)\n",
+			r.label, r.cold.MeanUS, r.cold.QueriesPerLookup, r.warm.MeanUS, r.warm.P50US, r.warm.P99US, r.warm.QueriesPerLookup)
+	}
+	return rep
+}
+
+// lookupTable writes the table plus the client map (the captured client
+// reaches the agent from the listen address's side of loopback, in
+// namespace own) and returns its path.
+func (b *bench) lookupTable(own string) (string, error) {
 	var tab map[string]any
 	nt, err := b.tab.NameTableJSON()
 	if err == nil {
 		err = json.Unmarshal(nt, &tab)
 	}
 	if err != nil {
-		return lookupReport{skipped: err.Error()}
+		return "", err
 	}
 	tab["clients"] = map[string]string{dpListenIP: own}
-	nt, _ = json.Marshal(tab)
-	names := b.path("nametable-clients.json")
-	if err := os.WriteFile(names, nt, 0o644); err != nil {
-		return lookupReport{skipped: err.Error()}
+	if nt, err = json.Marshal(tab); err != nil {
+		return "", err
 	}
+	names := b.path("nametable-clients.json")
+	return names, os.WriteFile(names, nt, 0o644)
+}
+
+// startLookupAgent starts the agent in eBPF mode on the table names and
+// waits until it answers.
+func (b *bench) startLookupAgent(ctx context.Context, env *dpEnv, port, fakePort int, resolv, names string) (*proc, error) {
 	args := []string{b.cfg.meshBin, "run", "--mode", "ebpf",
 		"--listen", fmt.Sprintf("%s:%d", dpListenIP, port),
 		"--upstream", fmt.Sprintf("%s:%d", upstreamIP, fakePort),
@@ -87,62 +125,76 @@ func (b *bench) runLookups(ctx context.Context, env *dpEnv, port, fakePort int, 
 	args = append(args, strings.Fields(b.cfg.meshArgs)...)
 	srv, err := start("dp-lookup", b.cfg.serverCPU, append(env.nsPrefix(), args...), nil, b.logDir)
 	if err != nil {
-		return lookupReport{skipped: err.Error()}
+		return nil, err
 	}
-	defer srv.stop()
 	svc := b.tab.Services[0]
 	deadline := time.Now().Add(30 * time.Second)
 	for env.digIn(dpListenIP, port, svc.FQDN()) != svc.IP.String() {
 		if srv.exited() || time.Now().After(deadline) || ctx.Err() != nil {
-			return lookupReport{skipped: "agent not answering; see " + srv.log.Name()}
+			srv.stop()
+			return nil, fmt.Errorf("agent not answering; see %s", srv.log.Name())
 		}
 		time.Sleep(100 * time.Millisecond)
 	}
 	time.Sleep(500 * time.Millisecond) // first heartbeat/ready before capture is judged
+	return srv, nil
+}
 
-	rep := lookupReport{rows: []lookupRow{
-		{label: fmt.Sprintf("autopath (client known: search %s.svc...)", own)},
-		{label: fmt.Sprintf("no autopath (search path unknown: %s.svc...)", other)},
-	}}
-	searches := []string{strings.Join(meshdata.SearchList(own), ","), strings.Join(meshdata.SearchList(other), ",")}
-	files := make([]string, len(rep.rows))
-	run := func(i, passes int) (lookupResult, error) {
-		argv := append(env.clientPrefix(), b.cfg.lookupBin, "-server", dpNameserver+":53", "-names", files[i],
-			"-search", searches[i], "-ndots", "5", "-passes", fmt.Sprint(passes))
-		cmd := exec.CommandContext(ctx, "taskset", append([]string{"-c", fmt.Sprint(b.cfg.genCPU)}, argv...)...)
-		out, err := cmd.Output()
-		var r lookupResult
-		if err == nil {
-			err = json.Unmarshal(out, &r)
-		}
-		if err == nil && r.Failed > 0 {
-			err = fmt.Errorf("%d of %d lookups failed", r.Failed, r.Lookups)
-		}
-		return r, err
+// lookupRuns runs the lookup timer for each variant (row) of a report.
+type lookupRuns struct {
+	b        *bench
+	ctx      context.Context
+	env      *dpEnv
+	searches []string // per row
+	files    []string // per row: its names
+}
+
+// run runs the lookup timer over row i's names passes times.
+func (l lookupRuns) run(i, passes int) (lookupResult, error) {
+	argv := append(l.env.clientPrefix(), l.b.cfg.lookupBin, "-server", dpNameserver+":53", "-names", l.files[i],
+		"-search", l.searches[i], "-ndots", "5", "-passes", fmt.Sprint(passes))
+	cmd := exec.CommandContext(l.ctx, "taskset", append([]string{"-c", fmt.Sprint(l.b.cfg.genCPU)}, argv...)...)
+	out, err := cmd.Output()
+	var r lookupResult
+	if err == nil {
+		err = json.Unmarshal(out, &r)
 	}
+	if err == nil && r.Failed > 0 {
+		err = fmt.Errorf("%d of %d lookups failed", r.Failed, r.Lookups)
+	}
+	return r, err
+}
+
+// cold writes each row's names (disjoint per variant, so each cold pass
+// really misses) and runs one pass over them.
+func (l lookupRuns) cold(rep *lookupReport) {
 	for i := range rep.rows {
-		// Disjoint names per variant, so each cold pass really misses.
 		var list strings.Builder
 		for j := range lookupNames {
 			fmt.Fprintf(&list, "l%d-%s\n", j, strings.TrimSuffix(meshdata.ExternalName(j+i*lookupNames), "."))
 		}
-		files[i] = b.path(fmt.Sprintf("lookup-names-%d.txt", i))
-		if err := os.WriteFile(files[i], []byte(list.String()), 0o644); err != nil {
+		l.files[i] = l.b.path(fmt.Sprintf("lookup-names-%d.txt", i))
+		if err := os.WriteFile(l.files[i], []byte(list.String()), 0o644); err != nil {
 			rep.rows[i].err = err.Error()
 			continue
 		}
-		if rep.rows[i].cold, err = run(i, 1); err != nil {
+		var err error
+		if rep.rows[i].cold, err = l.run(i, 1); err != nil {
 			rep.rows[i].err = "cold: " + err.Error()
 		}
 	}
-	// Warm: the two variants take turns, so a slow stretch of the machine lands on
-	// both; each round's ratio pairs the variants' runs of that round.
+}
+
+// warm runs the warm rounds: the two variants take turns, so a slow
+// stretch of the machine lands on both; each round's ratio pairs the
+// variants' runs of that round.
+func (l lookupRuns) warm(rep *lookupReport) {
 	for range lookupRounds {
 		for i := range rep.rows {
 			if rep.rows[i].err != "" {
 				continue
 			}
-			r, err := run(i, lookupPasses)
+			r, err := l.run(i, lookupPasses)
 			if err != nil {
 				rep.rows[i].err = "warm: " + err.Error()
 				continue
@@ -150,16 +202,6 @@ func (b *bench) runLookups(ctx context.Context, env *dpEnv, port, fakePort int, 
 			rep.rows[i].rounds = append(rep.rows[i].rounds, r)
 		}
 	}
-	for i := range rep.rows {
-		r := &rep.rows[i]
-		if r.err != "" {
-			continue
-		}
-		r.warm = *medianRun(r.rounds, func(x *lookupResult) float64 { return x.P50US })
-		fmt.Fprintf(os.Stderr, "  lookup %-50s cold mean %.0f µs (%.1f queries)  warm median round: mean %.0f µs p50 %.0f µs p99 %.0f µs (%.1f queries)\n",
-			r.label, r.cold.MeanUS, r.cold.QueriesPerLookup, r.warm.MeanUS, r.warm.P50US, r.warm.P99US, r.warm.QueriesPerLookup)
-	}
-	return rep
 }
 
 // roundRatios are the autopath lookup's p50 and mean over the one without, warm, for

@@ -110,43 +110,11 @@ func parseConfig() (config, error) {
 		}
 		c.scaleSizes = append(c.scaleSizes, n)
 	}
-	if c.quick { // smoke defaults; flags given explicitly win
-		set := map[string]bool{}
-		flag.Visit(func(f *flag.Flag) { set[f.Name] = true })
-		if !set["reps"] {
-			c.reps = 1
-		}
-		if !set["duration"] {
-			c.duration = 3 * time.Second
-		}
-		if !set["lat-duration"] {
-			c.latDuration = 2 * time.Second
-		}
-		if !set["lat-reps"] {
-			c.latReps = 1
-		}
-		if !set["attribution-rounds"] {
-			c.attrRounds = 2
-		}
-		if !set["scale-sizes"] {
-			c.scaleSizes = slices.DeleteFunc(c.scaleSizes, func(n int) bool { return n > 10000 })
-		}
+	if c.quick {
+		c.quickDefaults()
 	}
-	if c.latReps < 1 {
-		return c, fmt.Errorf("-lat-reps %d: want at least 1", c.latReps)
-	}
-	for _, p := range c.peers {
-		if !slices.Contains(allPeers, p) {
-			return c, fmt.Errorf("unknown peer %q (have %v)", p, allPeers)
-		}
-	}
-	for _, s := range c.scenarios {
-		if !slices.Contains([]string{"table", "fwd", "ndots"}, s) {
-			return c, fmt.Errorf("unknown scenario %q", s)
-		}
-	}
-	if c.fakeBin == "" || c.floorBin == "" {
-		return c, fmt.Errorf("-fakeupstream and -floor are required (bench/run.sh builds them)")
+	if err := c.check(); err != nil {
+		return c, err
 	}
 	var err error
 	if c.repo, err = filepath.Abs(c.repo); err != nil {
@@ -158,6 +126,52 @@ func parseConfig() (config, error) {
 		}
 	}
 	return c, nil
+}
+
+// quickDefaults are the smoke mode's (-quick) settings; flags given
+// explicitly win.
+func (c *config) quickDefaults() {
+	set := map[string]bool{}
+	flag.Visit(func(f *flag.Flag) { set[f.Name] = true })
+	if !set["reps"] {
+		c.reps = 1
+	}
+	if !set["duration"] {
+		c.duration = 3 * time.Second
+	}
+	if !set["lat-duration"] {
+		c.latDuration = 2 * time.Second
+	}
+	if !set["lat-reps"] {
+		c.latReps = 1
+	}
+	if !set["attribution-rounds"] {
+		c.attrRounds = 2
+	}
+	if !set["scale-sizes"] {
+		c.scaleSizes = slices.DeleteFunc(c.scaleSizes, func(n int) bool { return n > 10000 })
+	}
+}
+
+// check refuses settings that cannot run.
+func (c *config) check() error {
+	if c.latReps < 1 {
+		return fmt.Errorf("-lat-reps %d: want at least 1", c.latReps)
+	}
+	for _, p := range c.peers {
+		if !slices.Contains(allPeers, p) {
+			return fmt.Errorf("unknown peer %q (have %v)", p, allPeers)
+		}
+	}
+	for _, s := range c.scenarios {
+		if !slices.Contains([]string{"table", "fwd", "ndots"}, s) {
+			return fmt.Errorf("unknown scenario %q", s)
+		}
+	}
+	if c.fakeBin == "" || c.floorBin == "" {
+		return fmt.Errorf("-fakeupstream and -floor are required (bench/run.sh builds them)")
+	}
+	return nil
 }
 
 func splitList(s string) []string {
