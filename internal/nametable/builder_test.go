@@ -75,90 +75,13 @@ func dump(tb *Table) string {
 func TestIncrementalMatchesFresh(t *testing.T) {
 	rng := rand.New(rand.NewPCG(1, 2))
 	srcs := []string{"file", "kubernetes", "cluster/b", "serviceentries"}
-	randHost := func() Host {
-		ns := fmt.Sprintf("ns%d", rng.IntN(3))
-		svc := fmt.Sprintf("s%d", rng.IntN(6))
-		h := Host{Name: svc + "." + ns + ".svc.cluster.local", Kubernetes: true}
-		switch rng.IntN(6) {
-		case 0: // external
-			h = Host{Name: fmt.Sprintf("e%d.example.com", rng.IntN(5)), NeedVIP: rng.IntN(2) == 0}
-			if rng.IntN(3) == 0 {
-				h.Visible = []string{ns}
-			}
-			if rng.IntN(3) == 0 {
-				h.AltNames = []string{fmt.Sprintf("alt%d.example.com", rng.IntN(3))}
-			}
-		case 1: // headless endpoint
-			h = Host{Name: fmt.Sprintf("db-%d.%s.%s.svc.cluster.local", rng.IntN(2), svc, ns), Merge: true}
-		case 2:
-			h.Merge = true
-		case 3:
-			h.CNAME = "target.example.org"
-		case 4:
-			h = Host{Name: fmt.Sprintf("*.w%d.example.com", rng.IntN(2))}
-		}
-		if h.CNAME == "" && !h.NeedVIP {
-			for range rng.IntN(3) {
-				h.V4 = append(h.V4, netip.AddrFrom4([4]byte{10, 0, byte(rng.IntN(3)), byte(rng.IntN(4))}))
-			}
-			if rng.IntN(3) == 0 {
-				h.V6 = append(h.V6, netip.AddrFrom16([16]byte{0xfd, 15: byte(rng.IntN(4))}))
-			}
-			if rng.IntN(2) == 0 {
-				h.Ports = []HostPort{{Name: "http", Port: uint16(80 + rng.IntN(2))}}
-			}
-		}
-		return h
-	}
 	b := newTestBuilder(t, srcs...)
-	type state = map[string]map[string][]Host
-	final := state{}
-	clients := map[string]map[string]clientRec{}
-	for _, s := range srcs {
-		final[s] = map[string][]Host{}
-		clients[s] = map[string]clientRec{}
-	}
+	st := newSourcesState(srcs)
 	var published []*Table
 	var dumps []string
 	for batch := range 200 {
 		for range 1 + rng.IntN(8) {
-			src := srcs[rng.IntN(len(srcs))]
-			key := fmt.Sprintf("k%d", rng.IntN(12))
-			switch r := rng.IntN(10); {
-			case r < 2:
-				set(t, b, src, key)
-				delete(final[src], key)
-			case r < 3:
-				ipa := netip.AddrFrom4([4]byte{10, 244, 0, byte(rng.IntN(4))})
-				ns := fmt.Sprintf("ns%d", rng.IntN(3))
-				if rng.IntN(3) == 0 {
-					if err := b.SetClients(src, key, nil, ""); err != nil {
-						t.Fatal(err)
-					}
-					delete(clients[src], key)
-				} else {
-					if err := b.SetClients(src, key, []netip.Addr{ipa}, ns); err != nil {
-						t.Fatal(err)
-					}
-					clients[src][key] = clientRec{[]netip.Addr{ipa}, ns}
-				}
-			default:
-				var hs []Host
-				for range 1 + rng.IntN(3) {
-					hs = append(hs, randHost())
-				}
-				// One object never has two hosts of one name.
-				hs = slices.CompactFunc(hs, func(a, b Host) bool { return a.Name == b.Name })
-				seen := map[string]bool{}
-				hs = slices.DeleteFunc(hs, func(h Host) bool {
-					n, _ := NormName(h.Name)
-					d := seen[n]
-					seen[n] = true
-					return d
-				})
-				set(t, b, src, key, hs...)
-				final[src][key] = hs
-			}
+			st.change(t, b, rng)
 		}
 		tb := publish(t, b)
 		published = append(published, tb)
@@ -166,19 +89,7 @@ func TestIncrementalMatchesFresh(t *testing.T) {
 		if batch%20 != 19 {
 			continue
 		}
-		// Fresh builder fed the final state at once.
-		f := newTestBuilder(t, srcs...)
-		for _, s := range srcs {
-			for k, hs := range final[s] {
-				set(t, f, s, k, hs...)
-			}
-			for k, c := range clients[s] {
-				if err := f.SetClients(s, k, c.ips, c.ns); err != nil {
-					t.Fatal(err)
-				}
-			}
-		}
-		got, want := dump(tb), dump(publish(t, f))
+		got, want := dump(tb), dump(st.fresh(t))
 		if !vipInsensitiveEqual(got, want) {
 			t.Fatalf("batch %d: incremental table differs from a fresh build:\n--- incremental\n%s\n--- fresh\n%s", batch, got, want)
 		}
@@ -188,6 +99,121 @@ func TestIncrementalMatchesFresh(t *testing.T) {
 			t.Fatalf("table %d changed after it was published", i)
 		}
 	}
+}
+
+// randHost is a random host of a small name space, so that hosts of
+// different sources and objects collide.
+func randHost(rng *rand.Rand) Host {
+	ns := fmt.Sprintf("ns%d", rng.IntN(3))
+	svc := fmt.Sprintf("s%d", rng.IntN(6))
+	h := Host{Name: svc + "." + ns + ".svc.cluster.local", Kubernetes: true}
+	switch rng.IntN(6) {
+	case 0: // external
+		h = Host{Name: fmt.Sprintf("e%d.example.com", rng.IntN(5)), NeedVIP: rng.IntN(2) == 0}
+		if rng.IntN(3) == 0 {
+			h.Visible = []string{ns}
+		}
+		if rng.IntN(3) == 0 {
+			h.AltNames = []string{fmt.Sprintf("alt%d.example.com", rng.IntN(3))}
+		}
+	case 1: // headless endpoint
+		h = Host{Name: fmt.Sprintf("db-%d.%s.%s.svc.cluster.local", rng.IntN(2), svc, ns), Merge: true}
+	case 2:
+		h.Merge = true
+	case 3:
+		h.CNAME = "target.example.org"
+	case 4:
+		h = Host{Name: fmt.Sprintf("*.w%d.example.com", rng.IntN(2))}
+	}
+	if h.CNAME == "" && !h.NeedVIP {
+		for range rng.IntN(3) {
+			h.V4 = append(h.V4, netip.AddrFrom4([4]byte{10, 0, byte(rng.IntN(3)), byte(rng.IntN(4))}))
+		}
+		if rng.IntN(3) == 0 {
+			h.V6 = append(h.V6, netip.AddrFrom16([16]byte{0xfd, 15: byte(rng.IntN(4))}))
+		}
+		if rng.IntN(2) == 0 {
+			h.Ports = []HostPort{{Name: "http", Port: uint16(80 + rng.IntN(2))}}
+		}
+	}
+	return h
+}
+
+// sourcesState is what the sources of TestIncrementalMatchesFresh hold
+// after the changes made so far.
+type sourcesState struct {
+	srcs    []string
+	hosts   map[string]map[string][]Host // source -> key -> hosts
+	clients map[string]map[string]clientRec
+}
+
+func newSourcesState(srcs []string) *sourcesState {
+	st := &sourcesState{srcs: srcs, hosts: map[string]map[string][]Host{}, clients: map[string]map[string]clientRec{}}
+	for _, s := range srcs {
+		st.hosts[s] = map[string][]Host{}
+		st.clients[s] = map[string]clientRec{}
+	}
+	return st
+}
+
+// change makes one random change in b and records it: an object removed,
+// a client set or removed, or an object given 1-3 random hosts.
+func (st *sourcesState) change(t *testing.T, b *Builder, rng *rand.Rand) {
+	t.Helper()
+	src := st.srcs[rng.IntN(len(st.srcs))]
+	key := fmt.Sprintf("k%d", rng.IntN(12))
+	switch r := rng.IntN(10); {
+	case r < 2:
+		set(t, b, src, key)
+		delete(st.hosts[src], key)
+	case r < 3:
+		ipa := netip.AddrFrom4([4]byte{10, 244, 0, byte(rng.IntN(4))})
+		ns := fmt.Sprintf("ns%d", rng.IntN(3))
+		if rng.IntN(3) == 0 {
+			if err := b.SetClients(src, key, nil, ""); err != nil {
+				t.Fatal(err)
+			}
+			delete(st.clients[src], key)
+		} else {
+			if err := b.SetClients(src, key, []netip.Addr{ipa}, ns); err != nil {
+				t.Fatal(err)
+			}
+			st.clients[src][key] = clientRec{[]netip.Addr{ipa}, ns}
+		}
+	default:
+		var hs []Host
+		for range 1 + rng.IntN(3) {
+			hs = append(hs, randHost(rng))
+		}
+		// One object never has two hosts of one name.
+		hs = slices.CompactFunc(hs, func(a, b Host) bool { return a.Name == b.Name })
+		seen := map[string]bool{}
+		hs = slices.DeleteFunc(hs, func(h Host) bool {
+			n, _ := NormName(h.Name)
+			d := seen[n]
+			seen[n] = true
+			return d
+		})
+		set(t, b, src, key, hs...)
+		st.hosts[src][key] = hs
+	}
+}
+
+// fresh is the table a fresh builder makes from the state at once.
+func (st *sourcesState) fresh(t *testing.T) *Table {
+	t.Helper()
+	f := newTestBuilder(t, st.srcs...)
+	for _, s := range st.srcs {
+		for k, hs := range st.hosts[s] {
+			set(t, f, s, k, hs...)
+		}
+		for k, c := range st.clients[s] {
+			if err := f.SetClients(s, k, c.ips, c.ns); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	return publish(t, f)
 }
 
 // VIPs are sticky (a host keeps its VIP while it exists), so after a
