@@ -35,6 +35,20 @@ type KeyHost struct {
 	Host *Host
 }
 
+// Keys lists the change's keys, sorted: "k" for a key set, "-k" for one
+// that is gone (for logs and tests).
+func (c *Change) Keys() []string {
+	out := make([]string, 0, len(c.Set)+len(c.Gone))
+	for _, e := range c.Set {
+		out = append(out, e.Key)
+	}
+	for _, k := range c.Gone {
+		out = append(out, "-"+k)
+	}
+	slices.Sort(out)
+	return out
+}
+
 // Empty says whether the change changes nothing.
 func (c *Change) Empty() bool { return len(c.Set) == 0 && len(c.Gone) == 0 && !c.ClientsChanged }
 

@@ -10,19 +10,6 @@ import (
 	"testing"
 )
 
-// changed lists a Change's keys: "k" for a new or changed entry, "-k" for
-// one that is gone.
-func changed(c *Version) []string {
-	var out []string
-	for _, e := range c.Set {
-		out = append(out, e.Key)
-	}
-	for _, k := range c.Gone {
-		out = append(out, "-"+k)
-	}
-	slices.Sort(out)
-	return out
-}
 
 // A version of the file yields what changed against the version applied
 // before it: new, changed and gone entries, and the clients when they
@@ -72,7 +59,7 @@ func TestReaderReturnsOnlyChanges(t *testing.T) {
 					t.Fatalf("%s: %v", s.name, err)
 				}
 				slices.Sort(s.want)
-				if got := changed(c); !slices.Equal(got, s.want) {
+				if got := c.Keys(); !slices.Equal(got, s.want) {
 					t.Errorf("%s: changed %v, want %v", s.name, got, s.want)
 				}
 				if c.ClientsChanged != s.clients {
@@ -141,7 +128,7 @@ func TestReaderKeepsTheAppliedVersion(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if got := changed(c); !slices.Equal(got, []string{"b.example.com"}) {
+	if got := c.Keys(); !slices.Equal(got, []string{"b.example.com"}) {
 		t.Errorf("after failed and unapplied versions: changed %v, want only b.example.com", got)
 	}
 }

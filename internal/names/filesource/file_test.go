@@ -278,15 +278,7 @@ type applySink struct {
 func (a *applySink) Apply(c *nametable.Change) error {
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	var keys []string
-	for _, e := range c.Set {
-		keys = append(keys, e.Key)
-	}
-	for _, k := range c.Gone {
-		keys = append(keys, "-"+k)
-	}
-	slices.Sort(keys)
-	a.applies = append(a.applies, keys)
+	a.applies = append(a.applies, c.Keys())
 	return nil
 }
 
