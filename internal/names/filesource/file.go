@@ -218,7 +218,7 @@ func (l *limitReader) Read(p []byte) (int, error) {
 
 // load reads the file when its fingerprint changed since the last attempt
 // (a broken file is not re-read until it changes) and delivers what
-// changed.
+// changed, at a low CPU priority (background).
 func (f *File) load(sink names.Sink, force bool) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
@@ -229,10 +229,13 @@ func (f *File) load(sink names.Sink, force bool) {
 	f.last, f.tried = fp, true
 
 	start := time.Now()
-	c, err := f.read()
-	if err == nil {
-		err = f.apply(sink, c)
-	}
+	var c *nametable.Version
+	var err error
+	background(func() {
+		if c, err = f.read(); err == nil {
+			err = f.apply(sink, c)
+		}
+	})
 	if err != nil {
 		f.log.Error("name table load failed, keeping the last good one", "err", err)
 		sink.Failed(err)

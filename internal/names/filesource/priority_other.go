@@ -1,0 +1,6 @@
+//go:build !linux
+
+package filesource
+
+// background runs fn; only Linux lowers a thread's priority.
+func background(fn func()) { fn() }
