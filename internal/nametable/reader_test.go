@@ -10,7 +10,6 @@ import (
 	"testing"
 )
 
-
 // A version of the file yields what changed against the version applied
 // before it: new, changed and gone entries, and the clients when they
 // changed; an unchanged version yields nothing. Both ways of decoding are
