@@ -475,7 +475,9 @@ func TestInstallBadInput(t *testing.T) {
 	}
 
 	// A failure half-way through attaching (another program holds recvmsg6
-	// exclusively) removes the links and pins made so far.
+	// exclusively) removes the links and pins made so far, whether Close
+	// would detach (Detach) or leave them for the next agent: a failed Start
+	// releases through Close's path, as a discard.
 	prog := passProgram(t, ebpf.CGroupSockAddr, ebpf.AttachCGroupUDP6Recvmsg)
 	opts := link.RawAttachProgramOptions{Target: n.cg.FD(), Program: prog, Attach: ebpf.AttachCGroupUDP6Recvmsg}
 	if err := link.RawAttachProgram(opts); err != nil {
@@ -486,23 +488,31 @@ func TestInstallBadInput(t *testing.T) {
 			t.Errorf("detach the exclusive program: %v", err)
 		}
 	}()
-	cfg := n.config()
-	cfg.Detach = true
-	d, err := New(cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	err = d.Start(t.Context())
-	d.Close()
-	if err == nil || !strings.Contains(err.Error(), "cgroup/recvmsg6") {
-		t.Fatalf("Install with recvmsg6 taken: %v, want an attach error naming cgroup/recvmsg6", err)
-	}
-	t.Logf("error: %v", err)
-	if got := attachedPrograms(t, n.cg); got != 1 {
-		t.Errorf("%d programs attached after a failed Install, want only the foreign one", got)
-	}
-	if pins := pinsUnder(t, n.bpffs); len(pins) != 0 {
-		t.Errorf("pins left after a failed Install: %v", pins)
+	for _, detach := range []bool{true, false} {
+		t.Run(fmt.Sprintf("half-way detach=%v", detach), func(t *testing.T) {
+			cfg := n.config()
+			cfg.Detach = detach
+			d, err := New(cfg)
+			if err != nil {
+				t.Fatal(err)
+			}
+			err = d.Start(t.Context())
+			if err == nil || !strings.Contains(err.Error(), "cgroup/recvmsg6") {
+				d.Close()
+				t.Fatalf("Install with recvmsg6 taken: %v, want an attach error naming cgroup/recvmsg6", err)
+			}
+			t.Logf("error: %v", err)
+			// Checked before Close: Start itself left nothing behind.
+			if got := attachedPrograms(t, n.cg); got != 1 {
+				t.Errorf("%d programs attached after a failed Install, want only the foreign one", got)
+			}
+			if pins := pinsUnder(t, n.bpffs); len(pins) != 0 {
+				t.Errorf("pins left after a failed Install: %v", pins)
+			}
+			if err := d.Close(); err != nil {
+				t.Errorf("Close after a failed Start: %v", err)
+			}
+		})
 	}
 }
 
