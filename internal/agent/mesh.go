@@ -69,7 +69,7 @@ func (c *Config) addMeshSources(store *names.Store, kubeRest *rest.Config, log *
 	if c.Mesh.RemoteKubeconfigs == "" && !c.Mesh.IstioRemoteSecrets {
 		return nil
 	}
-	cfg := meshsource.ClustersConfig{Store: store, Dir: c.Mesh.RemoteKubeconfigs, Domain: c.ClusterDomain, Logger: log}
+	cfg := meshsource.ClustersConfig{Sources: store, Dir: c.Mesh.RemoteKubeconfigs, Domain: c.ClusterDomain, Logger: log}
 	if cfg.Dir != "" {
 		if fi, err := os.Stat(cfg.Dir); err != nil || !fi.IsDir() {
 			return fmt.Errorf("--remote-kubeconfigs %s: not a directory (%v)", cfg.Dir, err)
