@@ -346,6 +346,7 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 	if err := a.srv.Start(ctx); err != nil {
 		return fmt.Errorf("start resolver: %w", err)
 	}
+	tuneProcs(a.srv.BlockingReaders(), log)
 	if err := a.watchLiveness(); err != nil {
 		return err
 	}
