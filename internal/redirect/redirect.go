@@ -25,6 +25,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"github.com/meshdns/meshdns-ebpf/internal/captureplan"
 	"io"
 	"log/slog"
 	"net"
@@ -79,26 +80,17 @@ type settings struct {
 }
 
 // SlotPorts returns the ports the resolver must listen on (UDP and TCP, on every
-// target address): base+i for nameserver i, plus MAX_ALL_SLOTS more with
-// CaptureAll (one per distinct other destination a socket queries). It returns
-// nil when no target is configured.
+// target address): the capture plan's slot ports from the target port (base+i
+// for nameserver i, plus captureplan.CaptureAllSlots more with CaptureAll, one
+// per distinct other destination a socket queries). It returns nil when no
+// target is configured or the nameservers are not a valid plan.
 func SlotPorts(cfg Config) []uint16 {
 	base := basePort(cfg)
-	if base == 0 {
+	plan, err := captureplan.New(cfg.Nameservers, cfg.CaptureAll)
+	if base == 0 || err != nil {
 		return nil
 	}
-	n := len(cfg.Nameservers)
-	if cfg.CaptureAll {
-		n += maxAllSlots
-	}
-	ports := make([]uint16, 0, n)
-	for i := 0; i < n; i++ {
-		if int(base)+i > 65535 {
-			break
-		}
-		ports = append(ports, base+uint16(i))
-	}
-	return ports
+	return plan.Ports(base)
 }
 
 func basePort(cfg Config) uint16 {
@@ -123,13 +115,66 @@ func validate(cfg Config) (*settings, error) {
 	if !cfg.Target4.IsValid() && !cfg.Target6.IsValid() {
 		return nil, errors.New("no resolver target address: set an IPv4 and/or IPv6 target")
 	}
+	if err := s.setTargets(cfg); err != nil {
+		return nil, err
+	}
+	if cfg.UpstreamMark == 0 {
+		return nil, errors.New("upstream mark must be non-zero (it tells the resolver's own upstream sockets apart)")
+	}
+	plan, err := captureplan.New(cfg.Nameservers, cfg.CaptureAll)
+	if err != nil {
+		return nil, err
+	}
+	if cfg.StallAfter < 0 {
+		return nil, fmt.Errorf("stall timeout %v is negative", cfg.StallAfter)
+	}
+	if s.cfg.StallAfter == 0 {
+		s.cfg.StallAfter = DefaultStallAfter
+	}
+	for _, a := range plan.Nameservers() {
+		for _, t := range []netip.AddrPort{s.cfg.Target4, cfg.Target6} {
+			if t.IsValid() && t.Addr() == a {
+				return nil, fmt.Errorf("nameserver %s is the resolver's own address", a)
+			}
+		}
+	}
+	s.nameservers = plan.Nameservers()
+	if len(s.nameservers) > maxNameservers {
+		return nil, fmt.Errorf("%d nameservers given, at most %d are supported", len(s.nameservers), maxNameservers)
+	}
+	if len(cfg.ProxyUIDs) > maxProxyUIDs {
+		return nil, fmt.Errorf("%d proxy UIDs given, at most %d are supported", len(cfg.ProxyUIDs), maxProxyUIDs)
+	}
+	s.allSlot = uint16(plan.AllSlot())
+	if cfg.CaptureAll {
+		s.flags |= flagCaptureAll
+		s.numAll = uint16(plan.AllSlots())
+	}
+	if cfg.CaptureLoopback {
+		s.flags |= flagCaptureLoopback
+	}
+	if cfg.Attribution {
+		s.flags |= flagAttribution
+	}
+	s.basePort = basePort(s.cfg)
+	if err := plan.CheckPorts(s.basePort); err != nil {
+		return nil, err
+	}
+	slots := plan.Slots()
+	s.numSlots = uint16(slots)
+	s.cfg.Nameservers = s.nameservers
+	return s, nil
+}
+
+// setTargets checks the resolver's target addresses and sets their flags.
+func (s *settings) setTargets(cfg Config) error {
 	if cfg.Target4.IsValid() {
 		a := cfg.Target4.Addr().Unmap()
 		if !a.Is4() || a.IsUnspecified() {
-			return nil, fmt.Errorf("IPv4 target %s is not a usable IPv4 address", cfg.Target4)
+			return fmt.Errorf("IPv4 target %s is not a usable IPv4 address", cfg.Target4)
 		}
 		if cfg.Target4.Port() == 0 {
-			return nil, fmt.Errorf("IPv4 target %s has no port", cfg.Target4)
+			return fmt.Errorf("IPv4 target %s has no port", cfg.Target4)
 		}
 		s.flags |= flagTarget4
 		if a.IsLoopback() {
@@ -140,74 +185,20 @@ func validate(cfg Config) (*settings, error) {
 	if cfg.Target6.IsValid() {
 		a := cfg.Target6.Addr()
 		if !a.Is6() || a.Is4In6() || a.IsUnspecified() || a.Zone() != "" {
-			return nil, fmt.Errorf("IPv6 target %s is not a usable IPv6 address (no v4-mapped, no zone)", cfg.Target6)
+			return fmt.Errorf("IPv6 target %s is not a usable IPv6 address (no v4-mapped, no zone)", cfg.Target6)
 		}
 		if cfg.Target6.Port() == 0 {
-			return nil, fmt.Errorf("IPv6 target %s has no port", cfg.Target6)
+			return fmt.Errorf("IPv6 target %s has no port", cfg.Target6)
 		}
 		if cfg.Target4.IsValid() && cfg.Target6.Port() != cfg.Target4.Port() {
-			return nil, fmt.Errorf("IPv4 target %s and IPv6 target %s must use the same port", cfg.Target4, cfg.Target6)
+			return fmt.Errorf("IPv4 target %s and IPv6 target %s must use the same port", cfg.Target4, cfg.Target6)
 		}
 		s.flags |= flagTarget6
 		if a.IsLoopback() {
 			s.flags |= flagTarget6Loopback
 		}
 	}
-	if cfg.UpstreamMark == 0 {
-		return nil, errors.New("upstream mark must be non-zero (it tells the resolver's own upstream sockets apart)")
-	}
-	if len(cfg.Nameservers) == 0 && !cfg.CaptureAll {
-		return nil, errors.New("nothing to capture: give nameservers or enable capture-all")
-	}
-	if cfg.StallAfter < 0 {
-		return nil, fmt.Errorf("stall timeout %v is negative", cfg.StallAfter)
-	}
-	if s.cfg.StallAfter == 0 {
-		s.cfg.StallAfter = DefaultStallAfter
-	}
-	seen := map[netip.Addr]bool{}
-	for _, ns := range cfg.Nameservers {
-		a := ns.Unmap().WithZone("")
-		if !a.IsValid() || a.IsUnspecified() {
-			return nil, fmt.Errorf("nameserver %q is not a usable address", ns)
-		}
-		if seen[a] {
-			return nil, fmt.Errorf("nameserver %s is listed twice", a)
-		}
-		seen[a] = true
-		for _, t := range []netip.AddrPort{s.cfg.Target4, cfg.Target6} {
-			if t.IsValid() && t.Addr() == a {
-				return nil, fmt.Errorf("nameserver %s is the resolver's own address", a)
-			}
-		}
-		s.nameservers = append(s.nameservers, a)
-	}
-	if len(s.nameservers) > maxNameservers {
-		return nil, fmt.Errorf("%d nameservers given, at most %d are supported", len(s.nameservers), maxNameservers)
-	}
-	if len(cfg.ProxyUIDs) > maxProxyUIDs {
-		return nil, fmt.Errorf("%d proxy UIDs given, at most %d are supported", len(cfg.ProxyUIDs), maxProxyUIDs)
-	}
-	slots := len(s.nameservers)
-	s.allSlot = uint16(slots)
-	if cfg.CaptureAll {
-		s.flags |= flagCaptureAll
-		s.numAll = uint16(maxAllSlots)
-		slots += maxAllSlots
-	}
-	if cfg.CaptureLoopback {
-		s.flags |= flagCaptureLoopback
-	}
-	if cfg.Attribution {
-		s.flags |= flagAttribution
-	}
-	s.basePort = basePort(s.cfg)
-	if int(s.basePort)+slots-1 > 65535 {
-		return nil, fmt.Errorf("slot ports %d..%d run past 65535", s.basePort, int(s.basePort)+slots-1)
-	}
-	s.numSlots = uint16(slots)
-	s.cfg.Nameservers = s.nameservers
-	return s, nil
+	return nil
 }
 
 // Datapath is the loaded, configured and attached set of programs.
