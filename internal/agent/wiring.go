@@ -4,6 +4,7 @@ import (
 	"cmp"
 	"errors"
 	"fmt"
+	"github.com/meshdns/meshdns-ebpf/internal/captureplan"
 	"log/slog"
 	"net/netip"
 	"slices"
@@ -44,7 +45,7 @@ func (c *Config) fillFromResolvConf(log *slog.Logger) error {
 	// address is someone else's server and fine.
 	slots := len(c.Nameservers)
 	if c.CaptureAll {
-		slots += redirect.CaptureAllSlots
+		slots += captureplan.CaptureAllSlots
 	}
 	ours := func(a netip.Addr, port uint16, checkPort bool) bool {
 		for _, l := range c.Listen {
