@@ -191,7 +191,7 @@ func (a *adminServer) Close() error {
 // the predecessor's.
 func (a *Agent) startAdmin(ctx context.Context, reg *prometheus.Registry) error {
 	log := a.log.With("component", "admin")
-	debug := a.cfg.debugHandler(a.store, a.work.tapHandler(a.log.With("component", "tap")))
+	debug := a.cfg.debugHandler(a.store, a.pods, a.work.tapHandler(a.log.With("component", "tap")))
 	if a.cfg.Admin != "" {
 		var dbg http.Handler
 		if loopbackAdmin(a.cfg.Admin) {
@@ -202,7 +202,7 @@ func (a *Agent) startAdmin(ctx context.Context, reg *prometheus.Registry) error 
 			return err
 		}
 	}
-	if a.mode == ModeOff {
+	if a.plan.mode == ModeOff {
 		return nil // no state directory of its own: nowhere to put the socket
 	}
 	a.local = newAdminServer("unix", LocalPath(a.cfg.StateDir), adminMux(reg, a, debug), a.inherit.takeLocal(), log)
