@@ -72,9 +72,7 @@ func TestHandoverServesInheritedSockets(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := b.Start(context.Background()); err != nil {
-		t.Fatal(err)
-	}
+	startTuned(t, b)
 	defer b.Shutdown(context.Background())
 	if got := b.Addrs(); len(got) != 1 || got[0] != a.addr {
 		t.Fatalf("successor bound %v, want the inherited %s", got, a.addr)

@@ -6,6 +6,7 @@ import (
 	"log/slog"
 	"net"
 	"net/netip"
+	"runtime"
 	"slices"
 	"strings"
 	"sync/atomic"
@@ -182,9 +183,7 @@ func startServerTable(t *testing.T, tb *nametable.Table, mod func(*Config)) *tes
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := s.Start(context.Background()); err != nil {
-		t.Fatal(err)
-	}
+	startTuned(t, s)
 	t.Cleanup(func() {
 		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 		defer cancel()
@@ -296,4 +295,18 @@ func canon(m *dns.Msg) string {
 	sec("NS", m.Ns)
 	sec("AR", m.Extra)
 	return b.String()
+}
+
+// startTuned starts s and, as the agent does (internal/agent/tune.go),
+// gives the process a scheduler slot per blocking UDP reader plus one: the
+// resolver leaves GOMAXPROCS to the process, and without the spare slot
+// everything else waits for the runtime to take one back from a reader.
+func startTuned(t *testing.T, s *Server) {
+	t.Helper()
+	if err := s.Start(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	if want := s.BlockingReaders() + 1; runtime.GOMAXPROCS(0) < want {
+		runtime.GOMAXPROCS(want)
+	}
 }

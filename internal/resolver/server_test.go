@@ -246,9 +246,7 @@ func TestReloadThroughResolver(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := s.Start(context.Background()); err != nil {
-		t.Fatal(err)
-	}
+	startTuned(t, s)
 	t.Cleanup(func() { _ = s.Shutdown(context.Background()) })
 	addr := s.Addrs()[0]
 	answer := func() string {
