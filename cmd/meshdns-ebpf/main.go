@@ -16,6 +16,7 @@ import (
 	"syscall"
 
 	"github.com/meshdns/meshdns-ebpf/internal/agent"
+	"github.com/meshdns/meshdns-ebpf/internal/agentclient"
 	"github.com/meshdns/meshdns-ebpf/internal/redirect"
 	"github.com/meshdns/meshdns-ebpf/internal/version"
 )
@@ -195,7 +196,7 @@ func runStatus(args []string, stdout, stderr io.Writer) error {
 	if err := checkOutput(*out); err != nil {
 		return err
 	}
-	return render(stdout, *out, agent.ReadStatusAt(*stateDir, *bpffs, *admin))
+	return render(stdout, *out, agentclient.ReadStatusAt(*stateDir, *bpffs, *admin))
 }
 
 func runCleanup(args []string, stdout, stderr io.Writer) error {
@@ -215,11 +216,11 @@ func runCleanup(args []string, stdout, stderr io.Writer) error {
 	return err
 }
 
-// runProbe is the DaemonSet's exec probes (agent.Probe): exit 0 when the
+// runProbe is the DaemonSet's exec probes (agentclient.Probe): exit 0 when the
 // check passes, else 1 with the reason.
 func runProbe(args []string, stderr io.Writer) error {
 	if len(args) == 0 || strings.HasPrefix(args[0], "-") {
-		return fmt.Errorf("probe: give the check: %s or %s", agent.ProbeReady, agent.ProbeLive)
+		return fmt.Errorf("probe: give the check: %s or %s", agentclient.ProbeReady, agentclient.ProbeLive)
 	}
 	check, args := args[0], args[1:]
 	fs := newFlagSet("probe "+check, stderr)
@@ -227,5 +228,5 @@ func runProbe(args []string, stderr io.Writer) error {
 	if err := parse(fs, args); err != nil {
 		return err
 	}
-	return agent.Probe(*stateDir, check)
+	return agentclient.Probe(*stateDir, check)
 }
