@@ -166,37 +166,44 @@ func bpffsFlag(fs *flag.FlagSet) *string {
 	return fs.String("bpffs", "", "directory where the agent pinned its links and maps (default: the one its state file records, else "+agent.DefaultBPFFS+")")
 }
 
-func runStats(args []string, stdout, stderr io.Writer) error {
-	fs := newFlagSet("stats", stderr)
-	bpffs := bpffsFlag(fs)
-	stateDir, admin := agentFlags(fs)
-	out := outputFlag(fs)
+// readFlags are the flags of the commands that read the agent's state:
+// stats and status.
+type readFlags struct {
+	bpffs, stateDir, admin, out *string
+}
+
+// parseReadFlags parses the flags of stats or status.
+func parseReadFlags(name string, args []string, stderr io.Writer) (readFlags, error) {
+	fs := newFlagSet(name, stderr)
+	var f readFlags
+	f.bpffs = bpffsFlag(fs)
+	f.stateDir, f.admin = agentFlags(fs)
+	f.out = outputFlag(fs)
 	if err := parse(fs, args); err != nil {
-		return err
+		return f, err
 	}
-	if err := checkOutput(*out); err != nil {
-		return err
-	}
-	s, err := redirect.ReadStats(agent.PinDir(*stateDir, *bpffs))
+	return f, checkOutput(*f.out)
+}
+
+func runStats(args []string, stdout, stderr io.Writer) error {
+	f, err := parseReadFlags("stats", args, stderr)
 	if err != nil {
 		return err
 	}
-	namePods(s, *stateDir, *admin, stderr)
-	return render(stdout, *out, s)
+	s, err := redirect.ReadStats(agent.PinDir(*f.stateDir, *f.bpffs))
+	if err != nil {
+		return err
+	}
+	namePods(s, *f.stateDir, *f.admin, stderr)
+	return render(stdout, *f.out, s)
 }
 
 func runStatus(args []string, stdout, stderr io.Writer) error {
-	fs := newFlagSet("status", stderr)
-	bpffs := bpffsFlag(fs)
-	stateDir, admin := agentFlags(fs)
-	out := outputFlag(fs)
-	if err := parse(fs, args); err != nil {
+	f, err := parseReadFlags("status", args, stderr)
+	if err != nil {
 		return err
 	}
-	if err := checkOutput(*out); err != nil {
-		return err
-	}
-	return render(stdout, *out, agentclient.ReadStatusAt(*stateDir, *bpffs, *admin))
+	return render(stdout, *f.out, agentclient.ReadStatusAt(*f.stateDir, *f.bpffs, *f.admin))
 }
 
 func runCleanup(args []string, stdout, stderr io.Writer) error {

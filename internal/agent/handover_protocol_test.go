@@ -103,6 +103,13 @@ func newOfferFiles(t *testing.T, dir string, udp int) *offerFiles {
 	return of
 }
 
+// request is requestHandover of dir's agent, as a successor asks.
+func request(t *testing.T, dir string) (*inheritance, error) {
+	ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
+	defer cancel()
+	return requestHandover(ctx, dir)
+}
+
 func openFDs(t *testing.T) int {
 	t.Helper()
 	ents, err := os.ReadDir("/proc/self/fd")
@@ -140,9 +147,7 @@ func TestHandoverExchange(t *testing.T) {
 				succ <- pid
 				return err
 			})
-			ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
-			defer cancel()
-			in, err := requestHandover(ctx, dir)
+			in, err := request(t, dir)
 			if err != nil {
 				t.Fatalf("requestHandover: %v", err)
 			}
@@ -237,9 +242,7 @@ func TestHandoverPredecessorFails(t *testing.T) {
 				return tc.script(c, of)
 			})
 			before := openFDs(t)
-			ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
-			defer cancel()
-			in, err := requestHandover(ctx, dir)
+			in, err := request(t, dir)
 			if err == nil {
 				in.closeUnused()
 				t.Fatal("requestHandover succeeded")
@@ -294,9 +297,7 @@ func TestHandoverSuccessorFails(t *testing.T) {
 				_, err := sendOffer(c, of.o)
 				return err
 			})
-			ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
-			defer cancel()
-			in, err := requestHandover(ctx, dir)
+			in, err := request(t, dir)
 			if err != nil {
 				t.Fatalf("requestHandover: %v", err)
 			}
