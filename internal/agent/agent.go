@@ -339,7 +339,8 @@ func (a *Agent) startDatapath(ctx context.Context, reg *prometheus.Registry) (er
 }
 
 // startResolver starts the resolver, on the predecessor's sockets when there
-// is one, and its liveness monitor.
+// is one (GOMAXPROCS is raised for its readers before they start), and its
+// liveness monitor.
 func (a *Agent) startResolver(ctx context.Context, reg *prometheus.Registry) (err error) {
 	cfg := &a.cfg
 	rc := resolver.Config{
@@ -354,6 +355,7 @@ func (a *Agent) startResolver(ctx context.Context, reg *prometheus.Registry) (er
 		MaxTCPConns:   cfg.MaxTCPConns,
 		Registerer:    reg,
 		Logger:        a.log.With("component", "resolver"),
+		OnReaders:     func(blocking int) { tuneProcs(blocking, a.log) },
 	}
 	var flows *redirect.Flows
 	if a.dp != nil {
@@ -370,7 +372,6 @@ func (a *Agent) startResolver(ctx context.Context, reg *prometheus.Registry) (er
 	if err := a.srv.Start(ctx); err != nil {
 		return fmt.Errorf("start resolver: %w", err)
 	}
-	tuneProcs(a.srv.BlockingReaders(), a.log)
 	return a.watchLiveness()
 }
 

@@ -75,8 +75,8 @@ func tuneGC(c *Config, log *slog.Logger) {
 }
 
 // tuneProcs raises GOMAXPROCS to the resolver's blocking readers + 1 (see
-// resolver.Server.BlockingReaders), so that one scheduler slot stays free
-// for everything else. It never lowers it.
+// resolver.Config.OnReaders), so that one scheduler slot stays free for
+// everything else. It never lowers it.
 func tuneProcs(blockingReaders int, log *slog.Logger) {
 	if blockingReaders == 0 {
 		return

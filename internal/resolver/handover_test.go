@@ -66,13 +66,16 @@ func TestHandoverServesInheritedSockets(t *testing.T) {
 		Forwarder:  newForwarder(t, a.up.addr, reg),
 		Inherited:  files,
 		OnDequeue:  func(n int) { deqB.Add(int64(n)) },
+		OnReaders:  raiseProcs,
 		Registerer: reg,
 		Logger:     slog.New(slog.DiscardHandler),
 	})
 	if err != nil {
 		t.Fatal(err)
 	}
-	startTuned(t, b)
+	if err := b.Start(context.Background()); err != nil {
+		t.Fatal(err)
+	}
 	defer b.Shutdown(context.Background())
 	if got := b.Addrs(); len(got) != 1 || got[0] != a.addr {
 		t.Fatalf("successor bound %v, want the inherited %s", got, a.addr)

@@ -175,6 +175,7 @@ func startServerTable(t *testing.T, tb *nametable.Table, mod func(*Config)) *tes
 		Forwarder:  newForwarder(t, up.addr, ts.reg),
 		Registerer: ts.reg,
 		Logger:     slog.New(slog.DiscardHandler),
+		OnReaders:  raiseProcs,
 	}
 	if mod != nil {
 		mod(&cfg)
@@ -183,7 +184,9 @@ func startServerTable(t *testing.T, tb *nametable.Table, mod func(*Config)) *tes
 	if err != nil {
 		t.Fatal(err)
 	}
-	startTuned(t, s)
+	if err := s.Start(context.Background()); err != nil {
+		t.Fatal(err)
+	}
 	t.Cleanup(func() {
 		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 		defer cancel()
@@ -297,16 +300,13 @@ func canon(m *dns.Msg) string {
 	return b.String()
 }
 
-// startTuned starts s and, as the agent does (internal/agent/tune.go),
-// gives the process a scheduler slot per blocking UDP reader plus one: the
-// resolver leaves GOMAXPROCS to the process, and without the spare slot
-// everything else waits for the runtime to take one back from a reader.
-func startTuned(t *testing.T, s *Server) {
-	t.Helper()
-	if err := s.Start(context.Background()); err != nil {
-		t.Fatal(err)
-	}
-	if want := s.BlockingReaders() + 1; runtime.GOMAXPROCS(0) < want {
+// raiseProcs is Config.OnReaders in tests: as the agent does
+// (internal/agent/tune.go), the process gets a scheduler slot per blocking
+// UDP reader plus one. The resolver leaves GOMAXPROCS to the process, and
+// without the spare slot everything else waits for the runtime to take one
+// back from a reader.
+func raiseProcs(blocking int) {
+	if want := blocking + 1; runtime.GOMAXPROCS(0) < want {
 		runtime.GOMAXPROCS(want)
 	}
 }
