@@ -173,6 +173,9 @@ func (a *Agent) handoverLoop() {
 	}
 }
 
+// handleHandover serves one successor's request: its hello, then a refusal
+// or the offer; once it serves, this agent drains and stops; if it fails,
+// this agent puts its own state back and serves on.
 func (a *Agent) handleHandover(c *net.UnixConn) {
 	defer c.Close()
 	a.mu.Lock()
