@@ -98,27 +98,46 @@ func (tc *tcase) expected(t *testing.T, req *dns.Msg) *dns.Msg {
 	return m
 }
 
+// runCases sends every case over UDP, then over TCP, to one server. Cases
+// with forwarded answers use runCasesPerNetwork.
 func runCases(t *testing.T, ts *testServer, cases []tcase) {
 	t.Helper()
 	for _, network := range []string{"udp", "tcp"} {
-		for _, tc := range cases {
-			t.Run(network+"/"+tc.name, func(t *testing.T) {
-				req := tc.req()
-				var resp *dns.Msg
-				if tc.client != "" {
-					resp = exchangeFrom(t, network, tc.client, ts.addr, req)
-				} else {
-					resp = exchange(t, network, ts.addr, req)
-				}
-				want := canon(tc.expected(t, req))
-				if tc.opt != "" {
-					want += "AR " + tc.opt + "\n"
-				}
-				if got := canon(resp); got != want {
-					t.Fatalf("response differs\n--- got\n%s--- want\n%s", got, want)
-				}
-			})
-		}
+		runCasesOver(t, ts, network, cases)
+	}
+}
+
+// runCasesPerNetwork sends every case over UDP to one server from start and
+// over TCP to another: a forwarded answer's TTL counts down in the cache, so a
+// second pass to the same server would see 299 where the first saw 300 once a
+// second had passed between them.
+func runCasesPerNetwork(t *testing.T, start func() *testServer, cases []tcase) {
+	t.Helper()
+	for _, network := range []string{"udp", "tcp"} {
+		runCasesOver(t, start(), network, cases)
+	}
+}
+
+// runCasesOver sends every case over network and compares whole messages.
+func runCasesOver(t *testing.T, ts *testServer, network string, cases []tcase) {
+	t.Helper()
+	for _, tc := range cases {
+		t.Run(network+"/"+tc.name, func(t *testing.T) {
+			req := tc.req()
+			var resp *dns.Msg
+			if tc.client != "" {
+				resp = exchangeFrom(t, network, tc.client, ts.addr, req)
+			} else {
+				resp = exchange(t, network, ts.addr, req)
+			}
+			want := canon(tc.expected(t, req))
+			if tc.opt != "" {
+				want += "AR " + tc.opt + "\n"
+			}
+			if got := canon(resp); got != want {
+				t.Fatalf("response differs\n--- got\n%s--- want\n%s", got, want)
+			}
+		})
 	}
 }
 
@@ -156,11 +175,20 @@ func vipOf(t *testing.T, ts *testServer, host string) (netip.Addr, netip.Addr) {
 	return n.Host.V4[0], n.Host.V6[0]
 }
 
+// TestAnswers sends each case over UDP to one server and over TCP to another
+// (runCasesPerNetwork).
 func TestAnswers(t *testing.T) {
-	ts := startServer(t, testFile(), func(c *Config) {
-		c.Authoritative = true
-		c.SearchDomains = []string{"corp.internal"}
-	})
+	tb, err := nametable.Build(testFile(), nametable.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	start := func() *testServer {
+		return startServerTable(t, tb, func(c *Config) {
+			c.Authoritative = true
+			c.SearchDomains = []string{"corp.internal"}
+		})
+	}
+	ts := start()
 	vip4, vip6 := vipOf(t, ts, "api.example.com.")
 	if !netip.MustParsePrefix("240.240.0.0/16").Contains(vip4) || !netip.MustParsePrefix("2001:2::/48").Contains(vip6) {
 		t.Fatalf("VIPs %s %s outside the ranges", vip4, vip6)
@@ -169,7 +197,8 @@ func TestAnswers(t *testing.T) {
 	for _, group := range [][]tcase{nameCases(), autopathCases(vip4, vip6), nodataCases(), ptrCases(vip4, vip6), srvCases(), forwardCases()} {
 		cases = append(cases, group...)
 	}
-	runCases(t, ts, cases)
+	runCasesOver(t, ts, "udp", cases)
+	runCasesOver(t, start(), "tcp", cases)
 }
 
 // testPP is the productpage Service of testFile.
@@ -598,7 +627,9 @@ func TestKubernetesAnswers(t *testing.T) {
 		{Name: "10-244-2-7.db.ns1.svc.cluster.local", V4: a("10.244.2.7")},
 		{Name: "api.example.com", V4: a("192.0.2.50"), Visible: []string{"ns1"}},
 	}, map[string]string{"127.0.0.3": "ns1"})
-	ts := startServerTable(t, tb, func(c *Config) { c.Authoritative = true; c.PodRecords = true })
+	start := func() *testServer {
+		return startServerTable(t, tb, func(c *Config) { c.Authoritative = true; c.PodRecords = true })
+	}
 	cases := []tcase{
 		{name: "dual-stack A", req: query("web.ns1.svc.cluster.local.", dns.TypeA), aa: true,
 			an: []string{"web.ns1.svc.cluster.local. 30 IN A 10.96.0.10"}},
@@ -636,5 +667,5 @@ func TestKubernetesAnswers(t *testing.T) {
 		{name: "host exported to ns1 only, other client", req: query("api.example.com.", dns.TypeA),
 			rcode: dns.RcodeNameError, ns: []string{". 300 IN SOA a.root. h.root. 1 2 3 4 300"}},
 	}
-	runCases(t, ts, cases)
+	runCasesPerNetwork(t, start, cases)
 }
