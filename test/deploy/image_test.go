@@ -23,6 +23,7 @@ import (
 	"github.com/miekg/dns"
 	corev1 "k8s.io/api/core/v1"
 
+	"github.com/meshdns/meshdns-ebpf/internal/agenttest"
 	"github.com/meshdns/meshdns-ebpf/internal/testenv"
 )
 
@@ -40,9 +41,7 @@ func TestMain(m *testing.M) {
 	if shared.dir != "" {
 		_ = os.RemoveAll(shared.dir)
 	}
-	if agentBin.path != "" {
-		_ = os.RemoveAll(filepath.Dir(agentBin.path))
-	}
+	agenttest.RemoveBinaries()
 	os.Exit(code)
 }
 

@@ -64,8 +64,8 @@ func TestSoak(t *testing.T) {
 		if n.agent == nil {
 			return
 		}
-		if kb := vmRSS(n.agent.pid()); kb > 0 {
-			samples = append(samples, rss{kb, n.agent.pid()})
+		if kb := vmRSS(n.agent.Pid()); kb > 0 {
+			samples = append(samples, rss{kb, n.agent.Pid()})
 		}
 	}
 	start := time.Now()

@@ -24,6 +24,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 
+	"github.com/meshdns/meshdns-ebpf/internal/agenttest"
 	"github.com/meshdns/meshdns-ebpf/internal/kubetest"
 )
 
@@ -139,7 +140,7 @@ func startRemote(t *testing.T, local *cluster) *cluster {
 // cli runs the meshdns-ebpf CLI and returns its stdout.
 func cli(t *testing.T, args ...string) string {
 	t.Helper()
-	cmd := exec.Command(buildAgent(t), args...)
+	cmd := exec.Command(agenttest.Agent(t), args...)
 	var out, errb bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &out, &errb
 	if err := cmd.Run(); err != nil {

@@ -11,6 +11,7 @@ import (
 	"github.com/miekg/dns"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 
+	"github.com/meshdns/meshdns-ebpf/internal/agenttest"
 	"github.com/meshdns/meshdns-ebpf/internal/kubetest"
 	"github.com/meshdns/meshdns-ebpf/internal/testenv"
 )
@@ -214,7 +215,7 @@ func TestServiceEntryVIPStable(t *testing.T) {
 	y := startAgent(t, c, node)
 	y.waitReady(60 * time.Second)
 	check("Y (listed all at start)", slots(y))
-	x.stop()
+	x.Stop(agenttest.StopGrace)
 	x2 := startAgent(t, c, node)
 	x2.waitReady(60 * time.Second)
 	check("X restarted", slots(x2))
