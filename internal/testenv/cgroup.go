@@ -96,21 +96,6 @@ func (c *Cgroup) SetFrozen(t testing.TB, frozen bool) {
 // FD is the open directory of the cgroup, for exec.Cmd SysProcAttr.CgroupFD.
 func (c *Cgroup) FD() int { return int(c.dir.Fd()) }
 
-// Procs lists the pids in the cgroup.
-func (c *Cgroup) Procs() []int {
-	b, err := os.ReadFile(filepath.Join(c.Path, "cgroup.procs"))
-	if err != nil {
-		return nil
-	}
-	var pids []int
-	for _, f := range strings.Fields(string(b)) {
-		if pid, err := strconv.Atoi(f); err == nil {
-			pids = append(pids, pid)
-		}
-	}
-	return pids
-}
-
 func (c *Cgroup) remove() error { return removeCgroupDir(c.Path) }
 
 // removeCgroupDir kills the processes in the cgroup directory path (v1 or v2) and
