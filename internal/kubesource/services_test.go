@@ -96,30 +96,25 @@ func newInformers(r *services, svcs cache.Store) *informers {
 	}
 }
 
-func (in *informers) putService(s *service) {
-	old, ok, _ := in.svcs.Get(s)
-	_ = in.svcs.Add(s)
+// put adds obj to store, or updates it, and tells h as an informer would.
+func put(store cache.Store, h cache.ResourceEventHandler, obj any) {
+	old, ok, _ := store.Get(obj)
+	_ = store.Add(obj)
 	if ok {
-		in.svcH.OnUpdate(old, s)
+		h.OnUpdate(old, obj)
 	} else {
-		in.svcH.OnAdd(s, false)
+		h.OnAdd(obj, false)
 	}
 }
+
+func (in *informers) putService(s *service) { put(in.svcs, in.svcH, s) }
 
 func (in *informers) deleteService(s *service) {
 	_ = in.svcs.Delete(s)
 	in.svcH.OnDelete(s)
 }
 
-func (in *informers) putSlice(es *endpointSlice) {
-	old, ok, _ := in.eps.Get(es)
-	_ = in.eps.Add(es)
-	if ok {
-		in.sliceH.OnUpdate(old, es)
-	} else {
-		in.sliceH.OnAdd(es, false)
-	}
-}
+func (in *informers) putSlice(es *endpointSlice) { put(in.eps, in.sliceH, es) }
 
 func (in *informers) deleteSlice(es *endpointSlice) {
 	_ = in.eps.Delete(es)
