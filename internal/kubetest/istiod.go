@@ -33,8 +33,8 @@ const IstioNamespace = "istio-system"
 // IstiodSAN is the name in istiod's serving certificate (its Service's).
 const IstiodSAN = "istiod.istio-system.svc"
 
-// istiodTimeout bounds istiod's start: it answers /ready after ~12 s on an idle
-// machine (it waits for its informers and its CA).
+// istiodTimeout bounds istiod's start: it answers /ready only once its
+// informers have synced and its CA is up (docs/testing.md has the times seen).
 const istiodTimeout = 3 * time.Minute
 
 // Istiod is a real istiod (pilot-discovery) running against a ControlPlane.

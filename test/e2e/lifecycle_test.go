@@ -57,7 +57,7 @@ func timeToOriginal(t *testing.T, n *node, start time.Time) time.Duration {
 	return 0
 }
 
-// TestFailOpen: issue 2 test 6, issue 13. After SIGTERM and after kill -9, clients
+// TestFailOpen: after SIGTERM and after kill -9, clients
 // resolve through the original nameserver at once; SIGTERM leaves the programs
 // attached but inert for the next agent (nothing with --persist=false); cleanup
 // removes what kill -9 left; a new agent starts on top of those leftovers.
@@ -109,7 +109,7 @@ func TestFailOpen(t *testing.T) {
 	n.assertClean()
 }
 
-// TestStatsCountExactly: issue 2 test 7. N queries → N redirects on the expected hook,
+// TestStatsCountExactly: N queries → N redirects on the expected hook,
 // in the table and in JSON, and the per-cgroup view names the test cgroup.
 func TestStatsCountExactly(t *testing.T) {
 	n := newNode(t)
@@ -194,7 +194,7 @@ func TestStatsCountExactly(t *testing.T) {
 	}
 }
 
-// TestBadInput: issue 2 test 8. Each bad input gets a clear error and a non-zero
+// TestBadInput: each bad input gets a clear error and a non-zero
 // exit, and leaves nothing attached, pinned or added.
 func TestBadInput(t *testing.T) {
 	n := newNode(t)
@@ -219,7 +219,7 @@ func TestBadInput(t *testing.T) {
 	}
 	cases := []badCase{
 		{"not-root", 1000, nil, "needs CAP_BPF (load the eBPF programs and create their maps) and CAP_NET_ADMIN", nil},
-		// The capability errors the DaemonSet docs quote (issue 13).
+		// The capability errors the DaemonSet docs quote.
 		{"no-cap-bpf", 0, nil, "meshdns-ebpf run --mode ebpf needs CAP_BPF (load the eBPF programs and create their maps); it runs as uid 0 with CAP_NET_ADMIN, CAP_NET_BIND_SERVICE", []string{"net_admin", "net_bind_service"}},
 		{"no-cap-net-admin", 0, nil, "needs CAP_NET_ADMIN (attach to cgroups, register the resolver's sockets, SO_MARK, the dummy link and its address)", []string{"bpf", "net_bind_service"}},
 		{"no-cap-net-bind-service", 0, nil, "needs CAP_NET_BIND_SERVICE (listen on a port below 1024)", []string{"bpf", "net_admin"}},

@@ -24,7 +24,7 @@ const (
 	flakyIP   = "169.254.77.10"
 )
 
-// TestSoak (issue 13, `make soak`): mixed load for MESHDNS_SOAK (10 minutes)
+// TestSoak (`make soak`): mixed load for MESHDNS_SOAK (10 minutes)
 // while the upstream misbehaves (a zone answered normally, after 800 ms, or
 // never, in turn), the name table is rewritten and the agent restarts every
 // 30 s (an overlapped upgrade and a plain restart in turn). No query may be

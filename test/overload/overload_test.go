@@ -1,5 +1,5 @@
 // Package overload runs the agent binary inside a memory cgroup limited to the
-// DaemonSet's 256 MiB and overloads it as issue 13 describes: large upstream answers,
+// DaemonSet's 256 MiB and overloads it: large upstream answers,
 // thousands of reconnecting TCP clients, thousands of slow upstream misses. For each it
 // proves that the agent stays under the limit (alive, no OOM kill), keeps answering
 // in-table queries (p99 printed) and keeps serving /metrics.
@@ -244,7 +244,7 @@ func tcpQuery(c net.Conn, name string, qtype uint16, id uint16) (*dns.Msg, error
 	return resp, resp.Unpack(b)
 }
 
-// Issue 13 (4): 10,500 names whose answers are 64 KiB (fetched over TCP) asked over TCP.
+// 10,500 names whose answers are 64 KiB (fetched over TCP) asked over TCP.
 func TestLargeAnswers(t *testing.T) {
 	a := startAgent(t)
 	const names, workers = 10500, 32
@@ -295,7 +295,7 @@ func TestLargeAnswers(t *testing.T) {
 	}
 }
 
-// Issue 13 (4): 5,000 TCP clients that connect, query, stay, and reconnect.
+// 5,000 TCP clients that connect, query, stay, and reconnect.
 func TestReconnectingTCPClients(t *testing.T) {
 	a := startAgent(t)
 	const clients = 5000
@@ -336,7 +336,7 @@ func TestReconnectingTCPClients(t *testing.T) {
 	}
 }
 
-// Issue 13 (4): 10,000 simultaneous distinct slow (2 s) misses from 100 clients.
+// 10,000 simultaneous distinct slow (2 s) misses from 100 clients.
 func TestSlowMisses(t *testing.T) {
 	a := startAgent(t)
 	var flood *dnsfake.Flood
