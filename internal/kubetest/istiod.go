@@ -252,12 +252,7 @@ func (cp *ControlPlane) InstallIstioCRDs(t testing.TB, file string) {
 
 // waitFor polls f every 20 ms until it returns nil or WaitTimeout passes.
 func waitFor(f func() error) error {
-	deadline := time.Now().Add(WaitTimeout)
-	for {
-		err := f()
-		if err == nil || time.Now().After(deadline) {
-			return err
-		}
-		time.Sleep(20 * time.Millisecond) // poll interval
-	}
+	var err error
+	testenv.WaitFor(WaitTimeout, func() bool { err = f(); return err == nil })
+	return err
 }

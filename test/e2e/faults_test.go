@@ -242,7 +242,7 @@ func TestNoFalseFailOpenUnderCPUSaturation(t *testing.T) {
 	// agent is live.
 	notLive := 0
 	for time.Since(start) < 60*time.Second {
-		time.Sleep(time.Second)
+		time.Sleep(time.Second) // the pace of the looks at /healthz, over the run's fixed duration
 		if code, body := n.httpGet("http://" + adminAddr + "/healthz"); code != http.StatusOK {
 			notLive++
 			t.Errorf("/healthz %v into the run: %d %s", time.Since(start).Round(time.Second), code, body)

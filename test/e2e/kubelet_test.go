@@ -19,6 +19,7 @@ import (
 	"sigs.k8s.io/yaml"
 
 	"github.com/meshdns/meshdns-ebpf/internal/agenttest"
+	"github.com/meshdns/meshdns-ebpf/internal/testenv"
 )
 
 // shippedPod is what a kubelet acts on in deploy/kubernetes/daemonset.yaml.
@@ -125,17 +126,17 @@ func (n *node) waitProbe(name string, p *corev1.Probe, c *container, within time
 	n.t.Helper()
 	start := time.Now()
 	var last error
-	for time.Since(start) < within {
+	var passed time.Duration
+	if !testenv.Poll(within, 100*time.Millisecond, func() bool {
 		if c.Exited() {
 			n.t.Fatalf("the agent (pid %d) exited before its %s probe passed; log:\n%s", c.hostPID, name, n.stderr.String())
 		}
-		if last = n.probe(p, c); last == nil {
-			return time.Since(start)
-		}
-		time.Sleep(100 * time.Millisecond)
+		last, passed = n.probe(p, c), time.Since(start)
+		return last == nil
+	}) {
+		n.t.Fatalf("the %s probe of pid %d did not pass within %v: %v", name, c.hostPID, within, last)
 	}
-	n.t.Fatalf("the %s probe of pid %d did not pass within %v: %v", name, c.hostPID, within, last)
-	return 0
+	return passed
 }
 
 // startReadyContainer starts the node's first agent as a container and

@@ -44,17 +44,16 @@ func hookCounter(t *testing.T, n *node, hook, counter string) uint64 {
 // (NXDOMAIN) and returns how long that took from start.
 func timeToOriginal(t *testing.T, n *node, start time.Time) time.Duration {
 	t.Helper()
-	for time.Since(start) < 10*time.Second {
-		qstart := time.Now()
+	var qstart time.Time
+	if !testenv.Poll(time.Until(start.Add(10*time.Second)), 50*time.Millisecond, func() bool {
+		qstart = time.Now()
 		out, _ := n.client(n.ns, 1000, "dig", "+time=1", "+tries=1", meshName)
-		if strings.Contains(out, "status: NXDOMAIN") {
-			// The query that saw the original nameserver was sent at qstart.
-			return qstart.Sub(start)
-		}
-		time.Sleep(50 * time.Millisecond)
+		return strings.Contains(out, "status: NXDOMAIN")
+	}) {
+		t.Fatalf("clients never reached the original nameserver again")
 	}
-	t.Fatalf("clients never reached the original nameserver again")
-	return 0
+	// The query that saw the original nameserver was sent at qstart.
+	return qstart.Sub(start)
 }
 
 // TestFailOpen: after SIGTERM and after kill -9, clients

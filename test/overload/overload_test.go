@@ -311,7 +311,7 @@ func TestReconnectingTCPClients(t *testing.T) {
 					c, err := net.DialTimeout("tcp", a.dnsAddr, 5*time.Second)
 					if err != nil {
 						failed.Add(1)
-						time.Sleep(100 * time.Millisecond)
+						time.Sleep(100 * time.Millisecond) // the client's backoff before it reconnects (load pacing)
 						continue
 					}
 					_ = c.SetDeadline(time.Now().Add(5 * time.Second))
