@@ -14,6 +14,7 @@ import (
 
 	"k8s.io/client-go/tools/cache"
 
+	"github.com/meshdns/meshdns-ebpf/internal/names"
 	"github.com/meshdns/meshdns-ebpf/internal/nametable"
 )
 
@@ -246,13 +247,7 @@ type finalStateCase struct {
 // informers' final state.
 func (c finalStateCase) run(t *testing.T) {
 	sink := newHostSink(c.pause)
-	svcs := cache.NewStore(cache.MetaNamespaceKeyFunc)
-	r := newServices("cluster.local.", svcs, sink, slog.Default())
-	in := newInformers(r, svcs)
-	ctx, cancel := context.WithCancel(context.Background())
-	var wg sync.WaitGroup
-	wg.Go(func() { r.run(ctx) })
-	defer func() { cancel(); wg.Wait() }()
+	ctx, r, in := runServices(t, sink)
 
 	stepsDone := make(chan struct{})
 	go func() { defer close(stepsDone); c.steps(in) }()
@@ -280,6 +275,19 @@ func (c finalStateCase) run(t *testing.T) {
 	}
 }
 
+// runServices runs the Services source over a new store, delivering to
+// sink, until the test ends; ctx ends with it.
+func runServices(t *testing.T, sink names.Sink) (context.Context, *services, *informers) {
+	svcs := cache.NewStore(cache.MetaNamespaceKeyFunc)
+	r := newServices("cluster.local.", svcs, sink, slog.Default())
+	in := newInformers(r, svcs)
+	ctx, cancel := context.WithCancel(context.Background())
+	var wg sync.WaitGroup
+	wg.Go(func() { r.run(ctx) })
+	t.Cleanup(func() { cancel(); wg.Wait() })
+	return ctx, r, in
+}
+
 // hostsFromScratch is what the hosts of the informers' final state are,
 // computed from scratch.
 func hostsFromScratch(in *informers) map[string][]string {
@@ -303,13 +311,7 @@ func hostsFromScratch(in *informers) map[string][]string {
 // every Service again before it syncs.
 func TestAuditRecomputes(t *testing.T) {
 	sink := &dropOnce{hostSink: newHostSink(""), drop: "a/web"}
-	svcs := cache.NewStore(cache.MetaNamespaceKeyFunc)
-	r := newServices("cluster.local.", svcs, sink, slog.Default())
-	in := newInformers(r, svcs)
-	ctx, cancel := context.WithCancel(context.Background())
-	var wg sync.WaitGroup
-	wg.Go(func() { r.run(ctx) })
-	defer func() { cancel(); wg.Wait() }()
+	ctx, r, in := runServices(t, sink)
 	in.putService(clusterIPService("a", "web", "10.96.0.10"))
 	in.putService(headlessService("a", "db"))
 	wctx, wcancel := context.WithTimeout(ctx, 10*time.Second)

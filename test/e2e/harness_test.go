@@ -12,8 +12,6 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
-	"net"
-	"net/http"
 	"net/netip"
 	"os"
 	"path/filepath"
@@ -449,16 +447,9 @@ func (n *node) assertClean() {
 // agent's admin endpoint listens).
 func (n *node) httpGet(url string) (int, string) {
 	n.t.Helper()
-	tr := &http.Transport{DialContext: func(ctx context.Context, network, addr string) (net.Conn, error) {
-		var c net.Conn
-		err := n.ns.Do(func() (err error) {
-			c, err = (&net.Dialer{Timeout: 2 * time.Second}).DialContext(ctx, network, addr)
-			return err
-		})
-		return c, err
-	}}
-	defer tr.CloseIdleConnections()
-	resp, err := (&http.Client{Transport: tr, Timeout: 5 * time.Second}).Get(url)
+	c := n.ns.HTTPClient(5 * time.Second)
+	defer c.CloseIdleConnections()
+	resp, err := c.Get(url)
 	if err != nil {
 		n.t.Fatalf("GET %s: %v", url, err)
 	}

@@ -7,8 +7,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"net"
-	"net/http"
 	"net/netip"
 	"os"
 	"os/exec"
@@ -41,16 +39,9 @@ func loadClients(t *testing.T) (glibc, musl, goload string) {
 // getIn fetches url from inside ns.
 func getIn(t *testing.T, ns *testenv.Netns, url string) string {
 	t.Helper()
-	tr := &http.Transport{DialContext: func(ctx context.Context, network, addr string) (net.Conn, error) {
-		var c net.Conn
-		err := ns.Do(func() (err error) {
-			c, err = (&net.Dialer{Timeout: 2 * time.Second}).DialContext(ctx, network, addr)
-			return err
-		})
-		return c, err
-	}}
-	defer tr.CloseIdleConnections()
-	resp, err := (&http.Client{Transport: tr, Timeout: 10 * time.Second}).Get(url)
+	c := ns.HTTPClient(10 * time.Second)
+	defer c.CloseIdleConnections()
+	resp, err := c.Get(url)
 	if err != nil {
 		return ""
 	}
