@@ -262,7 +262,7 @@ func (a *agent) queryWhile(qs ...query) func() (sent, failed int64, failures []s
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			tick := time.NewTicker(5 * time.Millisecond)
+			tick := time.NewTicker(5 * time.Millisecond) // the queries' pace
 			defer tick.Stop()
 			for {
 				select {

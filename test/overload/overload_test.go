@@ -178,7 +178,7 @@ func (a *agent) probe(stop <-chan struct{}) *probeResult {
 			select {
 			case <-stop:
 				return
-			case <-time.After(200 * time.Millisecond):
+			case <-time.After(200 * time.Millisecond): // the scraper's pace
 			}
 			r.scrapes++
 			if code, err := a.get("/metrics", 3*time.Second); err != nil || code != http.StatusOK {
