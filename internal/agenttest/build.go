@@ -27,8 +27,8 @@ type program struct {
 	err  error
 }
 
-// Root is the module's root directory.
-func Root() string {
+// root is the module's root directory.
+func root() string {
 	_, file, _, _ := runtime.Caller(0)
 	return filepath.Join(filepath.Dir(file), "..", "..")
 }
@@ -82,7 +82,7 @@ func build(name string, argv []string) (string, error) {
 		args[i] = strings.ReplaceAll(a, Out, out)
 	}
 	cmd := exec.Command(args[0], args[1:]...)
-	cmd.Dir = Root()
+	cmd.Dir = root()
 	cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
 	if b, err := cmd.CombinedOutput(); err != nil {
 		return "", fmt.Errorf("%s: %v\n%s", strings.Join(args, " "), err, b)

@@ -90,9 +90,6 @@ func (p *Process) Exited() bool {
 	}
 }
 
-// Done is closed when the process has exited.
-func (p *Process) Done() <-chan struct{} { return p.done }
-
 // Wait waits up to d for the process to exit and returns its exit status;
 // ok is false if it still runs.
 func (p *Process) Wait(d time.Duration) (err error, ok bool) {
