@@ -288,16 +288,16 @@ func liveAgentMetrics(t *testing.T) map[string]bool {
 		agenttest.Agent(t), "run", "--mode", "ebpf", "--cgroup", cg.Path, "--listen", "169.254.20.53:53",
 		"--nameservers", "169.254.53.1", "--upstream", "169.254.53.1", "--names", names, "--admin", admin,
 		"--bpffs", bpffs, "--state-dir", t.TempDir(), "--persist=false", "--memory-limit", "268435456")
-	agent := agenttest.Start(t, cmd, agenttest.Options{Group: true})
+	proc := agenttest.Start(t, cmd, agenttest.Options{Group: true})
 	var have map[string]bool
 	if !testenv.WaitFor(30*time.Second, func() bool {
-		if agent.Exited() {
+		if proc.Exited() {
 			return true
 		}
 		have = scrapeInNetns(ns, admin, "/metrics")
 		return have["meshdns_build_info"] && have["meshdns_datapath_events_total"]
 	}) || len(have) == 0 {
-		t.Fatalf("no metrics from the agent; log:\n%s", agent.Log.String())
+		t.Fatalf("no metrics from the agent; log:\n%s", proc.Log.String())
 	}
 	return have
 }
