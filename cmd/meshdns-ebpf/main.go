@@ -16,6 +16,7 @@ import (
 	"syscall"
 
 	"github.com/meshdns/meshdns-ebpf/internal/agent"
+	"github.com/meshdns/meshdns-ebpf/internal/agentclient"
 	"github.com/meshdns/meshdns-ebpf/internal/redirect"
 	"github.com/meshdns/meshdns-ebpf/internal/version"
 )
@@ -165,37 +166,44 @@ func bpffsFlag(fs *flag.FlagSet) *string {
 	return fs.String("bpffs", "", "directory where the agent pinned its links and maps (default: the one its state file records, else "+agent.DefaultBPFFS+")")
 }
 
-func runStats(args []string, stdout, stderr io.Writer) error {
-	fs := newFlagSet("stats", stderr)
-	bpffs := bpffsFlag(fs)
-	stateDir, admin := agentFlags(fs)
-	out := outputFlag(fs)
+// readFlags are the flags of the commands that read the agent's state:
+// stats and status.
+type readFlags struct {
+	bpffs, stateDir, admin, out *string
+}
+
+// parseReadFlags parses the flags of stats or status.
+func parseReadFlags(name string, args []string, stderr io.Writer) (readFlags, error) {
+	fs := newFlagSet(name, stderr)
+	var f readFlags
+	f.bpffs = bpffsFlag(fs)
+	f.stateDir, f.admin = agentFlags(fs)
+	f.out = outputFlag(fs)
 	if err := parse(fs, args); err != nil {
-		return err
+		return f, err
 	}
-	if err := checkOutput(*out); err != nil {
-		return err
-	}
-	s, err := redirect.ReadStats(agent.PinDir(*stateDir, *bpffs))
+	return f, checkOutput(*f.out)
+}
+
+func runStats(args []string, stdout, stderr io.Writer) error {
+	f, err := parseReadFlags("stats", args, stderr)
 	if err != nil {
 		return err
 	}
-	namePods(s, *stateDir, *admin, stderr)
-	return render(stdout, *out, s)
+	s, err := redirect.ReadStats(agent.PinDir(*f.stateDir, *f.bpffs))
+	if err != nil {
+		return err
+	}
+	namePods(s, *f.stateDir, *f.admin, stderr)
+	return render(stdout, *f.out, s)
 }
 
 func runStatus(args []string, stdout, stderr io.Writer) error {
-	fs := newFlagSet("status", stderr)
-	bpffs := bpffsFlag(fs)
-	stateDir, admin := agentFlags(fs)
-	out := outputFlag(fs)
-	if err := parse(fs, args); err != nil {
+	f, err := parseReadFlags("status", args, stderr)
+	if err != nil {
 		return err
 	}
-	if err := checkOutput(*out); err != nil {
-		return err
-	}
-	return render(stdout, *out, agent.ReadStatusAt(*stateDir, *bpffs, *admin))
+	return render(stdout, *f.out, agentclient.ReadStatusAt(*f.stateDir, *f.bpffs, *f.admin))
 }
 
 func runCleanup(args []string, stdout, stderr io.Writer) error {
@@ -215,11 +223,11 @@ func runCleanup(args []string, stdout, stderr io.Writer) error {
 	return err
 }
 
-// runProbe is the DaemonSet's exec probes (agent.Probe): exit 0 when the
+// runProbe is the DaemonSet's exec probes (agentclient.Probe): exit 0 when the
 // check passes, else 1 with the reason.
 func runProbe(args []string, stderr io.Writer) error {
 	if len(args) == 0 || strings.HasPrefix(args[0], "-") {
-		return fmt.Errorf("probe: give the check: %s or %s", agent.ProbeReady, agent.ProbeLive)
+		return fmt.Errorf("probe: give the check: %s or %s", agentclient.ProbeReady, agentclient.ProbeLive)
 	}
 	check, args := args[0], args[1:]
 	fs := newFlagSet("probe "+check, stderr)
@@ -227,5 +235,5 @@ func runProbe(args []string, stderr io.Writer) error {
 	if err := parse(fs, args); err != nil {
 		return err
 	}
-	return agent.Probe(*stateDir, check)
+	return agentclient.Probe(*stateDir, check)
 }

@@ -7,6 +7,7 @@ import (
 	"io"
 
 	"github.com/meshdns/meshdns-ebpf/internal/agent"
+	"github.com/meshdns/meshdns-ebpf/internal/agentclient"
 	"github.com/meshdns/meshdns-ebpf/internal/nameview"
 	"github.com/meshdns/meshdns-ebpf/internal/redirect"
 )
@@ -37,18 +38,18 @@ func runTable(args []string, stdout, stderr io.Writer) error {
 	default:
 		return fmt.Errorf("-o %q: want table, json or ndsz", *out)
 	}
-	ep, err := agent.AgentEndpoint(*stateDir, *admin)
+	ep, err := agentclient.AgentEndpoint(*stateDir, *admin)
 	if err != nil {
 		return err
 	}
 	if *out == "ndsz" {
-		nt, err := agent.ReadNDS(ep, f.Client)
+		nt, err := agentclient.ReadNDS(ep, f.Client)
 		if err != nil {
 			return err
 		}
 		return writeJSON(stdout, nt)
 	}
-	entries, err := agent.ReadTable(ep, f)
+	entries, err := agentclient.ReadTable(ep, f)
 	if err != nil {
 		return err
 	}
@@ -74,16 +75,16 @@ func writeJSONLine(w io.Writer, v any) error { return json.NewEncoder(w).Encode(
 // agent knows. Without an agent (or one without a Kubernetes source) the
 // paths stay; that is only worth a note when the address was given.
 func namePods(s *redirect.Stats, stateDir, admin string, stderr io.Writer) {
-	ep, err := agent.AgentEndpoint(stateDir, admin)
+	ep, err := agentclient.AgentEndpoint(stateDir, admin)
 	if err != nil {
 		return
 	}
-	pods, err := agent.ReadPods(ep)
+	pods, err := agentclient.ReadPods(ep)
 	if err != nil {
 		if admin != "" {
 			fmt.Fprintln(stderr, "note: pods not named:", err)
 		}
 		return
 	}
-	agent.NamePods(s, pods)
+	agentclient.NamePods(s, pods)
 }

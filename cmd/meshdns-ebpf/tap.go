@@ -6,7 +6,7 @@ import (
 	"io"
 	"time"
 
-	"github.com/meshdns/meshdns-ebpf/internal/agent"
+	"github.com/meshdns/meshdns-ebpf/internal/agentclient"
 	"github.com/meshdns/meshdns-ebpf/internal/tap"
 )
 
@@ -43,7 +43,7 @@ func runTap(ctx context.Context, args []string, stdout, stderr io.Writer) error 
 	if err != nil {
 		return err
 	}
-	ep, err := agent.AgentEndpoint(*stateDir, *admin)
+	ep, err := agentclient.AgentEndpoint(*stateDir, *admin)
 	if err != nil {
 		return err
 	}
@@ -53,7 +53,7 @@ func runTap(ctx context.Context, args []string, stdout, stderr io.Writer) error 
 		fmt.Fprintln(stdout, tap.TextHeader)
 	}
 	n := 0
-	return agent.StreamTap(ctx, ep, f, func(r *tap.Record) error {
+	return agentclient.StreamTap(ctx, ep, f, func(r *tap.Record) error {
 		var err error
 		if *out == "json" {
 			err = writeRecordJSON(stdout, r)

@@ -49,7 +49,7 @@ type adminServer struct {
 
 // adminMux serves /healthz (liveness), /readyz, /metrics and, when debug is not nil,
 // /debug/ (see docs/kubernetes.md for which listener gets which). Every
-// answer names the agent that gave it (agentHeader).
+// answer names the agent that gave it (AgentHeader).
 func adminMux(reg *prometheus.Registry, c checks, debug http.Handler) http.Handler {
 	mux := http.NewServeMux()
 	mux.HandleFunc("/healthz", func(w http.ResponseWriter, _ *http.Request) {
@@ -72,7 +72,7 @@ func adminMux(reg *prometheus.Registry, c checks, debug http.Handler) http.Handl
 	}
 	id := agentID()
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		w.Header().Set(agentHeader, id)
+		w.Header().Set(AgentHeader, id)
 		mux.ServeHTTP(w, r)
 	})
 }
@@ -191,7 +191,7 @@ func (a *adminServer) Close() error {
 // the predecessor's.
 func (a *Agent) startAdmin(ctx context.Context, reg *prometheus.Registry) error {
 	log := a.log.With("component", "admin")
-	debug := a.cfg.debugHandler(a.store, a.work.tapHandler(a.log.With("component", "tap")))
+	debug := a.cfg.debugHandler(a.store, a.pods, a.work.tapHandler(a.log.With("component", "tap")))
 	if a.cfg.Admin != "" {
 		var dbg http.Handler
 		if loopbackAdmin(a.cfg.Admin) {
@@ -202,7 +202,7 @@ func (a *Agent) startAdmin(ctx context.Context, reg *prometheus.Registry) error 
 			return err
 		}
 	}
-	if a.mode == ModeOff {
+	if a.plan.mode == ModeOff {
 		return nil // no state directory of its own: nowhere to put the socket
 	}
 	a.local = newAdminServer("unix", LocalPath(a.cfg.StateDir), adminMux(reg, a, debug), a.inherit.takeLocal(), log)
@@ -213,13 +213,13 @@ func (a *Agent) startAdmin(ctx context.Context, reg *prometheus.Registry) error 
 	return nil
 }
 
-// agentHeader names the agent that answered an admin request: its pid and
+// AgentHeader names the agent that answered an admin request: its pid and
 // the inode of its pid namespace (a container's own), so a probe run in the
 // agent's container can tell its agent from a predecessor that shares the
 // node's listeners with it until the handover.
-const agentHeader = "Meshdns-Agent"
+const AgentHeader = "Meshdns-Agent"
 
-// agentID is this process's agentHeader value.
+// agentID is this process's AgentHeader value.
 func agentID() string {
 	return fmt.Sprintf("pid=%d pidns=%d", os.Getpid(), currentPidns())
 }

@@ -105,6 +105,17 @@ const DefaultListen = "169.254.20.53:53"
 
 // RegisterFlags defines the `run` flags on fs, storing into c.
 func (c *Config) RegisterFlags(fs *flag.FlagSet) {
+	c.registerCaptureFlags(fs)
+	c.registerResolverFlags(fs)
+	c.registerKubernetesFlags(fs)
+	c.registerMeshFlags(fs)
+	c.registerIstiodFlags(fs)
+	c.registerWorkloadFlags(fs)
+	c.registerProcessFlags(fs)
+}
+
+// registerCaptureFlags defines what is captured and how.
+func (c *Config) registerCaptureFlags(fs *flag.FlagSet) {
 	fs.StringVar(&c.Mode, "mode", ModeAuto, "capture mode: auto (eBPF when the kernel can, else iptables), ebpf, iptables, or off (resolver only)")
 	fs.StringVar(&c.Cgroup, "cgroup", "", "cgroup v2 directory whose processes are captured (default: the cgroup2 root)")
 	fs.Func("listen", "resolver address(es) ADDR:PORT, one per family, comma-separated (default "+DefaultListen+")", func(s string) error {
@@ -129,15 +140,7 @@ func (c *Config) RegisterFlags(fs *flag.FlagSet) {
 		c.ProxyGIDs = v
 		return err
 	})
-	fs.StringVar(&c.NamesFile, "names", "", "name table file, JSON or YAML, reloaded live (default: the embedded demo table)")
-	fs.Func("upstream", "upstream nameservers ADDR[:PORT], comma-separated (default: the nameservers of --resolv-conf)", func(s string) error {
-		v, err := parseAddrPorts(s, 53)
-		c.Upstreams = v
-		return err
-	})
-	fs.StringVar(&c.Admin, "admin", "127.0.0.1:9153", "admin HTTP address for /healthz, /readyz and /metrics (empty disables)")
 	fs.StringVar(&c.BPFFS, "bpffs", DefaultBPFFS, "directory on a bpffs where links and maps are pinned")
-	fs.StringVar(&c.StateDir, "state-dir", DefaultStateDir, "directory for the agent's lock, state file and handover socket (shared by an agent and its successor; read by status and cleanup)")
 	fs.BoolVar(&c.Persist, "persist", true, "keep the eBPF programs attached and pinned after a stop (inert: nothing is redirected without an agent) so the next agent adopts them without a gap; --persist=false detaches them")
 	fs.Func("iptables-backend", "iptables backend of iptables mode: auto (the one the host uses), nft or legacy (needs CAP_NET_RAW)", func(s string) error {
 		switch s {
@@ -159,6 +162,17 @@ func (c *Config) RegisterFlags(fs *flag.FlagSet) {
 		return nil
 	})
 	c.UpstreamMark = 0x3f53
+	fs.StringVar(&c.LinkName, "link", DefaultLinkName, "dummy link that carries the node-local listen address")
+}
+
+// registerResolverFlags defines the resolver's: its names, upstreams and answers.
+func (c *Config) registerResolverFlags(fs *flag.FlagSet) {
+	fs.StringVar(&c.NamesFile, "names", "", "name table file, JSON or YAML, reloaded live (default: the embedded demo table)")
+	fs.Func("upstream", "upstream nameservers ADDR[:PORT], comma-separated (default: the nameservers of --resolv-conf)", func(s string) error {
+		v, err := parseAddrPorts(s, 53)
+		c.Upstreams = v
+		return err
+	})
 	fs.StringVar(&c.ResolvConf, "resolv-conf", "/etc/resolv.conf", "resolv.conf to read nameservers and upstreams from (read before capture starts)")
 	fs.DurationVar(&c.TTL, "ttl", 30*time.Second, "TTL of answers from the name table")
 	fs.StringVar(&c.ClusterDomain, "cluster-domain", "cluster.local", "Kubernetes cluster domain")
@@ -184,17 +198,24 @@ func (c *Config) RegisterFlags(fs *flag.FlagSet) {
 		return nil
 	})
 	c.PodRecords = true
+	fs.IntVar(&c.CacheBytes, "cache-bytes", upstream.DefaultCacheBytes, "memory cap of the upstream answer cache, in bytes")
+	fs.IntVar(&c.MaxPending, "max-pending", resolver.DefaultMaxPending, "queries waiting for the upstream at once; over it: SERVFAIL at once")
+	fs.IntVar(&c.MaxTCPConns, "max-tcp-conns", resolver.DefaultMaxTCPConns, "open TCP client connections; at the bound the longest idle one is closed")
+}
+
+// registerKubernetesFlags defines the Kubernetes source's.
+func (c *Config) registerKubernetesFlags(fs *flag.FlagSet) {
 	fs.StringVar(&c.Kubeconfig, "kubeconfig", "", "watch this Kubernetes cluster's API server with this kubeconfig: Services, EndpointSlices and the Pods of --node-name answer cluster names")
 	fs.BoolVar(&c.InCluster, "kubernetes", false, "watch the API server of the cluster the agent runs in (in-cluster service account); the DaemonSet uses this")
 	fs.StringVar(&c.NodeName, "node-name", os.Getenv("NODE_NAME"), "this node's name: its Pods' IPs tell the agent each client's namespace (default $NODE_NAME)")
 	fs.StringVar(&c.ClusterDNSService, "cluster-dns-service", DefaultClusterDNSService, "with a Kubernetes source and no --nameservers: the Service (namespace/name) whose cluster IPs pods use as nameserver; those are captured")
-	c.registerMeshFlags(fs)
-	c.registerIstiodFlags(fs)
-	c.registerWorkloadFlags(fs)
-	fs.StringVar(&c.LinkName, "link", DefaultLinkName, "dummy link that carries the node-local listen address")
-	fs.IntVar(&c.CacheBytes, "cache-bytes", upstream.DefaultCacheBytes, "memory cap of the upstream answer cache, in bytes")
-	fs.IntVar(&c.MaxPending, "max-pending", resolver.DefaultMaxPending, "queries waiting for the upstream at once; over it: SERVFAIL at once")
-	fs.IntVar(&c.MaxTCPConns, "max-tcp-conns", resolver.DefaultMaxTCPConns, "open TCP client connections; at the bound the longest idle one is closed")
+}
+
+// registerProcessFlags defines the process's: admin address, state
+// directory, memory, logs, and the testing-only fault injections.
+func (c *Config) registerProcessFlags(fs *flag.FlagSet) {
+	fs.StringVar(&c.Admin, "admin", "127.0.0.1:9153", "admin HTTP address for /healthz, /readyz and /metrics (empty disables)")
+	fs.StringVar(&c.StateDir, "state-dir", DefaultStateDir, "directory for the agent's lock, state file and handover socket (shared by an agent and its successor; read by status and cleanup)")
 	fs.StringVar(&c.memoryLimit, "memory-limit", os.Getenv(MemoryLimitEnv), "the container's memory limit in bytes: the Go memory limit (GOMEMLIMIT) is set to --memory-limit-ratio of it, unless GOMEMLIMIT is in the environment (default $"+MemoryLimitEnv+")")
 	fs.Float64Var(&c.MemoryLimitRatio, "memory-limit-ratio", DefaultMemoryLimitRatio, "share of --memory-limit the Go memory limit is set to")
 	fs.StringVar(&c.LogLevel, "log-level", "info", "debug, info, warn or error")

@@ -10,8 +10,12 @@ import (
 	"os/exec"
 	"path/filepath"
 	"reflect"
+	"slices"
 	"strings"
 	"testing"
+
+	"github.com/meshdns/meshdns-ebpf/internal/ctzone"
+	"github.com/meshdns/meshdns-ebpf/internal/redirect"
 )
 
 // runFlags is a Config with the flags of `run` registered on a silent flag set.
@@ -102,7 +106,9 @@ func TestFlags(t *testing.T) {
 	}
 }
 
-func TestFillFromResolvConf(t *testing.T) {
+// The nameservers and upstreams of the start plan: from the flags, else
+// resolv.conf, without our own addresses; the Config is left as it was.
+func TestResolveServers(t *testing.T) {
 	dir := t.TempDir()
 	write := func(name, content string) string {
 		p := filepath.Join(dir, name)
@@ -134,6 +140,8 @@ func TestFillFromResolvConf(t *testing.T) {
 			[]string{"169.254.53.1"}, []string{"127.0.0.1:5300", "127.0.0.1:5358"}, ""},
 		{"nothing upstream", "search only\n", nil, nil, nil, "no nameserver"},
 		{"nothing to capture", "nameserver 169.254.53.1\n", []string{"--nameservers", "169.254.20.53"}, nil, nil, "nothing to capture"},
+		{"duplicate nameserver", "nameserver 169.254.53.1\n", []string{"--nameservers", "169.254.53.9,169.254.53.8,169.254.53.9"}, nil, nil, "nameserver 169.254.53.9 is listed twice"},
+		{"duplicate nameserver in iptables mode", "nameserver 169.254.53.1\n", []string{"--mode", "iptables", "--nameservers", "fd53::9,fd53::9"}, nil, nil, "nameserver fd53::9 is listed twice"},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -142,7 +150,11 @@ func TestFillFromResolvConf(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			err = c.fillFromResolvConf(log)
+			given, givenUp := slices.Clone(c.Nameservers), slices.Clone(c.Upstreams)
+			nss, ups, _, err := c.resolveServers(c.Nameservers, log)
+			if !slices.Equal(c.Nameservers, given) || !slices.Equal(c.Upstreams, givenUp) {
+				t.Errorf("the Config was written: nameservers %v upstreams %v, given %v %v", c.Nameservers, c.Upstreams, given, givenUp)
+			}
 			if tc.wantError != "" {
 				if err == nil || !strings.Contains(err.Error(), tc.wantError) {
 					t.Fatalf("err = %v, want %q", err, tc.wantError)
@@ -153,10 +165,10 @@ func TestFillFromResolvConf(t *testing.T) {
 				t.Fatal(err)
 			}
 			var ns, up []string
-			for _, n := range c.Nameservers {
+			for _, n := range nss {
 				ns = append(ns, n.String())
 			}
-			for _, u := range c.Upstreams {
+			for _, u := range ups {
 				up = append(up, u.String())
 			}
 			if !reflect.DeepEqual(ns, tc.wantNS) || !reflect.DeepEqual(up, tc.wantUp) {
@@ -258,5 +270,24 @@ func TestPinDir(t *testing.T) {
 		if got := PinDir(tc.stateDir, tc.flag); got != tc.want {
 			t.Errorf("PinDir(%s, %q) = %s, want %s", tc.stateDir, tc.flag, got, tc.want)
 		}
+	}
+}
+
+// A nameserver listed twice is refused by the datapath of either mode, with
+// an error naming it (one capture plan, internal/captureplan), as the
+// agent's plan refuses it before either is made (TestResolveServers).
+func TestDuplicateNameserverRefusedByEveryDatapath(t *testing.T) {
+	c, err := parseRun(t, "--nameservers", "169.254.53.9", "--upstream", "127.0.0.1:5300")
+	if err != nil {
+		t.Fatal(err)
+	}
+	log := slog.New(slog.DiscardHandler)
+	p := &startPlan{cgroup: "/sys/fs/cgroup", nameservers: []netip.Addr{netip.MustParseAddr("169.254.53.9"), netip.MustParseAddr("::ffff:169.254.53.9")}}
+	const want = "nameserver 169.254.53.9 is listed twice"
+	if _, err := redirect.New(c.redirectConfig(p, log)); err == nil || !strings.Contains(err.Error(), want) {
+		t.Errorf("eBPF datapath: %v, want an error containing %q", err, want)
+	}
+	if _, err := ctzone.New(c.ctzoneConfig(p, log)); err == nil || !strings.Contains(err.Error(), want) {
+		t.Errorf("iptables datapath: %v, want an error containing %q", err, want)
 	}
 }

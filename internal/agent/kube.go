@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
+	"net/netip"
 	"time"
 
 	"k8s.io/client-go/rest"
@@ -29,27 +30,28 @@ func (c *Config) restConfig() (*rest.Config, error) {
 	return rc, nil
 }
 
-// setupKubernetes connects the Kubernetes source: client-go logs through
-// slog, and, unless --nameservers is given, the cluster DNS Service's
-// cluster IPs become the captured nameservers.
-func (c *Config) setupKubernetes(ctx context.Context, log *slog.Logger) (*rest.Config, error) {
+// setupKubernetes connects the Kubernetes source (client-go logs through
+// slog) and returns the nameservers to capture: --nameservers when given,
+// else the cluster DNS Service's cluster IPs.
+func (c *Config) setupKubernetes(ctx context.Context, log *slog.Logger) (*rest.Config, []netip.Addr, error) {
 	klog.SetSlogLogger(log.With("component", "client-go"))
 	rc, err := c.restConfig()
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
-	if c.Nameservers == nil && c.Mode != ModeOff {
+	nameservers := c.Nameservers
+	if nameservers == nil && c.Mode != ModeOff {
 		dctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 		defer cancel()
 		ips, err := kubesource.ClusterDNS(dctx, rc, c.ClusterDNSService)
 		if err != nil {
-			return nil, fmt.Errorf("%w (give --nameservers to capture other addresses, or --cluster-dns-service)", err)
+			return nil, nil, fmt.Errorf("%w (give --nameservers to capture other addresses, or --cluster-dns-service)", err)
 		}
-		c.Nameservers = ips
+		nameservers = ips
 		log.Info("capturing the cluster DNS Service", "service", c.ClusterDNSService, "ips", ips)
 	}
 	if c.NodeName == "" {
 		log.Warn("no --node-name (or $NODE_NAME): the Pods of this node are not watched, so clients' namespaces are unknown and bare names answer only when unambiguous")
 	}
-	return rc, nil
+	return rc, nameservers, nil
 }

@@ -25,8 +25,6 @@ type MeshConfig struct {
 	RemoteKubeconfigs  string // --remote-kubeconfigs DIR
 	IstioRemoteSecrets bool   // --istio-remote-secrets
 	Namespace          string // --namespace: the agent's own
-
-	local *kubesource.Source // the local cluster's source, for /debug/pods
 }
 
 // inClusterNamespace is where a pod finds its namespace.
@@ -69,7 +67,7 @@ func (c *Config) addMeshSources(store *names.Store, kubeRest *rest.Config, log *
 	if c.Mesh.RemoteKubeconfigs == "" && !c.Mesh.IstioRemoteSecrets {
 		return nil
 	}
-	cfg := meshsource.ClustersConfig{Store: store, Dir: c.Mesh.RemoteKubeconfigs, Domain: c.ClusterDomain, Logger: log}
+	cfg := meshsource.ClustersConfig{Sources: store, Dir: c.Mesh.RemoteKubeconfigs, Domain: c.ClusterDomain, Logger: log}
 	if cfg.Dir != "" {
 		if fi, err := os.Stat(cfg.Dir); err != nil || !fi.IsDir() {
 			return fmt.Errorf("--remote-kubeconfigs %s: not a directory (%v)", cfg.Dir, err)
@@ -119,8 +117,7 @@ func (m *MeshConfig) ownNamespace(inCluster bool) (string, error) {
 //	                newline-delimited JSON records; filter parameters
 //	                namespace, pod, cgroup, suffix, qtype, rcode, answer,
 //	                min-latency, unanswered
-func (c *Config) debugHandler(store *names.Store, tapHandler http.Handler) http.Handler {
-	local := c.Mesh.local
+func (c *Config) debugHandler(store *names.Store, local *kubesource.Source, tapHandler http.Handler) http.Handler {
 	mux := http.NewServeMux()
 	table := func(w http.ResponseWriter) bool {
 		if store.Table() == nil {

@@ -43,6 +43,10 @@ func currentNetns() uint64 { return nsInode("net") }
 // currentPidns returns the inode of this process's pid namespace.
 func currentPidns() uint64 { return nsInode("pid") }
 
+// CurrentPidns is the inode of this process's pid namespace (its
+// container's), as AgentHeader carries it.
+func CurrentPidns() uint64 { return currentPidns() }
+
 // nsInode is the inode of this process's namespace of kind ("net", "pid").
 func nsInode(kind string) uint64 {
 	var st syscall.Stat_t

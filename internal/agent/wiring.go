@@ -18,68 +18,7 @@ import (
 	"github.com/meshdns/meshdns-ebpf/internal/nametable"
 	"github.com/meshdns/meshdns-ebpf/internal/ndssource"
 	"github.com/meshdns/meshdns-ebpf/internal/redirect"
-	"github.com/meshdns/meshdns-ebpf/internal/resolver/upstream"
 )
-
-// fillFromResolvConf fills nameservers and upstreams that were not given as flags.
-func (c *Config) fillFromResolvConf(log *slog.Logger) error {
-	needNS := c.Nameservers == nil && c.Mode != ModeOff
-	needUp := len(c.Upstreams) == 0
-	if needNS || needUp {
-		servers, _, err := upstream.ParseResolvConf(c.ResolvConf)
-		if err != nil {
-			return fmt.Errorf("read nameservers: %w", err)
-		}
-		if needNS {
-			for _, s := range servers {
-				c.Nameservers = append(c.Nameservers, s.Addr())
-			}
-		}
-		if needUp {
-			c.Upstreams = servers
-		}
-	}
-	// Never forward to ourselves: our listen addresses on any slot port (the listen
-	// port, one per nameserver, the capture-all ones). Another port on the same
-	// address is someone else's server and fine.
-	slots := len(c.Nameservers)
-	if c.CaptureAll {
-		slots += redirect.CaptureAllSlots
-	}
-	ours := func(a netip.Addr, port uint16, checkPort bool) bool {
-		for _, l := range c.Listen {
-			if a != l.Addr() {
-				continue
-			}
-			if !checkPort || (port >= l.Port() && int(port) < int(l.Port())+max(slots, 1)) {
-				return true
-			}
-		}
-		return false
-	}
-	c.Upstreams = slices.DeleteFunc(c.Upstreams, func(u netip.AddrPort) bool {
-		if ours(u.Addr(), u.Port(), true) {
-			log.Warn("ignoring upstream that is our own listen address", "upstream", u)
-			return true
-		}
-		return false
-	})
-	c.Nameservers = slices.DeleteFunc(c.Nameservers, func(n netip.Addr) bool { return ours(n, 0, false) })
-	if len(c.Upstreams) == 0 {
-		return fmt.Errorf("no upstream nameserver: give --upstream or a nameserver in %s", c.ResolvConf)
-	}
-	if c.Mode != ModeOff && len(c.Nameservers) == 0 && !c.CaptureAll {
-		return fmt.Errorf("nothing to capture: no nameserver in %s and no --nameservers (or use --capture-all)", c.ResolvConf)
-	}
-	if !c.CaptureLoopback && !c.CaptureAll {
-		for _, n := range c.Nameservers {
-			if n.IsLoopback() {
-				log.Warn("nameserver is a loopback address and is not captured without --capture-loopback", "nameserver", n)
-			}
-		}
-	}
-	return nil
-}
 
 // pickMode resolves auto into ebpf or iptables and checks a forced mode can work.
 func (c *Config) pickMode(log *slog.Logger) (mode, reason string, err error) {
@@ -127,16 +66,18 @@ func (c *Config) probeEBPF() error {
 	return nil
 }
 
-func (c *Config) redirectConfig(log *slog.Logger) redirect.Config {
+// redirectConfig is the eBPF datapath's configuration in plan p.
+func (c *Config) redirectConfig(p *startPlan, log *slog.Logger) redirect.Config {
 	rc := redirect.Config{
-		Cgroup:          c.Cgroup,
+		Cgroup:          p.cgroup,
 		PinDir:          c.BPFFS,
-		Nameservers:     c.Nameservers,
+		Nameservers:     p.nameservers,
 		CaptureAll:      c.CaptureAll,
 		CaptureLoopback: c.CaptureLoopback,
 		ProxyUIDs:       c.ProxyUIDs,
 		UpstreamMark:    c.UpstreamMark,
 		Attribution:     c.Workloads.Attribution,
+		Detach:          !c.Persist,
 		Logger:          log.With("component", "redirect"),
 	}
 	rc.Target4, rc.Target6 = c.targets()
@@ -155,9 +96,10 @@ func (c *Config) targets() (v4, v6 netip.AddrPort) {
 	return v4, v6
 }
 
-func (c *Config) ctzoneConfig(log *slog.Logger) ctzone.Config {
+// ctzoneConfig is the iptables datapath's configuration in plan p.
+func (c *Config) ctzoneConfig(p *startPlan, log *slog.Logger) ctzone.Config {
 	cc := ctzone.Config{
-		Nameservers:  c.Nameservers,
+		Nameservers:  p.nameservers,
 		CaptureAll:   c.CaptureAll,
 		ProxyUIDs:    c.ProxyUIDs,
 		ProxyGIDs:    c.ProxyGIDs,
@@ -172,7 +114,7 @@ func (c *Config) ctzoneConfig(log *slog.Logger) ctzone.Config {
 // addIstiodSource adds the NDS source (--istiod): one view for the
 // agent's namespace and, in node mode, one per namespace of this node's
 // Pods, which the Kubernetes source knows.
-func (c *Config) addIstiodSource(store *names.Store, reg prometheus.Registerer, log *slog.Logger) error {
+func (c *Config) addIstiodSource(store *names.Store, local *kubesource.Source, reg prometheus.Registerer, log *slog.Logger) error {
 	ic := c.Istiod
 	if ic.Addr == "" {
 		return nil
@@ -199,11 +141,10 @@ func (c *Config) addIstiodSource(store *names.Store, reg prometheus.Registerer, 
 	// Node views by default where istiod can serve them: over TLS its
 	// identity check lets the agent's token claim its own namespace only.
 	view := ic.View
-	if view == "" && c.Mesh.local != nil && c.NodeName != "" && ic.CAFile == "" {
+	if view == "" && local != nil && c.NodeName != "" && ic.CAFile == "" {
 		view = IstiodViewNode
 	}
 	if view == IstiodViewNode {
-		local := c.Mesh.local
 		cfg.Namespaces = func() []string {
 			var out []string
 			for _, p := range local.Pods() {
@@ -224,33 +165,34 @@ func (c *Config) addIstiodSource(store *names.Store, reg prometheus.Registerer, 
 
 // newNameStore creates the name store with the configured sources: the
 // names file, the Kubernetes API server, or the embedded demo table when
-// no other source is given.
-func (c *Config) newNameStore(reg prometheus.Registerer, kubeRest *rest.Config, log *slog.Logger) (*names.Store, error) {
+// no other source is given. local is the Kubernetes source (nil without
+// one): it knows the Pods of this node.
+func (c *Config) newNameStore(reg prometheus.Registerer, kubeRest *rest.Config, log *slog.Logger) (store *names.Store, local *kubesource.Source, err error) {
 	m, err := names.NewMetrics(reg)
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
-	store, err := names.New(names.Config{
+	store, err = names.New(names.Config{
 		Table:   nametable.Options{ClusterDomain: c.ClusterDomain, TTL: c.TTL},
 		Logger:  log.With("component", "names"),
 		Metrics: m,
 	})
 	if err != nil {
-		return nil, fmt.Errorf("name store: %w", err)
+		return nil, nil, fmt.Errorf("name store: %w", err)
 	}
 	if c.NamesFile != "" {
 		f, err := filesource.NewFile(c.NamesFile, filesource.Options{Domain: store.Domain(), Logger: log.With("component", "names")})
 		if err != nil {
-			return nil, err
+			return nil, nil, err
 		}
 		// The first load must succeed: a bad file at start is bad input, not
 		// something to serve around. Later bad files keep the last good
 		// table serving.
 		if err := f.Check(); err != nil {
-			return nil, err
+			return nil, nil, err
 		}
 		if err := store.Add(f, names.SourceOptions{Priority: names.PriorityFile}); err != nil {
-			return nil, err
+			return nil, nil, err
 		}
 	}
 	if kubeRest != nil {
@@ -259,31 +201,31 @@ func (c *Config) newNameStore(reg prometheus.Registerer, kubeRest *rest.Config, 
 			Logger: log.With("component", "names"),
 		})
 		if err != nil {
-			return nil, err
+			return nil, nil, err
 		}
 		if err := store.Add(ks, names.SourceOptions{Priority: names.PriorityKubernetes}); err != nil {
-			return nil, err
+			return nil, nil, err
 		}
-		c.Mesh.local = ks
+		local = ks
 	}
 	if err := c.addMeshSources(store, kubeRest, log); err != nil {
-		return nil, err
+		return nil, nil, err
 	}
-	if err := c.addIstiodSource(store, reg, log); err != nil {
-		return nil, err
+	if err := c.addIstiodSource(store, local, reg, log); err != nil {
+		return nil, nil, err
 	}
 	if err := c.addFaultSources(store); err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	if c.NamesFile == "" && kubeRest == nil && !c.meshSources() && c.Istiod.Addr == "" {
 		demo, err := filesource.NewStatic("demo", defaultNames, store.Domain())
 		if err != nil {
-			return nil, err
+			return nil, nil, err
 		}
 		if err := store.Add(demo, names.SourceOptions{Priority: names.PriorityDemo}); err != nil {
-			return nil, err
+			return nil, nil, err
 		}
 		log.Info("using the embedded demo name table (give --names FILE for your own)")
 	}
-	return store, nil
+	return store, local, nil
 }

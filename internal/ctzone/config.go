@@ -17,6 +17,7 @@ package ctzone
 import (
 	"errors"
 	"fmt"
+	"github.com/meshdns/meshdns-ebpf/internal/captureplan"
 	"log/slog"
 	"net/netip"
 	"os"
@@ -117,6 +118,46 @@ type normalized struct {
 
 func normalize(cfg Config) (*normalized, error) {
 	n := &normalized{Config: cfg}
+	if err := n.setDefaults(); err != nil {
+		return nil, err
+	}
+	if !cfg.ListenAddr.IsValid() && cfg.ListenAddr6.IsValid() {
+		cfg.ListenAddr = cfg.ListenAddr6 // v6-only listen
+	}
+	if !cfg.ListenAddr.IsValid() || cfg.ListenAddr.Port() == 0 {
+		return nil, fmt.Errorf("listen address %v: need an address with a port", cfg.ListenAddr)
+	}
+	plan, err := captureplan.New(cfg.Nameservers, cfg.CaptureAll)
+	if err != nil {
+		return nil, err
+	}
+	listen4, listen6, err := listenAddrs(cfg.ListenAddr, cfg.ListenAddr6)
+	if err != nil {
+		return nil, err
+	}
+	n.fams[0] = family{listen: listen4}
+	n.fams[1] = family{v6: true, listen: listen6}
+	if err := n.addServers(plan, cfg.ListenAddr); err != nil {
+		return nil, err
+	}
+	if err := n.setSlotRanges(plan); err != nil {
+		return nil, err
+	}
+	n.ProxyUIDs = slices.Compact(slices.Sorted(slices.Values(cfg.ProxyUIDs)))
+	n.ProxyGIDs = slices.Compact(slices.Sorted(slices.Values(cfg.ProxyGIDs)))
+	if !n.fams[0].captures() && !n.fams[1].captures() {
+		return nil, errors.New("nothing to capture: every nameserver is loopback or has no listen address of its family")
+	}
+	if cfg.Netns != "" {
+		if _, err := os.Stat(cfg.Netns); err != nil {
+			return nil, fmt.Errorf("network namespace: %w", err)
+		}
+	}
+	return n, nil
+}
+
+// setDefaults fills in the defaults and checks the backend.
+func (n *normalized) setDefaults() error {
 	if n.Logger == nil {
 		n.Logger = slog.New(slog.DiscardHandler)
 	}
@@ -131,82 +172,82 @@ func normalize(cfg Config) (*normalized, error) {
 	}
 	switch n.Backend {
 	case "", BackendLegacy, BackendNFT:
-	default:
-		return nil, fmt.Errorf("iptables backend %q: want %q, %q or empty (detect)", n.Backend, BackendLegacy, BackendNFT)
+		return nil
 	}
-	if !cfg.ListenAddr.IsValid() && cfg.ListenAddr6.IsValid() {
-		cfg.ListenAddr = cfg.ListenAddr6 // v6-only listen
-	}
-	if !cfg.ListenAddr.IsValid() || cfg.ListenAddr.Port() == 0 {
-		return nil, fmt.Errorf("listen address %v: need an address with a port", cfg.ListenAddr)
-	}
-	if len(cfg.Nameservers) == 0 && !cfg.CaptureAll {
-		return nil, errors.New("nothing to capture: no nameservers and capture-all off")
-	}
-	listen4, listen6 := netip.AddrPort{}, cfg.ListenAddr6
-	la := cfg.ListenAddr.Addr().Unmap()
+	return fmt.Errorf("iptables backend %q: want %q, %q or empty (detect)", n.Backend, BackendLegacy, BackendNFT)
+}
+
+// listenAddrs is the redirect target of each family: listen for its own
+// family, listen6 for v6 when given; a loopback listen address covers the
+// other family's loopback too.
+func listenAddrs(listen, listen6 netip.AddrPort) (v4, v6 netip.AddrPort, err error) {
+	v6 = listen6
+	la := listen.Addr().Unmap()
 	if la.Is4() {
-		listen4 = netip.AddrPortFrom(la, cfg.ListenAddr.Port())
-		if !listen6.IsValid() && la.IsLoopback() {
-			listen6 = netip.AddrPortFrom(netip.IPv6Loopback(), cfg.ListenAddr.Port())
+		v4 = netip.AddrPortFrom(la, listen.Port())
+		if !v6.IsValid() && la.IsLoopback() {
+			v6 = netip.AddrPortFrom(netip.IPv6Loopback(), listen.Port())
 		}
 	} else {
-		if !listen6.IsValid() {
-			listen6 = cfg.ListenAddr
+		if !v6.IsValid() {
+			v6 = listen
 		}
 		if la.IsLoopback() {
-			listen4 = netip.AddrPortFrom(netip.AddrFrom4([4]byte{127, 0, 0, 1}), cfg.ListenAddr.Port())
+			v4 = netip.AddrPortFrom(netip.AddrFrom4([4]byte{127, 0, 0, 1}), listen.Port())
 		}
 	}
-	if listen6.IsValid() && (!listen6.Addr().Is6() || listen6.Addr().Is4In6() || listen6.Port() == 0) {
-		return nil, fmt.Errorf("v6 listen address %v: need a v6 address with a port", listen6)
+	if v6.IsValid() && (!v6.Addr().Is6() || v6.Addr().Is4In6() || v6.Port() == 0) {
+		return v4, v6, fmt.Errorf("v6 listen address %v: need a v6 address with a port", v6)
 	}
-	n.fams[0] = family{listen: listen4}
-	n.fams[1] = family{v6: true, listen: listen6}
-	base := int(cfg.ListenAddr.Port())
-	seen := map[netip.Addr]bool{}
-	for i, ns := range cfg.Nameservers {
-		ns = ns.Unmap()
-		if !ns.IsValid() || ns.IsUnspecified() {
-			return nil, fmt.Errorf("nameserver %d: %v is not an address", i, ns)
-		}
+	return v4, v6, nil
+}
+
+// addServers puts each nameserver of the plan into its family with its
+// slot port (slot i: the family's listen port + i). Loopback nameservers
+// keep their slot but are not captured (a warning).
+func (n *normalized) addServers(plan captureplan.Plan, listen netip.AddrPort) error {
+	for i, ns := range plan.Nameservers() {
 		fam := &n.fams[0]
-		port := base + i
+		base := listen.Port()
 		if ns.Is6() {
 			fam = &n.fams[1]
-			if listen6.IsValid() {
-				port = int(listen6.Port()) + i
+			if fam.listen.IsValid() {
+				base = fam.listen.Port()
 			}
 		}
+		port := int(base) + i
 		if port > 65535 {
-			return nil, fmt.Errorf("nameserver %d (%v): slot port %d out of range", i, ns, port)
+			return fmt.Errorf("nameserver %d (%v): slot port %d out of range", i, ns, port)
 		}
 		switch {
 		case ns.IsLoopback():
 			n.warnings = append(n.warnings, fmt.Sprintf("nameserver %v is a loopback address: not captured", ns))
 			continue
-		case seen[ns]:
-			continue // the first slot wins, like the eBPF path's map
 		case fam.listen.IsValid() && ns == fam.listen.Addr():
-			return nil, fmt.Errorf("nameserver %v is the listen address itself", ns)
+			return fmt.Errorf("nameserver %v is the listen address itself", ns)
 		case !fam.listen.IsValid():
-			return nil, fmt.Errorf("nameserver %v: no listen address of its family (listen address %v is not loopback; set ListenAddr6 for v6)", ns, cfg.ListenAddr)
+			return fmt.Errorf("nameserver %v: no listen address of its family (listen address %v is not loopback; set ListenAddr6 for v6)", ns, listen)
 		}
-		seen[ns] = true
 		fam.servers = append(fam.servers, slotServer{addr: ns, port: uint16(port)})
 	}
+	return nil
+}
+
+// setSlotRanges sets each family's capture-all port (the plan's first
+// capture-all slot) and its range of slot ports.
+func (n *normalized) setSlotRanges(plan captureplan.Plan) error {
 	for i := range n.fams {
 		f := &n.fams[i]
 		if !f.listen.IsValid() {
-			if cfg.CaptureAll {
+			if plan.CaptureAll() {
 				n.warnings = append(n.warnings, fmt.Sprintf("capture-all: no %s listen address, %s port-53 traffic is not captured", f.name(), f.name()))
 			}
 			continue
 		}
-		p := int(f.listen.Port()) + len(cfg.Nameservers)
-		if cfg.CaptureAll {
+		p := int(f.listen.Port()) + plan.AllSlot()
+		if plan.CaptureAll() {
 			if p > 65535 {
-				return nil, fmt.Errorf("capture-all slot port %d out of range", p)
+				return fmt.Errorf("capture-all slot port %d out of range", p)
 			}
 			f.all, f.allPort = true, uint16(p)
 		}
@@ -218,15 +259,5 @@ func normalize(cfg Config) (*normalized, error) {
 			f.maxPort = max(f.maxPort, f.allPort)
 		}
 	}
-	n.ProxyUIDs = slices.Compact(slices.Sorted(slices.Values(cfg.ProxyUIDs)))
-	n.ProxyGIDs = slices.Compact(slices.Sorted(slices.Values(cfg.ProxyGIDs)))
-	if !n.fams[0].captures() && !n.fams[1].captures() {
-		return nil, errors.New("nothing to capture: every nameserver is loopback or has no listen address of its family")
-	}
-	if cfg.Netns != "" {
-		if _, err := os.Stat(cfg.Netns); err != nil {
-			return nil, fmt.Errorf("network namespace: %w", err)
-		}
-	}
-	return n, nil
+	return nil
 }

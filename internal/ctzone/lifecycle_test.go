@@ -120,105 +120,135 @@ func TestLifecycle(t *testing.T) {
 			testenv.RequirePrivileged(t, "ip", "iptables-"+backend, "ip6tables-"+backend)
 			ns := testenv.NewNetns(t, "mdct-life")
 			cfg := lifecycleConfig(backend)
-
-			// Idempotent: twice gives the same rule set, with the expected rules.
-			crashed := mustInstall(t, ns, cfg)
-			first := saveOurs(t, ns.Name, backend, true)
-			t.Logf("installed:\n%s", first)
-			for _, want := range []string{
-				"iptables-%s *nat -A OUTPUT -m comment --comment meshdns-ebpf -j MESHDNS-OUTPUT",
-				"iptables-%s *nat -A PREROUTING -m comment --comment meshdns-ebpf -j MESHDNS-PREROUTING",
-				"iptables-%s *nat -A MESHDNS-OUTPUT -m owner --uid-owner 1337 -j RETURN",
-				"iptables-%s *nat -A MESHDNS-OUTPUT -d 169.254.53.1/32 -p udp -m udp --dport 53 -j DNAT --to-destination 169.254.20.53:53",
-				"iptables-%s *nat -A MESHDNS-PREROUTING -d 169.254.53.1/32 -p tcp -m tcp --dport 53 -j DNAT --to-destination 169.254.20.53:53",
-				"iptables-%s *raw -A MESHDNS-OUTPUT -s 169.254.20.53/32 -p udp -m udp --sport 53 -j CT --zone 16211",
-				"iptables-%s *raw -A MESHDNS-PREROUTING -d 169.254.53.1/32 -p udp -m udp --dport 53 -j CT --zone 16211",
-				"ip6tables-%s *nat -A MESHDNS-OUTPUT -d fd00:53::1/128 -p udp -m udp --dport 53 -j DNAT --to-destination [fd00:20::53]:54",
-				"ip6tables-%s *raw -A MESHDNS-OUTPUT -s fd00:20::53/128 -p udp -m udp --sport 53:54 -j CT --zone 16211",
-			} {
-				if want = fmt.Sprintf(want, backend); !strings.Contains(first, want+"\n") {
-					t.Errorf("installed rules lack %q", want)
-				}
-			}
-			if strings.Contains(first, "127.0.0.53") {
-				t.Errorf("a loopback nameserver is captured:\n%s", first)
-			}
-			r := mustInstall(t, ns, cfg)
-			if again := saveOurs(t, ns.Name, backend, true); again != first {
-				t.Fatalf("second Install changed the rules:\nfirst:\n%s\nsecond:\n%s", first, again)
-			}
-			// The first rule set was left to the second (as after a crash or a
-			// handover): it stops checking and removes nothing.
-			crashed.Handoff()
-			if err := crashed.Close(); err != nil {
-				t.Fatal(err)
-			}
-			if again := saveOurs(t, ns.Name, backend, true); again != first {
-				t.Fatalf("closing the handed-off rule set changed the rules:\n%s", again)
-			}
-
-			// The repair loop repairs: a deleted jump, a deleted rule, a foreign
-			// rule placed before our jump.
-			ipt := "iptables-" + backend
-			ns.Exec(t, ipt, "-w", "-t", "nat", "-D", "OUTPUT", "-m", "comment", "--comment", commentTag, "-j", chainOutput)
-			ns.Exec(t, ipt, "-w", "-t", "raw", "-D", chainOutput, "3")
-			ns.Exec(t, ipt, "-w", "-t", "nat", "-I", "PREROUTING", "1", "-p", "tcp", "--dport", "9", "-j", "RETURN")
-			ns.Exec(t, "ip6"+strings.TrimPrefix(ipt, "ip"), "-w", "-t", "raw", "-F", chainPrerouting)
-			if saveOurs(t, ns.Name, backend, true) == first {
-				t.Fatal("the rules did not change: the repair test tests nothing")
-			}
-			repaired := testenv.WaitFor(5*time.Second, func() bool {
-				pre := ns.Exec(t, ipt, "-w", "-t", "nat", "-S", "PREROUTING")
-				return saveOurs(t, ns.Name, backend, true) == first &&
-					strings.Contains(strings.Split(pre, "\n")[1], "-j "+chainPrerouting)
-			})
-			if !repaired {
-				t.Fatalf("Run did not repair the rules:\nwant:\n%s\ngot:\n%s%s", first, saveOurs(t, ns.Name, backend, true),
-					ns.Exec(t, ipt, "-w", "-t", "nat", "-S", "PREROUTING"))
-			}
-
-			// Close leaves nothing of ours in either family.
-			if err := r.Close(); err != nil {
-				t.Fatalf("Close: %v", err)
-			}
-			if left := saveOurs(t, ns.Name, backend, true); left != "" {
-				t.Fatalf("Close left:\n%s", left)
-			}
-			if err := r.Close(); err != nil {
-				t.Errorf("second Close: %v", err)
-			}
-
-			// Crash: Install, no Close; Cleanup removes it all, twice is a no-op.
-			crash(t, mustInstall(t, ns, cfg))
-			removed := cleanupIn(t, ns, backend)
-			t.Logf("Cleanup removed:\n%s", strings.Join(removed, "\n"))
-			if len(removed) == 0 {
-				t.Error("Cleanup after a crash removed nothing")
-			}
-			if left := saveOurs(t, ns.Name, backend, true); left != "" {
-				t.Fatalf("Cleanup left:\n%s", left)
-			}
-			if removed := cleanupIn(t, ns, ""); len(removed) != 0 {
-				t.Errorf("Cleanup on a clean namespace removed %q", removed)
-			}
-
-			// Install on top of (damaged) leftovers of a crash.
-			crash(t, mustInstall(t, ns, cfg))
-			ns.Exec(t, ipt, "-w", "-t", "nat", "-A", "OUTPUT", "-m", "comment", "--comment", commentTag, "-j", chainOutput)
-			ns.Exec(t, ipt, "-w", "-t", "nat", "-D", chainOutput, "1")
-			ns.Exec(t, ipt, "-w", "-t", "raw", "-N", chainPrefix+"OLD")
-			ns.Exec(t, ipt, "-w", "-t", "raw", "-I", "OUTPUT", "1", "-j", chainPrefix+"OLD")
-			r = mustInstall(t, ns, cfg)
-			if got := saveOurs(t, ns.Name, backend, true); got != first {
-				t.Fatalf("Install on leftovers:\nwant:\n%s\ngot:\n%s", first, got)
-			}
-			if err := r.Close(); err != nil {
-				t.Fatalf("Close: %v", err)
-			}
-			if left := saveOurs(t, ns.Name, backend, true); left != "" {
-				t.Fatalf("Close left:\n%s", left)
-			}
+			r, first := installIsIdempotent(t, ns, cfg, backend)
+			repairLoopRepairs(t, ns, backend, first)
+			closeRemovesAll(t, ns, backend, r)
+			cleanupRemovesACrashedInstall(t, ns, cfg, backend)
+			installWorksOnLeftovers(t, ns, cfg, backend, first)
 		})
+	}
+}
+
+// installIsIdempotent installs twice: the same rule set, with the expected
+// rules; the first, handed off and closed, removes nothing. It returns the
+// second rule set and the rules.
+func installIsIdempotent(t *testing.T, ns *testenv.Netns, cfg Config, backend string) (*Rules, string) {
+	t.Helper()
+	// Idempotent: twice gives the same rule set, with the expected rules.
+	crashed := mustInstall(t, ns, cfg)
+	first := saveOurs(t, ns.Name, backend, true)
+	t.Logf("installed:\n%s", first)
+	for _, want := range []string{
+		"iptables-%s *nat -A OUTPUT -m comment --comment meshdns-ebpf -j MESHDNS-OUTPUT",
+		"iptables-%s *nat -A PREROUTING -m comment --comment meshdns-ebpf -j MESHDNS-PREROUTING",
+		"iptables-%s *nat -A MESHDNS-OUTPUT -m owner --uid-owner 1337 -j RETURN",
+		"iptables-%s *nat -A MESHDNS-OUTPUT -d 169.254.53.1/32 -p udp -m udp --dport 53 -j DNAT --to-destination 169.254.20.53:53",
+		"iptables-%s *nat -A MESHDNS-PREROUTING -d 169.254.53.1/32 -p tcp -m tcp --dport 53 -j DNAT --to-destination 169.254.20.53:53",
+		"iptables-%s *raw -A MESHDNS-OUTPUT -s 169.254.20.53/32 -p udp -m udp --sport 53 -j CT --zone 16211",
+		"iptables-%s *raw -A MESHDNS-PREROUTING -d 169.254.53.1/32 -p udp -m udp --dport 53 -j CT --zone 16211",
+		"ip6tables-%s *nat -A MESHDNS-OUTPUT -d fd00:53::1/128 -p udp -m udp --dport 53 -j DNAT --to-destination [fd00:20::53]:54",
+		"ip6tables-%s *raw -A MESHDNS-OUTPUT -s fd00:20::53/128 -p udp -m udp --sport 53:54 -j CT --zone 16211",
+	} {
+		if want = fmt.Sprintf(want, backend); !strings.Contains(first, want+"\n") {
+			t.Errorf("installed rules lack %q", want)
+		}
+	}
+	if strings.Contains(first, "127.0.0.53") {
+		t.Errorf("a loopback nameserver is captured:\n%s", first)
+	}
+	r := mustInstall(t, ns, cfg)
+	if again := saveOurs(t, ns.Name, backend, true); again != first {
+		t.Fatalf("second Install changed the rules:\nfirst:\n%s\nsecond:\n%s", first, again)
+	}
+	// The first rule set was left to the second (as after a crash or a
+	// handover): it stops checking and removes nothing.
+	crashed.Handoff()
+	if err := crashed.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if again := saveOurs(t, ns.Name, backend, true); again != first {
+		t.Fatalf("closing the handed-off rule set changed the rules:\n%s", again)
+	}
+	return r, first
+}
+
+// repairLoopRepairs damages the rules; the repair loop puts them back.
+func repairLoopRepairs(t *testing.T, ns *testenv.Netns, backend, first string) {
+	t.Helper()
+	// The repair loop repairs: a deleted jump, a deleted rule, a foreign
+	// rule placed before our jump.
+	ipt := "iptables-" + backend
+	ns.Exec(t, ipt, "-w", "-t", "nat", "-D", "OUTPUT", "-m", "comment", "--comment", commentTag, "-j", chainOutput)
+	ns.Exec(t, ipt, "-w", "-t", "raw", "-D", chainOutput, "3")
+	ns.Exec(t, ipt, "-w", "-t", "nat", "-I", "PREROUTING", "1", "-p", "tcp", "--dport", "9", "-j", "RETURN")
+	ns.Exec(t, "ip6"+strings.TrimPrefix(ipt, "ip"), "-w", "-t", "raw", "-F", chainPrerouting)
+	if saveOurs(t, ns.Name, backend, true) == first {
+		t.Fatal("the rules did not change: the repair test tests nothing")
+	}
+	repaired := testenv.WaitFor(5*time.Second, func() bool {
+		pre := ns.Exec(t, ipt, "-w", "-t", "nat", "-S", "PREROUTING")
+		return saveOurs(t, ns.Name, backend, true) == first &&
+			strings.Contains(strings.Split(pre, "\n")[1], "-j "+chainPrerouting)
+	})
+	if !repaired {
+		t.Fatalf("Run did not repair the rules:\nwant:\n%s\ngot:\n%s%s", first, saveOurs(t, ns.Name, backend, true),
+			ns.Exec(t, ipt, "-w", "-t", "nat", "-S", "PREROUTING"))
+	}
+}
+
+// closeRemovesAll: Close leaves nothing of ours, and a second Close is fine.
+func closeRemovesAll(t *testing.T, ns *testenv.Netns, backend string, r *Rules) {
+	t.Helper()
+	// Close leaves nothing of ours in either family.
+	if err := r.Close(); err != nil {
+		t.Fatalf("Close: %v", err)
+	}
+	if left := saveOurs(t, ns.Name, backend, true); left != "" {
+		t.Fatalf("Close left:\n%s", left)
+	}
+	if err := r.Close(); err != nil {
+		t.Errorf("second Close: %v", err)
+	}
+}
+
+// cleanupRemovesACrashedInstall: Install, no Close; Cleanup removes it all,
+// twice is a no-op.
+func cleanupRemovesACrashedInstall(t *testing.T, ns *testenv.Netns, cfg Config, backend string) {
+	t.Helper()
+	// Crash: Install, no Close; Cleanup removes it all, twice is a no-op.
+	crash(t, mustInstall(t, ns, cfg))
+	removed := cleanupIn(t, ns, backend)
+	t.Logf("Cleanup removed:\n%s", strings.Join(removed, "\n"))
+	if len(removed) == 0 {
+		t.Error("Cleanup after a crash removed nothing")
+	}
+	if left := saveOurs(t, ns.Name, backend, true); left != "" {
+		t.Fatalf("Cleanup left:\n%s", left)
+	}
+	if removed := cleanupIn(t, ns, ""); len(removed) != 0 {
+		t.Errorf("Cleanup on a clean namespace removed %q", removed)
+	}
+}
+
+// installWorksOnLeftovers installs on top of a crash's damaged leftovers.
+func installWorksOnLeftovers(t *testing.T, ns *testenv.Netns, cfg Config, backend, first string) {
+	t.Helper()
+	ipt := "iptables-" + backend
+	// Install on top of (damaged) leftovers of a crash.
+	crash(t, mustInstall(t, ns, cfg))
+	ns.Exec(t, ipt, "-w", "-t", "nat", "-A", "OUTPUT", "-m", "comment", "--comment", commentTag, "-j", chainOutput)
+	ns.Exec(t, ipt, "-w", "-t", "nat", "-D", chainOutput, "1")
+	ns.Exec(t, ipt, "-w", "-t", "raw", "-N", chainPrefix+"OLD")
+	ns.Exec(t, ipt, "-w", "-t", "raw", "-I", "OUTPUT", "1", "-j", chainPrefix+"OLD")
+	r := mustInstall(t, ns, cfg)
+	if got := saveOurs(t, ns.Name, backend, true); got != first {
+		t.Fatalf("Install on leftovers:\nwant:\n%s\ngot:\n%s", first, got)
+	}
+	if err := r.Close(); err != nil {
+		t.Fatalf("Close: %v", err)
+	}
+	if left := saveOurs(t, ns.Name, backend, true); left != "" {
+		t.Fatalf("Close left:\n%s", left)
 	}
 }
 

@@ -68,8 +68,8 @@ func TestSlots(t *testing.T) {
 			range4: [2]uint16{15053, 15054},
 		},
 		{
-			name:   "loopback and duplicate nameservers",
-			cfg:    Config{ListenAddr: netip.MustParseAddrPort("127.0.0.1:15053"), Nameservers: addrs("127.0.0.53", "10.0.0.1", "10.0.0.1")},
+			name:   "loopback nameserver",
+			cfg:    Config{ListenAddr: netip.MustParseAddrPort("127.0.0.1:15053"), Nameservers: addrs("127.0.0.53", "10.0.0.1")},
 			want4:  []string{"10.0.0.1->15054"},
 			range4: [2]uint16{15053, 15054}, warnings: 1,
 		},
@@ -114,3 +114,17 @@ func addrs(s ...string) []netip.Addr {
 }
 
 func itoa(p uint16) string { return strconv.Itoa(int(p)) }
+
+// A nameserver listed twice is an error naming it, as in eBPF mode (the
+// shared capture plan, internal/captureplan): it is not silently dropped.
+func TestDuplicateNameserverIsAnError(t *testing.T) {
+	for _, cfg := range []Config{
+		{ListenAddr: netip.MustParseAddrPort("127.0.0.1:15053"), Nameservers: addrs("10.0.0.1", "127.0.0.53", "10.0.0.1")},
+		{ListenAddr: netip.MustParseAddrPort("169.254.20.53:53"), ListenAddr6: netip.MustParseAddrPort("[fd00::53]:53"), Nameservers: addrs("fd00::10", "::ffff:10.0.0.1", "10.0.0.1"), CaptureAll: true},
+	} {
+		_, err := New(cfg)
+		if err == nil || !strings.Contains(err.Error(), "nameserver 10.0.0.1 is listed twice") {
+			t.Errorf("New(%v): %v, want an error naming the duplicate 10.0.0.1", cfg.Nameservers, err)
+		}
+	}
+}

@@ -40,11 +40,19 @@ const IstioMultiClusterLabel = "istio/multiCluster"
 // maxKubeconfig bounds a kubeconfig file.
 const maxKubeconfig = 1 << 20
 
+// SourceSet is what Clusters feeds: one source per remote cluster, added
+// when the cluster appears and removed (with its names) when it goes. The
+// agent passes its name store.
+type SourceSet interface {
+	Add(src names.Source, opts names.SourceOptions) error
+	Remove(name string)
+}
+
 // ClustersConfig configures the remote cluster discovery.
 type ClustersConfig struct {
-	// Store gets one source per remote cluster ("cluster/<name>",
+	// Sources gets one source per remote cluster ("cluster/<name>",
 	// PriorityRemoteCluster, never blocking readiness).
-	Store *names.Store
+	Sources SourceSet
 	// Dir holds one kubeconfig file per remote cluster, named after the
 	// cluster (--remote-kubeconfigs). Files starting with "." are skipped
 	// (a mounted Secret's ..data). "" for none.
@@ -75,8 +83,8 @@ type Clusters struct {
 
 // NewClusters validates cfg. It contacts nothing.
 func NewClusters(cfg ClustersConfig) (*Clusters, error) {
-	if cfg.Store == nil {
-		return nil, errors.New("remote clusters: no name store")
+	if cfg.Sources == nil {
+		return nil, errors.New("remote clusters: no source set to feed")
 	}
 	if cfg.Dir == "" && cfg.Secrets == nil {
 		return nil, errors.New("remote clusters: neither a kubeconfig directory nor Istio remote secrets")
@@ -287,7 +295,7 @@ func (r *reconciler) apply(files map[string][]byte, secretStore cache.Store) {
 		cs := r.running[name]
 		if cs == nil {
 			cs = newClusterSource(name, m.cfg.Domain, m.cfg.Logger)
-			if err := m.cfg.Store.Add(cs, names.SourceOptions{Priority: names.PriorityRemoteCluster, NonBlocking: true}); err != nil {
+			if err := m.cfg.Sources.Add(cs, names.SourceOptions{Priority: names.PriorityRemoteCluster, NonBlocking: true}); err != nil {
 				m.log.Error("remote cluster not added", "cluster", name, "err", err)
 				continue
 			}
@@ -303,7 +311,7 @@ func (r *reconciler) apply(files map[string][]byte, secretStore cache.Store) {
 		if _, ok := want[name]; ok {
 			continue
 		}
-		m.cfg.Store.Remove(r.running[name].Name())
+		m.cfg.Sources.Remove(r.running[name].Name())
 		delete(r.running, name)
 		delete(r.applied, name)
 		m.log.Info("remote cluster removed, with its names", "cluster", name)

@@ -135,19 +135,25 @@ type connected struct {
 func (c *client) requery(conn connected, sock int) clientResult {
 	r := clientResult{Dst: conn.dst.String(), Socket: sock}
 	q, qb := c.query()
-	if err := noEINTR(func() error { return unix.Send(conn.fd, qb, 0) }); err != nil {
+	sendAndRead(&r, conn.fd, q, qb)
+	return r
+}
+
+// sendAndRead sends query qb on the connected UDP socket fd and reads the
+// reply into r.
+func sendAndRead(r *clientResult, fd int, q *dns.Msg, qb []byte) {
+	if err := noEINTR(func() error { return unix.Send(fd, qb, 0) }); err != nil {
 		r.Err = "send: " + err.Error()
-		return r
+		return
 	}
 	buf := make([]byte, 4096)
-	n, from, err := recvfrom(conn.fd, buf)
+	n, from, err := recvfrom(fd, buf)
 	if err != nil {
 		r.Err = "recvfrom: " + err.Error()
-		return r
+		return
 	}
 	r.Src = sockaddrString(from)
-	parseReply(&r, q, buf[:n])
-	return r
+	parseReply(r, q, buf[:n])
 }
 
 func (c *client) emit(r clientResult) { _ = c.out.Encode(r) }
@@ -272,18 +278,7 @@ func (c *client) one(mode string, dst netip.AddrPort, sock int) clientResult {
 		if c.noSend {
 			return r
 		}
-		if err := noEINTR(func() error { return unix.Send(fd, qb, 0) }); err != nil {
-			r.Err = "send: " + err.Error()
-			return r
-		}
-		buf := make([]byte, 4096)
-		n, from, err := recvfrom(fd, buf)
-		if err != nil {
-			r.Err = "recvfrom: " + err.Error()
-			return r
-		}
-		r.Src = sockaddrString(from)
-		parseReply(&r, q, buf[:n])
+		sendAndRead(&r, fd, q, qb)
 		return r
 	case "tcp":
 		fd, err := c.socket(unix.SOCK_STREAM)

@@ -268,12 +268,31 @@ func isCaptured(r clientResult) bool {
 	return r.Err == "" && r.Rcode == "NOERROR" && len(r.A) == 1 && r.A[0] == resolverAnswer(4, 0)
 }
 
+// The queries TestStats sends: connected UDP, sendto, TCP, and from the
+// proxy UID (not captured).
+const nUDP, nSendto, nTCP, nProxy = 25, 15, 10, 5
+
 // Counters match the queries exactly, per hook, in total and per cgroup; the
 // table and JSON carry them.
 func TestStats(t *testing.T) {
 	n := newTestNet(t)
 	d := n.start(t, n.config())
-	const nUDP, nSendto, nTCP, nProxy = 25, 15, 10, 5
+	sendStatsQueries(t, n)
+	s, err := ReadStats(n.pinDir())
+	if err != nil {
+		t.Fatal(err)
+	}
+	checkHookCounters(t, s)
+	mine := checkCgroupCounters(t, s, n.cg.Path)
+	checkStatsTable(t, s, mine, n.cg.Path)
+	checkStatsJSON(t, s, n.cg.Path)
+	checkStatusOf(t, n, d)
+}
+
+// sendStatsQueries sends TestStats's queries and checks each went where it
+// should.
+func sendStatsQueries(t *testing.T, n *testNet) {
+	t.Helper()
 	check := func(rs []clientResult, want int) {
 		t.Helper()
 		if len(rs) != want {
@@ -296,10 +315,11 @@ func TestStats(t *testing.T) {
 		wantOriginal(t, r)
 	}
 
-	s, err := ReadStats(n.pinDir())
-	if err != nil {
-		t.Fatal(err)
-	}
+}
+
+// checkHookCounters checks the counters per hook and in total.
+func checkHookCounters(t *testing.T, s *Stats) {
+	t.Helper()
 	want := map[[2]string]uint64{
 		{"connect4", "redirected_udp"}:      nUDP,
 		{"connect4", "redirected_tcp"}:      nTCP,
@@ -323,22 +343,33 @@ func TestStats(t *testing.T) {
 		}
 	}
 
+}
+
+// checkCgroupCounters checks the test cgroup's counters and returns its row.
+func checkCgroupCounters(t *testing.T, s *Stats, path string) *CgroupStats {
+	t.Helper()
 	var mine *CgroupStats
 	for i := range s.Cgroups {
-		if s.Cgroups[i].Path == n.cg.Path {
+		if s.Cgroups[i].Path == path {
 			mine = &s.Cgroups[i]
 		}
 	}
 	if mine == nil {
-		t.Fatalf("no per-cgroup stats for %s: %+v", n.cg.Path, s.Cgroups)
+		t.Fatalf("no per-cgroup stats for %s: %+v", path, s.Cgroups)
 	}
 	if mine.RedirectedUDP != nUDP+nSendto || mine.RedirectedTCP != nTCP || mine.Skipped != nProxy || mine.ReplyRewritten != 2*nUDP+nSendto+nTCP {
 		t.Errorf("cgroup stats %+v, want udp %d tcp %d skipped %d rewritten %d", *mine, nUDP+nSendto, nTCP, nProxy, 2*nUDP+nSendto+nTCP)
 	}
-	if s.Cgroups[0].Path != n.cg.Path {
+	if s.Cgroups[0].Path != path {
 		t.Errorf("first cgroup row is %+v, want the test cgroup (most queries)", s.Cgroups[0])
 	}
 
+	return mine
+}
+
+// checkStatsTable checks the stats table: header, rows, alignment.
+func checkStatsTable(t *testing.T, s *Stats, mine *CgroupStats, path string) {
+	t.Helper()
 	var buf bytes.Buffer
 	if err := s.WriteTable(&buf); err != nil {
 		t.Fatal(err)
@@ -364,7 +395,7 @@ func TestStats(t *testing.T) {
 	if f := rowOf("TOTAL"); f[1] != fmt.Sprint(nUDP+nSendto) || f[3] != fmt.Sprint(2*nUDP+nSendto+nTCP) {
 		t.Errorf("TOTAL row %v", f)
 	}
-	if f := rowOf(fmt.Sprint(mine.ID)); f[1] != n.cg.Path || f[2] != fmt.Sprint(nUDP+nSendto) {
+	if f := rowOf(fmt.Sprint(mine.ID)); f[1] != path || f[2] != fmt.Sprint(nUDP+nSendto) {
 		t.Errorf("cgroup row %v", f)
 	}
 	if !strings.Contains(out, "CGROUP ID") || !strings.Contains(out, "PATH") {
@@ -378,6 +409,11 @@ func TestStats(t *testing.T) {
 		}
 	}
 
+}
+
+// checkStatsJSON checks the stats' JSON.
+func checkStatsJSON(t *testing.T, s *Stats, path string) {
+	t.Helper()
 	js, err := json.Marshal(s)
 	if err != nil {
 		t.Fatal(err)
@@ -394,10 +430,16 @@ func TestStats(t *testing.T) {
 		t.Errorf("JSON hooks: %v", generic["hooks"])
 	}
 	cg0 := generic["cgroups"].([]any)[0].(map[string]any)
-	if cg0["path"] != n.cg.Path || cg0["redirected_tcp"].(float64) != nTCP {
+	if cg0["path"] != path || cg0["redirected_tcp"].(float64) != nTCP {
 		t.Errorf("JSON cgroup %v", cg0)
 	}
 
+}
+
+// checkStatusOf checks the datapath status: capturing, targets,
+// nameservers, exemptions and programs.
+func checkStatusOf(t *testing.T, n *testNet, d *Datapath) {
+	t.Helper()
 	st, err := ReadStatus(n.pinDir())
 	if err != nil {
 		t.Fatal(err)
@@ -424,7 +466,7 @@ func TestStats(t *testing.T) {
 			t.Errorf("status program %+v, Programs() %+v", p, progs[i])
 		}
 	}
-	buf.Reset()
+	var buf bytes.Buffer
 	if err := st.WriteText(&buf); err != nil {
 		t.Fatal(err)
 	}
@@ -475,7 +517,9 @@ func TestInstallBadInput(t *testing.T) {
 	}
 
 	// A failure half-way through attaching (another program holds recvmsg6
-	// exclusively) removes the links and pins made so far.
+	// exclusively) removes the links and pins made so far, whether Close
+	// would detach (Detach) or leave them for the next agent: a failed Start
+	// releases through Close's path, as a discard.
 	prog := passProgram(t, ebpf.CGroupSockAddr, ebpf.AttachCGroupUDP6Recvmsg)
 	opts := link.RawAttachProgramOptions{Target: n.cg.FD(), Program: prog, Attach: ebpf.AttachCGroupUDP6Recvmsg}
 	if err := link.RawAttachProgram(opts); err != nil {
@@ -486,23 +530,31 @@ func TestInstallBadInput(t *testing.T) {
 			t.Errorf("detach the exclusive program: %v", err)
 		}
 	}()
-	cfg := n.config()
-	cfg.Detach = true
-	d, err := New(cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	err = d.Start(t.Context())
-	d.Close()
-	if err == nil || !strings.Contains(err.Error(), "cgroup/recvmsg6") {
-		t.Fatalf("Install with recvmsg6 taken: %v, want an attach error naming cgroup/recvmsg6", err)
-	}
-	t.Logf("error: %v", err)
-	if got := attachedPrograms(t, n.cg); got != 1 {
-		t.Errorf("%d programs attached after a failed Install, want only the foreign one", got)
-	}
-	if pins := pinsUnder(t, n.bpffs); len(pins) != 0 {
-		t.Errorf("pins left after a failed Install: %v", pins)
+	for _, detach := range []bool{true, false} {
+		t.Run(fmt.Sprintf("half-way detach=%v", detach), func(t *testing.T) {
+			cfg := n.config()
+			cfg.Detach = detach
+			d, err := New(cfg)
+			if err != nil {
+				t.Fatal(err)
+			}
+			err = d.Start(t.Context())
+			if err == nil || !strings.Contains(err.Error(), "cgroup/recvmsg6") {
+				d.Close()
+				t.Fatalf("Install with recvmsg6 taken: %v, want an attach error naming cgroup/recvmsg6", err)
+			}
+			t.Logf("error: %v", err)
+			// Checked before Close: Start itself left nothing behind.
+			if got := attachedPrograms(t, n.cg); got != 1 {
+				t.Errorf("%d programs attached after a failed Install, want only the foreign one", got)
+			}
+			if pins := pinsUnder(t, n.bpffs); len(pins) != 0 {
+				t.Errorf("pins left after a failed Install: %v", pins)
+			}
+			if err := d.Close(); err != nil {
+				t.Errorf("Close after a failed Start: %v", err)
+			}
+		})
 	}
 }
 

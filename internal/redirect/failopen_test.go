@@ -68,110 +68,121 @@ func TestFailOpenWithoutResolverSockets(t *testing.T) {
 // and capture resumes as soon as a frozen resolver dequeues again.
 func TestStallDetection(t *testing.T) {
 	n := newTestNet(t)
-	d := n.start(t, n.config())
-	slot0 := n.resolvers[0]
+	n.start(t, n.config())
+	t.Run("idle resolver, connect without send", func(t *testing.T) { idleResolverIsNotBypassed(t, n) })
+	t.Run("slow resolver that still dequeues", func(t *testing.T) { slowResolverIsNotBypassed(t, n) })
+	t.Run("frozen resolver", func(t *testing.T) { frozenResolverIsBypassedUntilItThaws(t, n) })
+}
+
+// idleResolverIsNotBypassed: after a connect that sent nothing, the
+// watchdog's probe keeps an idle resolver's watch fresh, and a query well
+// past the stall timeout is captured.
+func idleResolverIsNotBypassed(t *testing.T, n *testNet) {
 	stall := DefaultStallAfter
+	before := readStatus(t, n).Dequeued
+	rs := n.query(t, proc{uid: userUID}, "-mode=connect", "-nosend", "-dst="+hp(ns1, 53))
+	connected := rs[0].TConn
+	// The watchdog's probe is dequeued before the watch goes stale.
+	if !testenv.WaitFor(2*time.Second, func() bool { return readStatus(t, n).Dequeued > before }) {
+		t.Fatalf("the watchdog never probed the resolver")
+	}
+	// Well past the stall timeout since the connect, a query is captured.
+	for time.Duration(monotonicNow()-connected) < 2*stall {
+		time.Sleep(stall / 4)
+	}
+	wantCaptured(t, n.query(t, proc{uid: userUID}, "-dst="+hp(ns1, 53))[0], 4, 0, hp(ns1, 53), hp(ns1, 53))
+	if got := hookCounter(t, n.pinDir(), "total", "skip_stalled"); got != 0 {
+		t.Errorf("skip_stalled = %d for an idle resolver", got)
+	}
+}
 
-	t.Run("idle resolver, connect without send", func(t *testing.T) {
-		before := readStatus(t, n).Dequeued
-		rs := n.query(t, proc{uid: userUID}, "-mode=connect", "-nosend", "-dst="+hp(ns1, 53))
-		connected := rs[0].TConn
-		// The watchdog's probe is dequeued before the watch goes stale.
-		if !testenv.WaitFor(2*time.Second, func() bool { return readStatus(t, n).Dequeued > before }) {
-			t.Fatalf("the watchdog never probed the resolver")
-		}
-		// Well past the stall timeout since the connect, a query is captured.
-		for time.Duration(monotonicNow()-connected) < 2*stall {
-			time.Sleep(stall / 4)
-		}
-		wantCaptured(t, n.query(t, proc{uid: userUID}, "-dst="+hp(ns1, 53))[0], 4, 0, hp(ns1, 53), hp(ns1, 53))
-		if got := hookCounter(t, n.pinDir(), "total", "skip_stalled"); got != 0 {
-			t.Errorf("skip_stalled = %d for an idle resolver", got)
-		}
-	})
-
-	t.Run("slow resolver that still dequeues", func(t *testing.T) {
-		slot0.SetReadDelay(stall * 6 / 10)
-		defer slot0.SetReadDelay(0)
-		var wg sync.WaitGroup
-		results := make([][]clientResult, 4)
-		for i := range results {
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				results[i] = n.query(t, proc{uid: userUID}, "-mode=loop", "-dst="+hp(ns1, 53), "-dur=1500ms", "-timeout=5s")
-			}()
-		}
-		wg.Wait()
-		total := 0
-		for _, rs := range results {
-			for _, r := range rs {
-				total++
-				if !isCaptured(r) {
-					t.Errorf("query through a slow resolver was not captured: %+v", r)
-				}
-			}
-		}
-		t.Logf("slow resolver (read delay %v, stall timeout %v): %d queries, all captured", stall*6/10, stall, total)
-		if got := hookCounter(t, n.pinDir(), "total", "skip_stalled"); got != 0 {
-			t.Errorf("skip_stalled = %d for a resolver that dequeues every %v", got, stall*6/10)
-		}
-	})
-
-	t.Run("frozen resolver", func(t *testing.T) {
-		for _, r := range n.resolvers {
-			r.SetReadDelay(0)
-		}
-		thaw := slot0.Freeze()
-		defer thaw()
-		frozen := monotonicNow()
-		// A query every 50 ms at most: the programs confirm a stall with a second
-		// look stall/4 after the first one past the timeout (a sparser client
-		// sends one more query to the frozen resolver).
-		rs := n.query(t, proc{uid: userUID}, "-mode=loop", "-dst="+hp(ns1, 53), "-dur=1s", "-timeout=50ms")
-		var lastToResolver, firstOriginal time.Duration = -1, -1
-		lost := 0
+// slowResolverIsNotBypassed: a resolver slower than most of the stall
+// timeout, that still dequeues, gets every query.
+func slowResolverIsNotBypassed(t *testing.T, n *testNet) {
+	slot0, stall := n.resolvers[0], DefaultStallAfter
+	slot0.SetReadDelay(stall * 6 / 10)
+	defer slot0.SetReadDelay(0)
+	var wg sync.WaitGroup
+	results := make([][]clientResult, 4)
+	for i := range results {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			results[i] = n.query(t, proc{uid: userUID}, "-mode=loop", "-dst="+hp(ns1, 53), "-dur=1500ms", "-timeout=5s")
+		}()
+	}
+	wg.Wait()
+	total := 0
+	for _, rs := range results {
 		for _, r := range rs {
-			at := time.Duration(r.TConn - frozen)
-			switch {
-			case r.Err != "" || isCaptured(r):
-				// In flight: sent to the resolver before the stall was detected (a
-				// read already waiting in the kernel may still answer one).
-				if r.Err != "" {
-					lost++
-				}
-				lastToResolver = at
-				if at > 250*time.Millisecond {
-					t.Errorf("query connected %v after the freeze still went to the frozen resolver (%+v)", at, r)
-				}
-			default:
-				wantOriginal(t, r)
-				if firstOriginal < 0 {
-					firstOriginal = at
-				}
+			total++
+			if !isCaptured(r) {
+				t.Errorf("query through a slow resolver was not captured: %+v", r)
 			}
 		}
-		t.Logf("frozen resolver: %d queries; %d lost in flight, the last to the resolver connected %v after the freeze; first to the original %v after it",
-			len(rs), lost, lastToResolver, firstOriginal)
-		if firstOriginal < 0 || firstOriginal > 250*time.Millisecond+100*time.Millisecond {
-			t.Errorf("first query to the original nameserver %v after the freeze, want within 250ms (and one more query)", firstOriginal)
+	}
+	t.Logf("slow resolver (read delay %v, stall timeout %v): %d queries, all captured", stall*6/10, stall, total)
+	if got := hookCounter(t, n.pinDir(), "total", "skip_stalled"); got != 0 {
+		t.Errorf("skip_stalled = %d for a resolver that dequeues every %v", got, stall*6/10)
+	}
+}
+
+// frozenResolverIsBypassedUntilItThaws: queries go to their original
+// nameserver within the stall timeout of a freeze, and to the resolver again
+// once it dequeues.
+func frozenResolverIsBypassedUntilItThaws(t *testing.T, n *testNet) {
+	slot0 := n.resolvers[0]
+	for _, r := range n.resolvers {
+		r.SetReadDelay(0)
+	}
+	thaw := slot0.Freeze()
+	defer thaw()
+	frozen := monotonicNow()
+	// A query every 50 ms at most: the programs confirm a stall with a second
+	// look stall/4 after the first one past the timeout (a sparser client
+	// sends one more query to the frozen resolver).
+	rs := n.query(t, proc{uid: userUID}, "-mode=loop", "-dst="+hp(ns1, 53), "-dur=1s", "-timeout=50ms")
+	var lastToResolver, firstOriginal time.Duration = -1, -1
+	lost := 0
+	for _, r := range rs {
+		at := time.Duration(r.TConn - frozen)
+		switch {
+		case r.Err != "" || isCaptured(r):
+			// In flight: sent to the resolver before the stall was detected (a
+			// read already waiting in the kernel may still answer one).
+			if r.Err != "" {
+				lost++
+			}
+			lastToResolver = at
+			if at > 250*time.Millisecond {
+				t.Errorf("query connected %v after the freeze still went to the frozen resolver (%+v)", at, r)
+			}
+		default:
+			wantOriginal(t, r)
+			if firstOriginal < 0 {
+				firstOriginal = at
+			}
 		}
-		if got := hookCounter(t, n.pinDir(), "total", "skip_stalled"); got == 0 {
-			t.Errorf("skip_stalled = 0")
-		}
-		st := readStatus(t, n)
-		if !st.Stalled || st.Capturing {
-			t.Errorf("status of a frozen resolver: stalled=%v capturing=%v", st.Stalled, st.Capturing)
-		}
-		// It thaws and dequeues its backlog: capture resumes.
-		thaw()
-		if !testenv.WaitFor(2*time.Second, func() bool {
-			return isCaptured(n.query(t, proc{uid: userUID}, "-dst="+hp(ns1, 53), "-timeout=300ms")[0])
-		}) {
-			t.Errorf("capture did not resume after the resolver thawed")
-		}
-	})
-	_ = d
+	}
+	t.Logf("frozen resolver: %d queries; %d lost in flight, the last to the resolver connected %v after the freeze; first to the original %v after it",
+		len(rs), lost, lastToResolver, firstOriginal)
+	if firstOriginal < 0 || firstOriginal > 250*time.Millisecond+100*time.Millisecond {
+		t.Errorf("first query to the original nameserver %v after the freeze, want within 250ms (and one more query)", firstOriginal)
+	}
+	if got := hookCounter(t, n.pinDir(), "total", "skip_stalled"); got == 0 {
+		t.Errorf("skip_stalled = 0")
+	}
+	st := readStatus(t, n)
+	if !st.Stalled || st.Capturing {
+		t.Errorf("status of a frozen resolver: stalled=%v capturing=%v", st.Stalled, st.Capturing)
+	}
+	// It thaws and dequeues its backlog: capture resumes.
+	thaw()
+	if !testenv.WaitFor(2*time.Second, func() bool {
+		return isCaptured(n.query(t, proc{uid: userUID}, "-dst="+hp(ns1, 53), "-timeout=300ms")[0])
+	}) {
+		t.Errorf("capture did not resume after the resolver thawed")
+	}
 }
 
 // A resolver that freezes while nothing is being redirected to it is bypassed

@@ -2,6 +2,7 @@ package redirect
 
 import (
 	"fmt"
+	"github.com/meshdns/meshdns-ebpf/internal/captureplan"
 	"strings"
 	"sync"
 	"time"
@@ -45,8 +46,10 @@ const (
 	flowBuckets    = int(redirectMeshdnsLimitsFLOW_BUCKETS)
 )
 
-// CaptureAllSlots is how many slot ports capture-all adds (see SlotPorts).
-const CaptureAllSlots = maxAllSlots
+// The capture plan reserves as many capture-all slots as the programs use:
+// this fails to compile when bpf/redirect.c's MAX_ALL_SLOTS and
+// captureplan.CaptureAllSlots disagree.
+const _ = uint(maxAllSlots-captureplan.CaptureAllSlots) + uint(captureplan.CaptureAllSlots-maxAllSlots)
 
 // Flags of meshdns_config.flags (enum meshdns_flags).
 const (

@@ -25,6 +25,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"github.com/meshdns/meshdns-ebpf/internal/captureplan"
 	"io"
 	"log/slog"
 	"net"
@@ -79,26 +80,17 @@ type settings struct {
 }
 
 // SlotPorts returns the ports the resolver must listen on (UDP and TCP, on every
-// target address): base+i for nameserver i, plus MAX_ALL_SLOTS more with
-// CaptureAll (one per distinct other destination a socket queries). It returns
-// nil when no target is configured.
+// target address): the capture plan's slot ports from the target port (base+i
+// for nameserver i, plus captureplan.CaptureAllSlots more with CaptureAll, one
+// per distinct other destination a socket queries). It returns nil when no
+// target is configured or the nameservers are not a valid plan.
 func SlotPorts(cfg Config) []uint16 {
 	base := basePort(cfg)
-	if base == 0 {
+	plan, err := captureplan.New(cfg.Nameservers, cfg.CaptureAll)
+	if base == 0 || err != nil {
 		return nil
 	}
-	n := len(cfg.Nameservers)
-	if cfg.CaptureAll {
-		n += maxAllSlots
-	}
-	ports := make([]uint16, 0, n)
-	for i := 0; i < n; i++ {
-		if int(base)+i > 65535 {
-			break
-		}
-		ports = append(ports, base+uint16(i))
-	}
-	return ports
+	return plan.Ports(base)
 }
 
 func basePort(cfg Config) uint16 {
@@ -123,13 +115,66 @@ func validate(cfg Config) (*settings, error) {
 	if !cfg.Target4.IsValid() && !cfg.Target6.IsValid() {
 		return nil, errors.New("no resolver target address: set an IPv4 and/or IPv6 target")
 	}
+	if err := s.setTargets(cfg); err != nil {
+		return nil, err
+	}
+	if cfg.UpstreamMark == 0 {
+		return nil, errors.New("upstream mark must be non-zero (it tells the resolver's own upstream sockets apart)")
+	}
+	plan, err := captureplan.New(cfg.Nameservers, cfg.CaptureAll)
+	if err != nil {
+		return nil, err
+	}
+	if cfg.StallAfter < 0 {
+		return nil, fmt.Errorf("stall timeout %v is negative", cfg.StallAfter)
+	}
+	if s.cfg.StallAfter == 0 {
+		s.cfg.StallAfter = DefaultStallAfter
+	}
+	for _, a := range plan.Nameservers() {
+		for _, t := range []netip.AddrPort{s.cfg.Target4, cfg.Target6} {
+			if t.IsValid() && t.Addr() == a {
+				return nil, fmt.Errorf("nameserver %s is the resolver's own address", a)
+			}
+		}
+	}
+	s.nameservers = plan.Nameservers()
+	if len(s.nameservers) > maxNameservers {
+		return nil, fmt.Errorf("%d nameservers given, at most %d are supported", len(s.nameservers), maxNameservers)
+	}
+	if len(cfg.ProxyUIDs) > maxProxyUIDs {
+		return nil, fmt.Errorf("%d proxy UIDs given, at most %d are supported", len(cfg.ProxyUIDs), maxProxyUIDs)
+	}
+	s.allSlot = uint16(plan.AllSlot())
+	if cfg.CaptureAll {
+		s.flags |= flagCaptureAll
+		s.numAll = uint16(plan.AllSlots())
+	}
+	if cfg.CaptureLoopback {
+		s.flags |= flagCaptureLoopback
+	}
+	if cfg.Attribution {
+		s.flags |= flagAttribution
+	}
+	s.basePort = basePort(s.cfg)
+	if err := plan.CheckPorts(s.basePort); err != nil {
+		return nil, err
+	}
+	slots := plan.Slots()
+	s.numSlots = uint16(slots)
+	s.cfg.Nameservers = s.nameservers
+	return s, nil
+}
+
+// setTargets checks the resolver's target addresses and sets their flags.
+func (s *settings) setTargets(cfg Config) error {
 	if cfg.Target4.IsValid() {
 		a := cfg.Target4.Addr().Unmap()
 		if !a.Is4() || a.IsUnspecified() {
-			return nil, fmt.Errorf("IPv4 target %s is not a usable IPv4 address", cfg.Target4)
+			return fmt.Errorf("IPv4 target %s is not a usable IPv4 address", cfg.Target4)
 		}
 		if cfg.Target4.Port() == 0 {
-			return nil, fmt.Errorf("IPv4 target %s has no port", cfg.Target4)
+			return fmt.Errorf("IPv4 target %s has no port", cfg.Target4)
 		}
 		s.flags |= flagTarget4
 		if a.IsLoopback() {
@@ -140,74 +185,20 @@ func validate(cfg Config) (*settings, error) {
 	if cfg.Target6.IsValid() {
 		a := cfg.Target6.Addr()
 		if !a.Is6() || a.Is4In6() || a.IsUnspecified() || a.Zone() != "" {
-			return nil, fmt.Errorf("IPv6 target %s is not a usable IPv6 address (no v4-mapped, no zone)", cfg.Target6)
+			return fmt.Errorf("IPv6 target %s is not a usable IPv6 address (no v4-mapped, no zone)", cfg.Target6)
 		}
 		if cfg.Target6.Port() == 0 {
-			return nil, fmt.Errorf("IPv6 target %s has no port", cfg.Target6)
+			return fmt.Errorf("IPv6 target %s has no port", cfg.Target6)
 		}
 		if cfg.Target4.IsValid() && cfg.Target6.Port() != cfg.Target4.Port() {
-			return nil, fmt.Errorf("IPv4 target %s and IPv6 target %s must use the same port", cfg.Target4, cfg.Target6)
+			return fmt.Errorf("IPv4 target %s and IPv6 target %s must use the same port", cfg.Target4, cfg.Target6)
 		}
 		s.flags |= flagTarget6
 		if a.IsLoopback() {
 			s.flags |= flagTarget6Loopback
 		}
 	}
-	if cfg.UpstreamMark == 0 {
-		return nil, errors.New("upstream mark must be non-zero (it tells the resolver's own upstream sockets apart)")
-	}
-	if len(cfg.Nameservers) == 0 && !cfg.CaptureAll {
-		return nil, errors.New("nothing to capture: give nameservers or enable capture-all")
-	}
-	if cfg.StallAfter < 0 {
-		return nil, fmt.Errorf("stall timeout %v is negative", cfg.StallAfter)
-	}
-	if s.cfg.StallAfter == 0 {
-		s.cfg.StallAfter = DefaultStallAfter
-	}
-	seen := map[netip.Addr]bool{}
-	for _, ns := range cfg.Nameservers {
-		a := ns.Unmap().WithZone("")
-		if !a.IsValid() || a.IsUnspecified() {
-			return nil, fmt.Errorf("nameserver %q is not a usable address", ns)
-		}
-		if seen[a] {
-			return nil, fmt.Errorf("nameserver %s is listed twice", a)
-		}
-		seen[a] = true
-		for _, t := range []netip.AddrPort{s.cfg.Target4, cfg.Target6} {
-			if t.IsValid() && t.Addr() == a {
-				return nil, fmt.Errorf("nameserver %s is the resolver's own address", a)
-			}
-		}
-		s.nameservers = append(s.nameservers, a)
-	}
-	if len(s.nameservers) > maxNameservers {
-		return nil, fmt.Errorf("%d nameservers given, at most %d are supported", len(s.nameservers), maxNameservers)
-	}
-	if len(cfg.ProxyUIDs) > maxProxyUIDs {
-		return nil, fmt.Errorf("%d proxy UIDs given, at most %d are supported", len(cfg.ProxyUIDs), maxProxyUIDs)
-	}
-	slots := len(s.nameservers)
-	s.allSlot = uint16(slots)
-	if cfg.CaptureAll {
-		s.flags |= flagCaptureAll
-		s.numAll = uint16(maxAllSlots)
-		slots += maxAllSlots
-	}
-	if cfg.CaptureLoopback {
-		s.flags |= flagCaptureLoopback
-	}
-	if cfg.Attribution {
-		s.flags |= flagAttribution
-	}
-	s.basePort = basePort(s.cfg)
-	if int(s.basePort)+slots-1 > 65535 {
-		return nil, fmt.Errorf("slot ports %d..%d run past 65535", s.basePort, int(s.basePort)+slots-1)
-	}
-	s.numSlots = uint16(slots)
-	s.cfg.Nameservers = s.nameservers
-	return s, nil
+	return nil
 }
 
 // Datapath is the loaded, configured and attached set of programs.
@@ -229,10 +220,13 @@ type Datapath struct {
 	dequeued atomic.Pointer[uint64] // progress.dequeued while mapped
 	flows    *Flows                 // the flows map, memory-mapped
 	served   []uint32               // resolver_socks keys we registered
-	cgroups  *cgroup2.Namer
-	probe    *net.UDPConn // the watchdog's, opened in Start's network namespace
-	stopWD   context.CancelFunc
-	wdDone   chan struct{}
+	ownPins  []string               // map pins Start made (not reused)
+	// madePinDir: the pin directory did not exist before Start.
+	madePinDir bool
+	cgroups    *cgroup2.Namer
+	probe      *net.UDPConn // the watchdog's, opened in Start's network namespace
+	stopWD     context.CancelFunc
+	wdDone     chan struct{}
 }
 
 type attached struct {
@@ -280,19 +274,9 @@ func (d *Datapath) Start(ctx context.Context) (err error) {
 		return errors.New("datapath already started or closed")
 	}
 	d.started = true
-	cfg := d.set.cfg
-	if err := cgroup2.CheckDir(cfg.Cgroup); err != nil {
+	netnsCookie, err := d.checkStart()
+	if err != nil {
 		return err
-	}
-	if err := checkPinDir(cfg.PinDir); err != nil {
-		return err
-	}
-	netnsCookie, err := ownNetnsCookie()
-	if err != nil && d.set.flags&(flagTarget4Loopback|flagTarget6Loopback) != 0 {
-		return fmt.Errorf("a loopback target needs this network namespace's cookie: %w", err)
-	}
-	if err := rlimit.RemoveMemlock(); err != nil {
-		return fmt.Errorf("remove memlock rlimit: %w", err)
 	}
 	spec, err := loadRedirect()
 	if err != nil {
@@ -301,51 +285,64 @@ func (d *Datapath) Start(ctx context.Context) (err error) {
 	if err := ctx.Err(); err != nil {
 		return err
 	}
-	reused := reusableMaps(cfg.PinDir, spec, d.log)
+	reused := reusableMaps(d.pinDir, spec, d.log)
 	defer func() {
 		for _, m := range reused {
 			m.Close() // the collection holds its own clones
 		}
 	}()
-	createdPinDir := false
-	if _, statErr := os.Stat(cfg.PinDir); errors.Is(statErr, os.ErrNotExist) {
-		createdPinDir = true
+	if _, statErr := os.Stat(d.pinDir); errors.Is(statErr, os.ErrNotExist) {
+		d.madePinDir = true
 	}
-	var pinned []string // map pins this Start created
 	defer func() {
-		if err == nil {
-			return
-		}
-		for _, a := range d.links {
-			if !a.adopted {
-				_ = a.link.Detach()
-				_ = a.link.Unpin()
-			}
-			_ = a.link.Close()
-		}
-		d.links = nil
-		if d.probe != nil {
-			d.probe.Close()
-		}
-		for _, p := range pinned {
-			_ = os.Remove(p)
-		}
-		d.dequeued.Store(nil)
-		_ = d.clock.close()
-		d.clock = nil
-		if d.progress != nil {
-			d.progress.close()
-			d.progress = nil
-		}
-		d.flows.close()
-		d.flows = nil
-		_ = d.objs.Close()
-		d.objs = redirectObjects{}
-		if createdPinDir {
-			removeEmptyPinDirs(cfg.PinDir)
+		if err != nil {
+			// One release path, Close's: what this Start made goes again.
+			_, _ = d.releaseLocked(true)
 		}
 	}()
+	if err := d.load(spec, reused, netnsCookie); err != nil {
+		return err
+	}
+	if d.ownPins, err = d.pinMaps(reused); err != nil {
+		return err
+	}
+	if err := d.attach(); err != nil {
+		return err
+	}
+	if err := removeForeignPins(d.pinDir); err != nil {
+		d.log.Warn("remove pins of an older version", "err", err)
+	}
+	if err := d.startWatchdog(); err != nil {
+		return err
+	}
+	d.logStarted(reused)
+	return nil
+}
 
+// checkStart checks what Start needs before it loads anything: the cgroup,
+// the pin directory, this network namespace's cookie (for a loopback target)
+// and the memlock rlimit. It returns the cookie.
+func (d *Datapath) checkStart() (uint64, error) {
+	cfg := d.set.cfg
+	if err := cgroup2.CheckDir(cfg.Cgroup); err != nil {
+		return 0, err
+	}
+	if err := checkPinDir(cfg.PinDir); err != nil {
+		return 0, err
+	}
+	netnsCookie, err := ownNetnsCookie()
+	if err != nil && d.set.flags&(flagTarget4Loopback|flagTarget6Loopback) != 0 {
+		return 0, fmt.Errorf("a loopback target needs this network namespace's cookie: %w", err)
+	}
+	if err := rlimit.RemoveMemlock(); err != nil {
+		return 0, fmt.Errorf("remove memlock rlimit: %w", err)
+	}
+	return netnsCookie, nil
+}
+
+// load loads the programs and maps (reusing the compatible pinned maps),
+// writes the configuration and maps the shared memory (progress, flows).
+func (d *Datapath) load(spec *ebpf.CollectionSpec, reused map[string]*ebpf.Map, netnsCookie uint64) (err error) {
 	if err := spec.LoadAndAssign(&d.objs, &ebpf.CollectionOptions{MapReplacements: reused}); err != nil {
 		var ve *ebpf.VerifierError
 		if errors.As(err, &ve) {
@@ -365,17 +362,14 @@ func (d *Datapath) Start(ctx context.Context) (err error) {
 		return err
 	}
 	d.startClock()
-	if pinned, err = d.pinMaps(reused); err != nil {
-		return err
-	}
-	if err := d.attach(); err != nil {
-		return err
-	}
-	if err := removeForeignPins(cfg.PinDir); err != nil {
-		d.log.Warn("remove pins of an older version", "err", err)
-	}
+	return nil
+}
+
+// startWatchdog opens the resolver liveness probe socket (in Start's network
+// namespace) and starts the watchdog.
+func (d *Datapath) startWatchdog() (err error) {
 	network := "udp4"
-	if !cfg.Target4.IsValid() {
+	if !d.set.cfg.Target4.IsValid() {
 		network = "udp6"
 	}
 	if d.probe, err = net.ListenUDP(network, nil); err != nil {
@@ -385,18 +379,22 @@ func (d *Datapath) Start(ctx context.Context) (err error) {
 	d.stopWD = cancel
 	d.wdDone = make(chan struct{})
 	go d.watchdog(wctx)
+	return nil
+}
+
+func (d *Datapath) logStarted(reused map[string]*ebpf.Map) {
 	adopted := 0
 	for _, a := range d.links {
 		if a.adopted {
 			adopted++
 		}
 	}
+	cfg := d.set.cfg
 	d.log.Info("eBPF datapath attached", "cgroup", cfg.Cgroup, "pin_dir", cfg.PinDir,
-		"target4", d.set.cfg.Target4, "target6", d.set.cfg.Target6, "nameservers", d.set.nameservers,
-		"capture_all", cfg.CaptureAll, "slot_ports", SlotPorts(d.set.cfg),
+		"target4", cfg.Target4, "target6", cfg.Target6, "nameservers", d.set.nameservers,
+		"capture_all", cfg.CaptureAll, "slot_ports", SlotPorts(cfg),
 		"adopted_links", adopted, "kept_maps", sortedNames(reused), "watch_clock", d.clock != nil)
 	d.logCoexistence(ourIDs(d.programsLocked()))
-	return nil
 }
 
 // startClock starts the watch clock where the kernel can run it; elsewhere
@@ -786,18 +784,43 @@ func (d *Datapath) Close() error {
 	if !d.started || d.objs.Config == nil {
 		return nil
 	}
-	d.probe.Close()
+	detached, err := d.releaseLocked(false)
+	if err != nil {
+		return err
+	}
+	switch {
+	case d.handoff:
+		d.log.Info("eBPF datapath handed over to the successor")
+	case detached:
+		d.log.Info("eBPF datapath detached", "cgroup", d.set.cfg.Cgroup)
+	default:
+		d.log.Info("eBPF datapath left attached and pinned (inert) for the next agent", "pin_dir", d.pinDir)
+	}
+	return nil
+}
+
+// releaseLocked releases what Start acquired, with d.mu held and the watchdog
+// stopped: it is Close's release and Start's rollback. Unless handed off, the
+// registered resolver sockets are unregistered. With Detach (and no handoff)
+// every link is detached and every pin removed; with Discard only the links
+// and map pins this Start made (and the pin directory when Start made it and
+// it is empty), adopted links staying as they were found. Every descriptor is
+// closed. A rollback (a failed Start) releases as Discard does, whatever
+// Detach says. detached reports that every link was detached.
+func (d *Datapath) releaseLocked(rollback bool) (detached bool, err error) {
+	if d.probe != nil {
+		d.probe.Close()
+		d.probe = nil
+	}
 	var errs []error
 	if !d.handoff {
 		errs = append(errs, d.unserveLocked())
 	}
-	detach := d.set.cfg.Detach && !d.handoff
-	adopted := false
+	detach := d.set.cfg.Detach && !d.handoff && !rollback
+	discard := (d.discard || rollback) && !d.handoff
+	detached = detach || discard
 	for _, a := range d.links {
-		adopted = adopted || a.adopted
-	}
-	for _, a := range d.links {
-		if detach || (d.discard && !a.adopted) {
+		if detach || (discard && !a.adopted) {
 			if err := a.link.Detach(); err != nil && !errors.Is(err, link.ErrNotSupported) {
 				errs = append(errs, fmt.Errorf("detach %s: %w", a.hook.section, err))
 			}
@@ -805,20 +828,13 @@ func (d *Datapath) Close() error {
 				errs = append(errs, fmt.Errorf("unpin link %s: %w", a.pin, err))
 			}
 		}
+		detached = detached && (detach || !a.adopted)
 		if err := a.link.Close(); err != nil {
 			errs = append(errs, fmt.Errorf("close link %s: %w", a.hook.name, err))
 		}
 	}
 	d.links = nil
-	if detach || (d.discard && !adopted) {
-		for name := range d.mapsByName() {
-			p := filepath.Join(d.pinDir, mapsDir, name)
-			if err := os.Remove(p); err != nil && !errors.Is(err, os.ErrNotExist) {
-				errs = append(errs, fmt.Errorf("unpin map %s: %w", name, err))
-			}
-		}
-		errs = append(errs, removeEmptyPinDirs(d.pinDir)...)
-	}
+	errs = append(errs, d.removePinsLocked(detach, discard)...)
 	d.dequeued.Store(nil)
 	if err := d.clock.close(); err != nil {
 		errs = append(errs, fmt.Errorf("close the watch clock: %w", err))
@@ -834,18 +850,33 @@ func (d *Datapath) Close() error {
 		errs = append(errs, fmt.Errorf("close eBPF objects: %w", err))
 	}
 	d.objs = redirectObjects{}
-	if err := errors.Join(errs...); err != nil {
-		return err
-	}
+	return detached, errors.Join(errs...)
+}
+
+// removePinsLocked removes the map pins: every one with detach, those this
+// Start made with discard; then the pin directories when they are empty and
+// ours to remove.
+func (d *Datapath) removePinsLocked(detach, discard bool) []error {
+	var errs []error
+	var pins []string
 	switch {
-	case d.handoff:
-		d.log.Info("eBPF datapath handed over to the successor")
-	case detach || (d.discard && !adopted):
-		d.log.Info("eBPF datapath detached", "cgroup", d.set.cfg.Cgroup)
-	default:
-		d.log.Info("eBPF datapath left attached and pinned (inert) for the next agent", "pin_dir", d.pinDir)
+	case detach:
+		for name := range d.mapsByName() {
+			pins = append(pins, filepath.Join(d.pinDir, mapsDir, name))
+		}
+	case discard:
+		pins = d.ownPins
 	}
-	return nil
+	for _, p := range pins {
+		if err := os.Remove(p); err != nil && !errors.Is(err, os.ErrNotExist) {
+			errs = append(errs, fmt.Errorf("unpin map %s: %w", filepath.Base(p), err))
+		}
+	}
+	d.ownPins = nil
+	if detach || (discard && d.madePinDir) {
+		errs = append(errs, removeEmptyPinDirs(d.pinDir)...)
+	}
+	return errs
 }
 
 // Programs lists the attached programs.

@@ -53,7 +53,20 @@ func (ri *reqInfo) sizeLimit() int {
 // resp == nil with forward == false when the packet must not be answered
 // (a FORMERR response sent to us: answering it could loop).
 func (s *Server) local(req *dns.Msg, ri *reqInfo) (resp *dns.Msg, forward bool) {
-	resp = new(dns.Msg)
+	resp = newReply(req)
+	if reply, done := s.screen(req, resp, ri); done {
+		return reply, false
+	}
+	t := s.tables.Table()
+	if t == nil {
+		return nil, true // not loaded yet: forward rather than fail
+	}
+	return s.answerTable(t, resp, &req.Question[0], ri)
+}
+
+// newReply is the response header for req.
+func newReply(req *dns.Msg) *dns.Msg {
+	resp := new(dns.Msg)
 	resp.Id = req.Id
 	resp.Response = true
 	resp.Opcode = req.Opcode
@@ -63,16 +76,24 @@ func (s *Server) local(req *dns.Msg, ri *reqInfo) (resp *dns.Msg, forward bool) 
 	if len(req.Question) == 1 {
 		resp.Question = req.Question
 	}
+	return resp
+}
+
+// screen answers what is not a plain IN query at once: responses, other
+// opcodes, malformed EDNS or questions, other classes (CHAOS is answered)
+// and meta or zone-transfer types. done reports that reply (nil: nothing
+// is sent back) is the answer; ri.opt is set either way.
+func (s *Server) screen(req, resp *dns.Msg, ri *reqInfo) (reply *dns.Msg, done bool) {
 	if req.Response {
 		if req.Rcode == dns.RcodeFormatError {
-			return nil, false
+			return nil, true
 		}
 		resp.Rcode = dns.RcodeFormatError
-		return resp, false
+		return resp, true
 	}
 	if req.Opcode != dns.OpcodeQuery {
 		resp.Rcode = dns.RcodeNotImplemented
-		return resp, false
+		return resp, true
 	}
 	nopt := 0
 	for _, rr := range req.Extra {
@@ -86,32 +107,35 @@ func (s *Server) local(req *dns.Msg, ri *reqInfo) (resp *dns.Msg, forward bool) 
 	}
 	if nopt > 1 || len(req.Question) != 1 {
 		resp.Rcode = dns.RcodeFormatError
-		return resp, false
+		return resp, true
 	}
 	if ri.opt != nil && ri.opt.Version() != 0 {
 		resp.Rcode = dns.RcodeBadVers
-		return resp, false
+		return resp, true
 	}
 	q := &req.Question[0]
 	switch {
 	case q.Qclass == dns.ClassCHAOS:
-		return s.chaos(resp, q), false
+		return s.chaos(resp, q), true
 	case q.Qclass != dns.ClassINET:
 		resp.Rcode = dns.RcodeRefused
-		return resp, false
+		return resp, true
 	}
 	switch q.Qtype {
 	case dns.TypeOPT, dns.TypeTSIG, dns.TypeTKEY:
 		resp.Rcode = dns.RcodeFormatError
-		return resp, false
+		return resp, true
 	case dns.TypeAXFR, dns.TypeIXFR:
 		resp.Rcode = dns.RcodeRefused
-		return resp, false
+		return resp, true
 	}
-	t := s.tables.Table()
-	if t == nil {
-		return nil, true // not loaded yet: forward rather than fail
-	}
+	return nil, false
+}
+
+// answerTable answers q from the table t: a known name, a pod record, an SRV
+// name, an autopath search, or, under an authoritative domain, NXDOMAIN or
+// NODATA. forward (with resp nil) sends it upstream instead.
+func (s *Server) answerTable(t *nametable.Table, resp *dns.Msg, q *dns.Question, ri *reqInfo) (_ *dns.Msg, forward bool) {
 	name := strings.ToLower(q.Name)
 	if q.Qtype == dns.TypePTR {
 		if targets := t.PTR(name); targets != nil {

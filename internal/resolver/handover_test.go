@@ -66,6 +66,7 @@ func TestHandoverServesInheritedSockets(t *testing.T) {
 		Forwarder:  newForwarder(t, a.up.addr, reg),
 		Inherited:  files,
 		OnDequeue:  func(n int) { deqB.Add(int64(n)) },
+		OnReaders:  raiseProcs,
 		Registerer: reg,
 		Logger:     slog.New(slog.DiscardHandler),
 	})

@@ -6,6 +6,7 @@ import (
 	"log/slog"
 	"net"
 	"net/netip"
+	"runtime"
 	"slices"
 	"strings"
 	"sync/atomic"
@@ -174,6 +175,7 @@ func startServerTable(t *testing.T, tb *nametable.Table, mod func(*Config)) *tes
 		Forwarder:  newForwarder(t, up.addr, ts.reg),
 		Registerer: ts.reg,
 		Logger:     slog.New(slog.DiscardHandler),
+		OnReaders:  raiseProcs,
 	}
 	if mod != nil {
 		mod(&cfg)
@@ -296,4 +298,15 @@ func canon(m *dns.Msg) string {
 	sec("NS", m.Ns)
 	sec("AR", m.Extra)
 	return b.String()
+}
+
+// raiseProcs is Config.OnReaders in tests: as the agent does
+// (internal/agent/tune.go), the process gets a scheduler slot per blocking
+// UDP reader plus one. The resolver leaves GOMAXPROCS to the process, and
+// without the spare slot everything else waits for the runtime to take one
+// back from a reader.
+func raiseProcs(blocking int) {
+	if want := blocking + 1; runtime.GOMAXPROCS(0) < want {
+		runtime.GOMAXPROCS(want)
+	}
 }

@@ -165,14 +165,25 @@ func TestAnswers(t *testing.T) {
 	if !netip.MustParsePrefix("240.240.0.0/16").Contains(vip4) || !netip.MustParsePrefix("2001:2::/48").Contains(vip6) {
 		t.Fatalf("VIPs %s %s outside the ranges", vip4, vip6)
 	}
-	rev4, _ := dns.ReverseAddr(vip4.String())
-	rev6, _ := dns.ReverseAddr(vip6.String())
-	revRatings6, _ := dns.ReverseAddr("fd00::2:10")
-	reviewsA := func(owner string) []string {
-		return []string{owner + " 30 IN A 10.0.2.1", owner + " 30 IN A 10.0.2.2", owner + " 30 IN A 10.0.2.3"}
+	var cases []tcase
+	for _, group := range [][]tcase{nameCases(), autopathCases(vip4, vip6), nodataCases(), ptrCases(vip4, vip6), srvCases(), forwardCases()} {
+		cases = append(cases, group...)
 	}
-	pp := "productpage.ns1.svc.cluster.local."
-	cases := []tcase{
+	runCases(t, ts, cases)
+}
+
+// testPP is the productpage Service of testFile.
+const testPP = "productpage.ns1.svc.cluster.local."
+
+// reviewsA is the A records of the reviews Service of testFile, at owner.
+func reviewsA(owner string) []string {
+	return []string{owner + " 30 IN A 10.0.2.1", owner + " 30 IN A 10.0.2.2", owner + " 30 IN A 10.0.2.3"}
+}
+
+// nameCases: Kubernetes alt names, bare names, wildcards.
+func nameCases() []tcase {
+	pp := testPP
+	return []tcase{
 		// Kubernetes alt names.
 		{name: "fqdn", req: query(pp, dns.TypeA), aa: true, an: []string{pp + " 30 IN A 10.0.1.1"}},
 		{name: "name.ns", req: query("reviews.ns2.", dns.TypeA), aa: true, an: reviewsA("reviews.ns2.")},
@@ -185,6 +196,14 @@ func TestAnswers(t *testing.T) {
 		{name: "bare from known client of another namespace", req: query("productpage.", dns.TypeA), client: "127.0.0.2",
 			rcode: dns.RcodeNameError, ns: []string{". 300 IN SOA a.root. h.root. 1 2 3 4 300"}},
 		{name: "wildcard", req: query("a.b.wild.example.com.", dns.TypeA), aa: true, an: []string{"a.b.wild.example.com. 30 IN A 192.0.2.9"}},
+	}
+}
+
+// autopathCases: search-path queries answered with a CNAME to the name
+// that exists; external names only for a known client's own namespace.
+func autopathCases(vip4, vip6 netip.Addr) []tcase {
+	pp := testPP
+	return []tcase{
 		// Autopath.
 		{name: "autopath own namespace", req: query(pp+"ns1.svc.cluster.local.", dns.TypeA), aa: true,
 			an: []string{pp + "ns1.svc.cluster.local. 30 IN CNAME " + pp, pp + " 30 IN A 10.0.1.1"}},
@@ -214,6 +233,13 @@ func TestAnswers(t *testing.T) {
 			rcode: dns.RcodeNameError, ns: []string{clusterSOA}},
 		{name: "no external autopath for another namespace", req: query("www.example.com.ns1.svc.cluster.local.", dns.TypeA), client: "127.0.0.2", aa: true,
 			rcode: dns.RcodeNameError, ns: []string{clusterSOA}},
+	}
+}
+
+// nodataCases: NODATA and NXDOMAIN.
+func nodataCases() []tcase {
+	pp := testPP
+	return []tcase{
 		// NODATA and NXDOMAIN.
 		{name: "AAAA of v4-only is NODATA", req: query(pp, dns.TypeAAAA), aa: true, ns: []string{clusterSOA}},
 		{name: "AAAA dual stack", req: query("ratings.ns2.svc.cluster.local.", dns.TypeAAAA), aa: true,
@@ -227,6 +253,16 @@ func TestAnswers(t *testing.T) {
 			rcode: dns.RcodeNameError, ns: []string{clusterSOA}},
 		{name: "empty non-terminal", req: query("ns2.svc.cluster.local.", dns.TypeA), aa: true, ns: []string{clusterSOA}},
 		{name: "apex SOA", req: query("cluster.local.", dns.TypeSOA), aa: true, an: []string{clusterSOA}},
+	}
+}
+
+// ptrCases: reverse names of endpoints and auto VIPs.
+func ptrCases(vip4, vip6 netip.Addr) []tcase {
+	pp := testPP
+	rev4, _ := dns.ReverseAddr(vip4.String())
+	rev6, _ := dns.ReverseAddr(vip6.String())
+	revRatings6, _ := dns.ReverseAddr("fd00::2:10")
+	return []tcase{
 		// PTR.
 		{name: "PTR v4", req: query("1.1.0.10.in-addr.arpa.", dns.TypePTR), aa: true,
 			an: []string{"1.1.0.10.in-addr.arpa. 30 IN PTR " + pp}},
@@ -236,6 +272,13 @@ func TestAnswers(t *testing.T) {
 		{name: "PTR auto VIP v6", req: query(rev6, dns.TypePTR), aa: true, an: []string{rev6 + " 30 IN PTR api.example.com."}},
 		{name: "PTR unknown is forwarded", req: query("9.9.9.10.in-addr.arpa.", dns.TypePTR), rcode: dns.RcodeNameError,
 			ns: []string{". 300 IN SOA a.root. h.root. 1 2 3 4 300"}},
+	}
+}
+
+// srvCases: SRV of named ports.
+func srvCases() []tcase {
+	pp := testPP
+	return []tcase{
 		// SRV.
 		{name: "SRV port", req: query("_http._tcp.reviews.ns2.svc.cluster.local.", dns.TypeSRV), aa: true,
 			an: []string{"_http._tcp.reviews.ns2.svc.cluster.local. 30 IN SRV 0 100 9080 reviews.ns2.svc.cluster.local."},
@@ -250,6 +293,13 @@ func TestAnswers(t *testing.T) {
 		{name: "SRV without ports is NODATA", req: query(pp, dns.TypeSRV), aa: true, ns: []string{clusterSOA}},
 		{name: "SRV unknown port", req: query("_nope._udp.reviews.ns2.svc.cluster.local.", dns.TypeSRV), aa: true,
 			rcode: dns.RcodeNameError, ns: []string{clusterSOA}},
+	}
+}
+
+// forwardCases: forwarding, 0x20 case, EDNS.
+func forwardCases() []tcase {
+	pp := testPP
+	return []tcase{
 		// Forwarding, case, EDNS.
 		{name: "forwarded", req: query("ext.example.org.", dns.TypeA), an: []string{"ext.example.org. 300 IN A 192.0.2.80"}},
 		{name: "forwarded NODATA", req: query("ext.example.org.", dns.TypeAAAA),
@@ -266,7 +316,6 @@ func TestAnswers(t *testing.T) {
 		{name: "EDNS forwarded options stripped", req: queryEDNS("ext.example.org.", dns.TypeA, 1232, true),
 			an: []string{"ext.example.org. 300 IN A 192.0.2.80"}, opt: "OPT udp=1232 do=true ver=0 ext=0 opts=0"},
 	}
-	runCases(t, ts, cases)
 }
 
 func TestProtocolErrors(t *testing.T) {

@@ -6,6 +6,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"runtime"
 	"strings"
 	"testing"
 	"time"
@@ -242,7 +243,7 @@ func TestReloadThroughResolver(t *testing.T) {
 
 	up := startUpstream(t)
 	s, err := New(Config{Listen: []string{"127.0.0.1:0"}, Table: w, Forwarder: newForwarder(t, up.addr, nil),
-		Logger: slog.New(slog.DiscardHandler)})
+		Logger: slog.New(slog.DiscardHandler), OnReaders: raiseProcs})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -314,4 +315,27 @@ func TestWildcardListenReplySource(t *testing.T) {
 			}
 		})
 	}
+}
+
+// Start tells the process, once, how many readers keep a scheduler slot
+// while they wait (one UDP socket per CPU per address on Linux); the resolver
+// itself leaves GOMAXPROCS alone.
+func TestStartReportsBlockingReaders(t *testing.T) {
+	before := runtime.GOMAXPROCS(0)
+	var got []int
+	ts := startServer(t, nil, func(c *Config) {
+		c.Listen = []string{"127.0.0.1:0", "[::1]:0"}
+		c.OnReaders = func(n int) { got = append(got, n) }
+	})
+	want := 2 * runtime.NumCPU()
+	if !reusePortSupported {
+		want = 0
+	}
+	if len(got) != 1 || got[0] != want {
+		t.Errorf("OnReaders called with %v, want once with %d", got, want)
+	}
+	if n := runtime.GOMAXPROCS(0); n != before {
+		t.Errorf("GOMAXPROCS %d after Start, was %d: the resolver set it", n, before)
+	}
+	_ = ts
 }

@@ -39,6 +39,36 @@ type serverMetrics struct {
 }
 
 func newMetrics(reg prometheus.Registerer, c *cache, servers []*server) (*metrics, error) {
+	cm := newCacheMetrics(c)
+	um := newUpstreamVecs()
+	m := &metrics{
+		collectors: append(cm.collectors, um.requests, um.failures, um.healthy, um.duration),
+		hitSuccess: cm.hits.WithLabelValues("success"),
+		hitDenial:  cm.hits.WithLabelValues("denial"),
+		hitStale:   cm.hits.WithLabelValues("stale"),
+		misses:     cm.misses,
+		prefetch:   cm.prefetch,
+		overload:   um.failures.WithLabelValues("", reasonOverload),
+	}
+	for _, s := range servers {
+		s.m = um.forServer(s.name)
+	}
+	if err := registerAll(reg, m.collectors); err != nil {
+		return nil, err
+	}
+	return m, nil
+}
+
+// cacheMetrics are the upstream cache's metrics.
+type cacheMetrics struct {
+	hits       *prometheus.CounterVec
+	misses     prometheus.Counter
+	prefetch   prometheus.Counter
+	collectors []prometheus.Collector
+}
+
+// newCacheMetrics makes the cache's metrics (c nil: no cache, zeros).
+func newCacheMetrics(c *cache) cacheMetrics {
 	hits := prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "meshdns_cache_hits_total",
 		Help: "Answers served from the upstream cache, by type (success, denial, stale).",
@@ -88,6 +118,18 @@ func newMetrics(reg prometheus.Registerer, c *cache, servers []*server) (*metric
 		Name: "meshdns_cache_prefetch_total",
 		Help: "Popular cache entries refreshed before they expired.",
 	})
+	return cacheMetrics{hits: hits, misses: misses, prefetch: prefetch,
+		collectors: []prometheus.Collector{hits, misses, entries, cacheBytes, cacheMax, evictions, prefetch}}
+}
+
+// upstreamVecs are the per-upstream metrics, labelled by upstream.
+type upstreamVecs struct {
+	requests, failures *prometheus.CounterVec
+	healthy            *prometheus.GaugeVec
+	duration           *prometheus.HistogramVec
+}
+
+func newUpstreamVecs() upstreamVecs {
 	requests := prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "meshdns_upstream_requests_total",
 		Help: "Queries sent to an upstream, by upstream and transport.",
@@ -106,42 +148,42 @@ func newMetrics(reg prometheus.Registerer, c *cache, servers []*server) (*metric
 		Buckets: prometheus.ExponentialBuckets(0.00025, 2, 14), // 250us .. ~2s
 	}, []string{"upstream"})
 
-	m := &metrics{
-		collectors: []prometheus.Collector{hits, misses, entries, cacheBytes, cacheMax, evictions, prefetch, requests, failures, healthy, duration},
-		hitSuccess: hits.WithLabelValues("success"),
-		hitDenial:  hits.WithLabelValues("denial"),
-		hitStale:   hits.WithLabelValues("stale"),
-		misses:     misses,
-		prefetch:   prefetch,
-		overload:   failures.WithLabelValues("", reasonOverload),
+	return upstreamVecs{requests: requests, failures: failures, healthy: healthy, duration: duration}
+}
+
+// forServer is one upstream's metrics; it starts healthy.
+func (v upstreamVecs) forServer(name string) *serverMetrics {
+	sm := &serverMetrics{
+		reqUDP:   v.requests.WithLabelValues(name, "udp"),
+		reqTCP:   v.requests.WithLabelValues(name, "tcp"),
+		failures: make(map[string]prometheus.Counter, len(failureReasons)),
+		healthy:  v.healthy.WithLabelValues(name),
+		duration: v.duration.WithLabelValues(name),
 	}
-	for _, s := range servers {
-		sm := &serverMetrics{
-			reqUDP:   requests.WithLabelValues(s.name, "udp"),
-			reqTCP:   requests.WithLabelValues(s.name, "tcp"),
-			failures: make(map[string]prometheus.Counter, len(failureReasons)),
-			healthy:  healthy.WithLabelValues(s.name),
-			duration: duration.WithLabelValues(s.name),
-		}
-		for _, r := range failureReasons {
-			sm.failures[r] = failures.WithLabelValues(s.name, r)
-		}
-		sm.healthy.Set(1)
-		s.m = sm
+	for _, r := range failureReasons {
+		sm.failures[r] = v.failures.WithLabelValues(name, r)
 	}
-	if reg != nil {
-		for i, col := range m.collectors {
-			if err := reg.Register(col); err != nil {
-				for _, done := range m.collectors[:i] {
-					reg.Unregister(done)
-				}
-				var are prometheus.AlreadyRegisteredError
-				if errors.As(err, &are) {
-					return nil, fmt.Errorf("register upstream metrics: already registered (one Forwarder per registry): %w", err)
-				}
-				return nil, fmt.Errorf("register upstream metrics: %w", err)
+	sm.healthy.Set(1)
+	return sm
+}
+
+// registerAll registers every collector with reg (nil: none), or none of
+// them.
+func registerAll(reg prometheus.Registerer, collectors []prometheus.Collector) error {
+	if reg == nil {
+		return nil
+	}
+	for i, col := range collectors {
+		if err := reg.Register(col); err != nil {
+			for _, done := range collectors[:i] {
+				reg.Unregister(done)
 			}
+			var are prometheus.AlreadyRegisteredError
+			if errors.As(err, &are) {
+				return fmt.Errorf("register upstream metrics: already registered (one Forwarder per registry): %w", err)
+			}
+			return fmt.Errorf("register upstream metrics: %w", err)
 		}
 	}
-	return m, nil
+	return nil
 }

@@ -1,9 +1,14 @@
 package agent
 
+// Process tuning lives here, in one place: the Go runtime's settings
+// (GOGC, the memory limit, GOMAXPROCS) are the process's, and the
+// libraries the agent wires (the resolver among them) leave them alone.
+
 import (
 	"fmt"
 	"log/slog"
 	"os"
+	"runtime"
 	"runtime/debug"
 	"strconv"
 )
@@ -66,5 +71,18 @@ func tuneGC(c *Config, log *slog.Logger) {
 	if lim := goMemLimit(c.MemoryLimit, c.MemoryLimitRatio); lim > 0 {
 		debug.SetMemoryLimit(lim)
 		log.Info("Go memory limit", "gomemlimit_bytes", lim, "memory_limit_bytes", c.MemoryLimit, "ratio", c.MemoryLimitRatio)
+	}
+}
+
+// tuneProcs raises GOMAXPROCS to the resolver's blocking readers + 1 (see
+// resolver.Config.OnReaders), so that one scheduler slot stays free for
+// everything else. It never lowers it.
+func tuneProcs(blockingReaders int, log *slog.Logger) {
+	if blockingReaders == 0 {
+		return
+	}
+	if want := blockingReaders + 1; runtime.GOMAXPROCS(0) < want {
+		runtime.GOMAXPROCS(want)
+		log.Debug("GOMAXPROCS raised for the resolver's blocking readers", "gomaxprocs", want)
 	}
 }

@@ -1,4 +1,9 @@
-package agent
+// Package agentclient is the CLI's side of the running agent
+// (cmd/meshdns-ebpf): it reads the agent's state file and asks its admin
+// endpoints (the local socket, or --admin) for the name table, the name
+// sources, the Pods of the node and the tap, and runs the container's
+// probes. The agent (internal/agent) serves; this package only reads.
+package agentclient
 
 import (
 	"context"
@@ -11,9 +16,9 @@ import (
 	"net/url"
 	"os"
 	"strings"
-	"text/tabwriter"
 	"time"
 
+	"github.com/meshdns/meshdns-ebpf/internal/agent"
 	"github.com/meshdns/meshdns-ebpf/internal/kubesource"
 	"github.com/meshdns/meshdns-ebpf/internal/names"
 	"github.com/meshdns/meshdns-ebpf/internal/nameview"
@@ -23,8 +28,8 @@ import (
 )
 
 // What the CLI (`table`, `status`, `stats`) reads from the running agent's
-// admin endpoints (debugHandler): on its local socket, or at an admin address
-// given with --admin.
+// admin endpoints (the agent's debugHandler): on its local socket, or at an
+// admin address given with --admin.
 
 // Endpoint is where the CLI reaches the agent's admin endpoints: the local
 // socket Socket, or else the admin address Addr.
@@ -41,10 +46,10 @@ func AgentEndpoint(stateDir, override string) (Endpoint, error) {
 	if override != "" {
 		return Endpoint{Addr: override}, nil
 	}
-	if fi, err := os.Stat(LocalPath(stateDir)); err == nil && fi.Mode()&os.ModeSocket != 0 {
-		return Endpoint{Socket: LocalPath(stateDir)}, nil
+	if fi, err := os.Stat(agent.LocalPath(stateDir)); err == nil && fi.Mode()&os.ModeSocket != 0 {
+		return Endpoint{Socket: agent.LocalPath(stateDir)}, nil
 	}
-	st, err := ReadState(stateDir)
+	st, err := agent.ReadState(stateDir)
 	if errors.Is(err, os.ErrNotExist) {
 		return Endpoint{}, fmt.Errorf("no agent socket or state in %s: is the agent running? (an agent in --mode off has none: give --admin ADDR)", stateDir)
 	}
@@ -192,106 +197,4 @@ func NamePods(s *redirect.Stats, pods []kubesource.PodRef) {
 func ReadPods(e Endpoint) ([]kubesource.PodRef, error) {
 	var out []kubesource.PodRef
 	return out, getJSON(e, "/debug/pods", &out)
-}
-
-// writeSources prints the name sources and their state.
-func writeSources(w io.Writer, srcs []names.SourceStatus) error {
-	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
-	fmt.Fprintln(tw, "SOURCE\tPRIORITY\tSYNCED\tOBJECTS\tCLIENTS\tLAST EVENT\tSTATE\tERRORS\tLAST ERROR")
-	now := time.Now()
-	for _, s := range srcs {
-		synced := "no"
-		if s.Synced {
-			synced = "yes"
-		}
-		switch {
-		case !s.Blocking:
-			synced += " (not blocking)"
-		case s.Optional && !s.Synced && !s.FailingSince.IsZero():
-			synced += " (optional, failing: not waited for)"
-		}
-		last := "-"
-		if !s.LastUpdate.IsZero() {
-			last = roughly(now.Sub(s.LastUpdate)) + " ago"
-		}
-		state := "ok"
-		if !s.FailingSince.IsZero() {
-			state = "down for " + roughly(now.Sub(s.FailingSince))
-		}
-		lastErr := s.LastError
-		if len(lastErr) > 160 {
-			lastErr = lastErr[:157] + "..."
-		}
-		fmt.Fprintf(tw, "%s\t%d\t%s\t%d\t%d\t%s\t%s\t%d\t%s\n", s.Name, s.Priority, synced, s.Objects, s.Clients, last, state, s.Errors, lastErr)
-	}
-	if err := tw.Flush(); err != nil {
-		return err
-	}
-	for _, s := range srcs {
-		if s.Detail != "" {
-			fmt.Fprintf(w, "%s: %s\n", s.Name, s.Detail)
-		}
-	}
-	return nil
-}
-
-// roughly rounds d for people: tenths of a second below 10 s, else seconds.
-func roughly(d time.Duration) string {
-	if d < 10*time.Second {
-		return d.Round(100 * time.Millisecond).String()
-	}
-	return d.Round(time.Second).String()
-}
-
-// writeMesh prints the name sources, and the agent's readiness when there
-// is no state file to show it (an agent reached with --admin).
-func (s *Status) writeMesh(w io.Writer) error {
-	if len(s.Sources) == 0 {
-		return nil
-	}
-	fmt.Fprintln(w)
-	if s.Agent == nil {
-		fmt.Fprintf(w, "agent ready: %s\n\n", s.Ready)
-	}
-	return writeSources(w, s.Sources)
-}
-
-// readSourcesInto adds the agent's name sources to a status.
-func (s *Status) readSourcesInto(e Endpoint) {
-	srcs, err := ReadSources(e)
-	if err != nil {
-		s.Errors = append(s.Errors, "name sources: "+err.Error())
-		return
-	}
-	s.Sources = srcs
-}
-
-// ReadStatusAt is ReadStatus with the agent reached at admin when given
-// (an agent in --mode off writes no state file).
-func ReadStatusAt(stateDir, pinDir, admin string) *Status {
-	s := ReadStatus(stateDir, pinDir)
-	if admin == "" {
-		return s
-	}
-	e := Endpoint{Addr: admin}
-	s.Ready = readyAt(e)
-	s.Sources = nil
-	s.readSourcesInto(e)
-	return s
-}
-
-// readyAt asks the agent's /readyz: "yes", or why not.
-func readyAt(e Endpoint) string {
-	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
-	defer cancel()
-	resp, err := e.get(ctx, "/readyz")
-	var notOK *statusError
-	switch {
-	case errors.As(err, &notOK):
-		return "no: " + notOK.body
-	case err != nil:
-		return "unknown: " + err.Error()
-	}
-	resp.Body.Close()
-	return "yes"
 }

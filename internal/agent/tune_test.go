@@ -3,6 +3,7 @@ package agent
 import (
 	"log/slog"
 	"os"
+	"runtime"
 	"runtime/debug"
 	"strings"
 	"testing"
@@ -69,5 +70,23 @@ func unsetEnv(t *testing.T, name string) {
 	if v, ok := os.LookupEnv(name); ok {
 		t.Setenv(name, v) // registers the restore
 		os.Unsetenv(name)
+	}
+}
+
+func TestTuneProcsRaisesNeverLowers(t *testing.T) {
+	prev := runtime.GOMAXPROCS(1)
+	t.Cleanup(func() { runtime.GOMAXPROCS(prev) })
+	log := slog.New(slog.DiscardHandler)
+	tuneProcs(0, log)
+	if got := runtime.GOMAXPROCS(0); got != 1 {
+		t.Errorf("GOMAXPROCS %d after no blocking readers, want 1 (unchanged)", got)
+	}
+	tuneProcs(3, log)
+	if got := runtime.GOMAXPROCS(0); got != 4 {
+		t.Errorf("GOMAXPROCS %d after 3 blocking readers, want 4", got)
+	}
+	tuneProcs(1, log)
+	if got := runtime.GOMAXPROCS(0); got != 4 {
+		t.Errorf("GOMAXPROCS %d after 1 blocking reader, want 4 (never lowered)", got)
 	}
 }
