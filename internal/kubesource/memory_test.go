@@ -24,8 +24,8 @@ func TestHeapPerService(t *testing.T) {
 		t.Skip("-short: builds a 100k-Service table")
 	}
 	const n = 100000
-	// 1,530 bytes: measured 1,480 with the 4096-shard table, the
-	// 256-byte Host and shared endpoint addresses (1,580 before them).
+	// A little above what the compact objects, the sharded table and the
+	// shared endpoint addresses take (docs/testing.md has the figures).
 	const maxPerService = 1530
 	runtime.GC()
 	var before, after runtime.MemStats

@@ -218,25 +218,29 @@ func (x *sliceIndex) of(svc string) []*endpointSlice {
 }
 
 // set adds or replaces (by name) a slice of svc.
-func (x *sliceIndex) set(svc string, obj any) {
-	es, ok := unwrap(obj).(*endpointSlice)
-	if !ok || svc == "" {
-		return
-	}
-	x.mu.Lock()
-	defer x.mu.Unlock()
-	x.m[svc] = append(without(x.m[svc], es.name, 1), es)
-}
+func (x *sliceIndex) set(svc string, obj any) { x.change(svc, obj, true) }
 
 // remove drops a slice (by name) from svc.
-func (x *sliceIndex) remove(svc string, obj any) {
+func (x *sliceIndex) remove(svc string, obj any) { x.change(svc, obj, false) }
+
+// change replaces svc's list by a copy without the slice obj names, plus obj
+// when keep; a Service left without slices leaves the index.
+func (x *sliceIndex) change(svc string, obj any, keep bool) {
 	es, ok := unwrap(obj).(*endpointSlice)
 	if !ok || svc == "" {
 		return
 	}
 	x.mu.Lock()
 	defer x.mu.Unlock()
-	if next := without(x.m[svc], es.name, 0); len(next) > 0 {
+	extra := 0
+	if keep {
+		extra = 1
+	}
+	next := without(x.m[svc], es.name, extra)
+	if keep {
+		next = append(next, es)
+	}
+	if len(next) > 0 {
 		x.m[svc] = next
 	} else {
 		delete(x.m, svc)

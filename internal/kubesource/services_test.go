@@ -14,6 +14,7 @@ import (
 
 	"k8s.io/client-go/tools/cache"
 
+	"github.com/meshdns/meshdns-ebpf/internal/names"
 	"github.com/meshdns/meshdns-ebpf/internal/nametable"
 )
 
@@ -110,30 +111,25 @@ func newInformers(r *services, svcs cache.Store) *informers {
 	}
 }
 
-func (in *informers) putService(s *service) {
-	old, ok, _ := in.svcs.Get(s)
-	_ = in.svcs.Add(s)
+// put adds obj to store, or updates it, and tells h as an informer would.
+func put(store cache.Store, h cache.ResourceEventHandler, obj any) {
+	old, ok, _ := store.Get(obj)
+	_ = store.Add(obj)
 	if ok {
-		in.svcH.OnUpdate(old, s)
+		h.OnUpdate(old, obj)
 	} else {
-		in.svcH.OnAdd(s, false)
+		h.OnAdd(obj, false)
 	}
 }
+
+func (in *informers) putService(s *service) { put(in.svcs, in.svcH, s) }
 
 func (in *informers) deleteService(s *service) {
 	_ = in.svcs.Delete(s)
 	in.svcH.OnDelete(s)
 }
 
-func (in *informers) putSlice(es *endpointSlice) {
-	old, ok, _ := in.eps.Get(es)
-	_ = in.eps.Add(es)
-	if ok {
-		in.sliceH.OnUpdate(old, es)
-	} else {
-		in.sliceH.OnAdd(es, false)
-	}
-}
+func (in *informers) putSlice(es *endpointSlice) { put(in.eps, in.sliceH, es) }
 
 func (in *informers) deleteSlice(es *endpointSlice) {
 	_ = in.eps.Delete(es)
@@ -180,31 +176,7 @@ func TestServiceHostsFollowFinalState(t *testing.T) {
 	dbSlice := epSlice("a", "db-1", "db", "10.244.0.6", "10.244.0.7")
 	dbSlice2 := epSlice("a", "db-1", "db", "10.244.0.6")
 	moved := epSlice("a", "db-1", "web", "10.244.0.6")
-	want := func(in *informers) map[string][]string {
-		// What the hosts of the final state are, computed from scratch.
-		out := map[string][]string{}
-		idx := &sliceIndex{m: map[string][]*endpointSlice{}}
-		for _, o := range in.eps.List() {
-			idx.set(sliceService(o), o)
-		}
-		for _, o := range in.svcs.List() {
-			s := o.(*service)
-			var names []string
-			for _, h := range serviceHosts("cluster.local.", s, idx.of(s.key())) {
-				names = append(names, h.Name+addrs(h))
-			}
-			out[s.key()] = names
-		}
-		return out
-	}
-	cases := []struct {
-		name string
-		// pause holds the first delivery of no hosts for this key until
-		// the steps of concurrent have returned.
-		pause      string
-		steps      func(in *informers)
-		concurrent func(in *informers)
-	}{
+	cases := []finalStateCase{
 		{name: "service before slice", steps: func(in *informers) {
 			in.putService(web)
 			in.putSlice(webSlice)
@@ -271,55 +243,89 @@ func TestServiceHostsFollowFinalState(t *testing.T) {
 		}},
 	}
 	for _, c := range cases {
-		t.Run(c.name, func(t *testing.T) {
-			sink := newHostSink(c.pause)
-			svcs := cache.NewStore(cache.MetaNamespaceKeyFunc)
-			r := newServices("cluster.local.", svcs, sink, slog.Default())
-			in := newInformers(r, svcs)
-			ctx, cancel := context.WithCancel(context.Background())
-			var wg sync.WaitGroup
-			wg.Go(func() { r.run(ctx) })
-			defer func() { cancel(); wg.Wait() }()
-
-			stepsDone := make(chan struct{})
-			go func() { defer close(stepsDone); c.steps(in) }()
-			if c.pause != "" {
-				select {
-				case <-sink.paused:
-				case <-time.After(10 * time.Second):
-					t.Fatalf("no delivery of no hosts for %s to hold", c.pause)
-				}
-				// The other informer's handler runs to its end while the
-				// first computation is held.
-				c.concurrent(in)
-				close(sink.release)
-			}
-			<-stepsDone
-			wctx, wcancel := context.WithTimeout(ctx, 10*time.Second)
-			defer wcancel()
-			// Delivered, and no audit yet: the ordering alone must be right.
-			if !r.queue.idle(wctx) {
-				t.Fatal("changes not delivered within 10 s")
-			}
-			got, exp := sink.state(), want(in)
-			if !maps.EqualFunc(got, exp, slices.Equal) {
-				t.Errorf("hosts after every event\n got %v\nwant %v", got, exp)
-			}
-		})
+		t.Run(c.name, func(t *testing.T) { c.run(t) })
 	}
 }
 
-// An audit that finds the store lost an object makes the source deliver
-// every Service again before it syncs.
-func TestAuditRecomputes(t *testing.T) {
-	sink := &dropOnce{hostSink: newHostSink(""), drop: "a/web"}
+// finalStateCase is one sequence of informer events.
+type finalStateCase struct {
+	name string
+	// pause holds the first delivery of no hosts for this key until
+	// the steps of concurrent have returned.
+	pause      string
+	steps      func(in *informers)
+	concurrent func(in *informers)
+}
+
+// run delivers the case's events and checks the hosts against those of the
+// informers' final state.
+func (c finalStateCase) run(t *testing.T) {
+	sink := newHostSink(c.pause)
+	ctx, r, in := runServices(t, sink)
+
+	stepsDone := make(chan struct{})
+	go func() { defer close(stepsDone); c.steps(in) }()
+	if c.pause != "" {
+		select {
+		case <-sink.paused:
+		case <-time.After(10 * time.Second):
+			t.Fatalf("no delivery of no hosts for %s to hold", c.pause)
+		}
+		// The other informer's handler runs to its end while the
+		// first computation is held.
+		c.concurrent(in)
+		close(sink.release)
+	}
+	<-stepsDone
+	wctx, wcancel := context.WithTimeout(ctx, 10*time.Second)
+	defer wcancel()
+	// Delivered, and no audit yet: the ordering alone must be right.
+	if !r.queue.idle(wctx) {
+		t.Fatal("changes not delivered within 10 s")
+	}
+	got, exp := sink.state(), hostsFromScratch(in)
+	if !maps.EqualFunc(got, exp, slices.Equal) {
+		t.Errorf("hosts after every event\n got %v\nwant %v", got, exp)
+	}
+}
+
+// runServices runs the Services source over a new store, delivering to
+// sink, until the test ends; ctx ends with it.
+func runServices(t *testing.T, sink names.Sink) (context.Context, *services, *informers) {
 	svcs := cache.NewStore(cache.MetaNamespaceKeyFunc)
 	r := newServices("cluster.local.", svcs, sink, slog.Default())
 	in := newInformers(r, svcs)
 	ctx, cancel := context.WithCancel(context.Background())
 	var wg sync.WaitGroup
 	wg.Go(func() { r.run(ctx) })
-	defer func() { cancel(); wg.Wait() }()
+	t.Cleanup(func() { cancel(); wg.Wait() })
+	return ctx, r, in
+}
+
+// hostsFromScratch is what the hosts of the informers' final state are,
+// computed from scratch.
+func hostsFromScratch(in *informers) map[string][]string {
+	out := map[string][]string{}
+	idx := &sliceIndex{m: map[string][]*endpointSlice{}}
+	for _, o := range in.eps.List() {
+		idx.set(sliceService(o), o)
+	}
+	for _, o := range in.svcs.List() {
+		s := o.(*service)
+		var names []string
+		for _, h := range serviceHosts("cluster.local.", s, idx.of(s.key())) {
+			names = append(names, h.Name+addrs(h))
+		}
+		out[s.key()] = names
+	}
+	return out
+}
+
+// An audit that finds the store lost an object makes the source deliver
+// every Service again before it syncs.
+func TestAuditRecomputes(t *testing.T) {
+	sink := &dropOnce{hostSink: newHostSink(""), drop: "a/web"}
+	ctx, r, in := runServices(t, sink)
 	in.putService(clusterIPService("a", "web", "10.96.0.10"))
 	in.putService(headlessService("a", "db"))
 	wctx, wcancel := context.WithTimeout(ctx, 10*time.Second)

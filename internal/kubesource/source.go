@@ -2,8 +2,9 @@
 // informers over Services, EndpointSlices and (for the local cluster) the
 // Pods of this node, each with a transform that keeps only what DNS needs,
 // turned into name table hosts (Kubernetes DNS specification) and client
-// namespaces for the name store. It is the only package that imports
-// client-go; the resolver and the table never do.
+// namespaces for the name store. Kubernetes code (client-go) lives in this
+// package and the other Kubernetes packages (kubelife, meshsource, the
+// agent's wiring); the resolver and the table never import it.
 package kubesource
 
 import (

@@ -24,6 +24,8 @@ import (
 	// from its module directory, and this import (constants only) keeps the module
 	// in go.mod. The agent binary never imports kubetest.
 	_ "istio.io/api/label"
+
+	"github.com/meshdns/meshdns-ebpf/internal/testenv"
 )
 
 // ServiceEntryCRD is the name of Istio's ServiceEntry CustomResourceDefinition.
@@ -116,19 +118,15 @@ func (cp *ControlPlane) UninstallServiceEntryCRD(t testing.TB) {
 // waitCRD polls the CRD name until check accepts it (or its get error).
 func (cp *ControlPlane) waitCRD(t testing.TB, name string, check func(*unstructured.Unstructured, error) error) {
 	t.Helper()
-	deadline := time.Now().Add(WaitTimeout)
-	for {
+	var err error
+	if !testenv.WaitFor(WaitTimeout, func() bool {
 		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
-		u, err := cp.dynamic.Resource(crdGVR).Get(ctx, name, metav1.GetOptions{})
-		cancel()
-		err = check(u, err)
-		if err == nil {
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("kubetest: CRD %s: %v after %v", name, err, WaitTimeout)
-		}
-		time.Sleep(20 * time.Millisecond) // poll interval
+		defer cancel()
+		u, gerr := cp.dynamic.Resource(crdGVR).Get(ctx, name, metav1.GetOptions{})
+		err = check(u, gerr)
+		return err == nil
+	}) {
+		t.Fatalf("kubetest: CRD %s: %v after %v", name, err, WaitTimeout)
 	}
 }
 

@@ -13,6 +13,8 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/intstr"
+
+	"github.com/meshdns/meshdns-ebpf/internal/testenv"
 )
 
 // WaitTimeout bounds the helpers' waits for the controllers (EndpointSlices,
@@ -303,22 +305,18 @@ func (cp *ControlPlane) EndpointSlices(ctx context.Context, namespace, service s
 // returns them. It fails the test after WaitTimeout with the last slices seen.
 func (cp *ControlPlane) WaitEndpointSlices(t testing.TB, namespace, service string, cond func([]discoveryv1.EndpointSlice) bool) []discoveryv1.EndpointSlice {
 	t.Helper()
-	deadline := time.Now().Add(WaitTimeout)
 	var last []discoveryv1.EndpointSlice
 	var lastErr error
-	for {
+	if !testenv.WaitFor(WaitTimeout, func() bool {
 		ctx, cancel := opContext(t)
+		defer cancel()
 		last, lastErr = cp.EndpointSlices(ctx, namespace, service)
-		cancel()
-		if lastErr == nil && cond(last) {
-			return last
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("kubetest: EndpointSlices of %s/%s not as wanted after %v (error: %v); last seen:\n%s",
-				namespace, service, WaitTimeout, lastErr, describeSlices(last))
-		}
-		time.Sleep(20 * time.Millisecond) // poll interval, not a guess at readiness
+		return lastErr == nil && cond(last)
+	}) {
+		t.Fatalf("kubetest: EndpointSlices of %s/%s not as wanted after %v (error: %v); last seen:\n%s",
+			namespace, service, WaitTimeout, lastErr, describeSlices(last))
 	}
+	return last
 }
 
 // WaitReadyEndpoints waits until the Service's EndpointSlices hold exactly n ready

@@ -48,11 +48,30 @@ func newPKI(dir string, users []string, extra ...net.IP) (*pki, error) {
 		userTokens:  map[string]string{},
 		kcmUserName: "kubetest:kube-controller-manager",
 	}
+	now := time.Now()
+	caCert, caKey, err := p.writeCA(dir, now)
+	if err != nil {
+		return nil, err
+	}
+	if err := p.writeServing(caCert, caKey, now, extra); err != nil {
+		return nil, err
+	}
+	if err := p.writeServiceAccountKey(); err != nil {
+		return nil, err
+	}
+	if err := p.writeTokens(users); err != nil {
+		return nil, err
+	}
+	return p, nil
+}
+
+// writeCA makes the CA that signs the serving certificate and writes its
+// certificate (ca.crt, and p.caPEM).
+func (p *pki) writeCA(dir string, now time.Time) (*x509.Certificate, *ecdsa.PrivateKey, error) {
 	caKey, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
 	if err != nil {
-		return nil, fmt.Errorf("generate CA key: %w", err)
+		return nil, nil, fmt.Errorf("generate CA key: %w", err)
 	}
-	now := time.Now()
 	caTmpl := &x509.Certificate{
 		SerialNumber:          big.NewInt(1),
 		Subject:               pkix.Name{CommonName: "kubetest-ca"},
@@ -64,20 +83,24 @@ func newPKI(dir string, users []string, extra ...net.IP) (*pki, error) {
 	}
 	caDER, err := x509.CreateCertificate(rand.Reader, caTmpl, caTmpl, &caKey.PublicKey, caKey)
 	if err != nil {
-		return nil, fmt.Errorf("create CA certificate: %w", err)
+		return nil, nil, fmt.Errorf("create CA certificate: %w", err)
 	}
 	caCert, err := x509.ParseCertificate(caDER)
 	if err != nil {
-		return nil, fmt.Errorf("parse CA certificate: %w", err)
+		return nil, nil, fmt.Errorf("parse CA certificate: %w", err)
 	}
 	p.caPEM = pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: caDER})
 	if err := os.WriteFile(filepath.Join(dir, "ca.crt"), p.caPEM, 0o644); err != nil {
-		return nil, fmt.Errorf("write CA certificate: %w", err)
+		return nil, nil, fmt.Errorf("write CA certificate: %w", err)
 	}
+	return caCert, caKey, nil
+}
 
+// writeServing writes the API server's serving certificate and key.
+func (p *pki) writeServing(caCert *x509.Certificate, caKey *ecdsa.PrivateKey, now time.Time, extra []net.IP) error {
 	srvKey, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
 	if err != nil {
-		return nil, fmt.Errorf("generate serving key: %w", err)
+		return fmt.Errorf("generate serving key: %w", err)
 	}
 	srvTmpl := &x509.Certificate{
 		SerialNumber: big.NewInt(2),
@@ -91,33 +114,40 @@ func newPKI(dir string, users []string, extra ...net.IP) (*pki, error) {
 	}
 	srvDER, err := x509.CreateCertificate(rand.Reader, srvTmpl, caCert, &srvKey.PublicKey, caKey)
 	if err != nil {
-		return nil, fmt.Errorf("create serving certificate: %w", err)
+		return fmt.Errorf("create serving certificate: %w", err)
 	}
 	if err := writePEM(p.certFile, "CERTIFICATE", srvDER); err != nil {
-		return nil, err
+		return err
 	}
 	if err := writeECKey(p.keyFile, srvKey); err != nil {
-		return nil, err
+		return err
 	}
+	return nil
+}
 
+// writeServiceAccountKey writes the key pair that signs service-account tokens.
+func (p *pki) writeServiceAccountKey() error {
 	saKey, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
 	if err != nil {
-		return nil, fmt.Errorf("generate service-account key: %w", err)
+		return fmt.Errorf("generate service-account key: %w", err)
 	}
 	if err := writeECKey(p.saKeyFile, saKey); err != nil {
-		return nil, err
+		return err
 	}
 	pubDER, err := x509.MarshalPKIXPublicKey(&saKey.PublicKey)
 	if err != nil {
-		return nil, fmt.Errorf("marshal service-account public key: %w", err)
+		return fmt.Errorf("marshal service-account public key: %w", err)
 	}
 	if err := writePEM(p.saPubFile, "PUBLIC KEY", pubDER); err != nil {
-		return nil, err
+		return err
 	}
+	return nil
+}
 
-	// The static token file: the admin and the controller-manager are in
-	// system:masters; Options.Users are plain users that RBAC grants nothing until a
-	// test binds them.
+// writeTokens writes the static token file: the admin and the
+// controller-manager are in system:masters; users are plain users that RBAC
+// grants nothing until a test binds them.
+func (p *pki) writeTokens(users []string) error {
 	p.adminToken, p.kcmToken = randToken(), randToken()
 	lines := []string{
 		fmt.Sprintf("%s,%s,%s,\"system:masters\"", p.adminToken, adminUser, adminUser),
@@ -125,19 +155,19 @@ func newPKI(dir string, users []string, extra ...net.IP) (*pki, error) {
 	}
 	for _, u := range users {
 		if u == "" || u == adminUser || strings.ContainsAny(u, ",\"\n") {
-			return nil, fmt.Errorf("bad user name %q", u)
+			return fmt.Errorf("bad user name %q", u)
 		}
 		if _, dup := p.userTokens[u]; dup {
-			return nil, fmt.Errorf("user %q listed twice", u)
+			return fmt.Errorf("user %q listed twice", u)
 		}
 		tok := randToken()
 		p.userTokens[u] = tok
 		lines = append(lines, fmt.Sprintf("%s,%s,%s", tok, u, u))
 	}
 	if err := os.WriteFile(p.tokenFile, []byte(strings.Join(lines, "\n")+"\n"), 0o600); err != nil {
-		return nil, fmt.Errorf("write token file: %w", err)
+		return fmt.Errorf("write token file: %w", err)
 	}
-	return p, nil
+	return nil
 }
 
 func randToken() string {

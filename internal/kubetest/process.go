@@ -11,6 +11,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/meshdns/meshdns-ebpf/internal/testenv"
 )
 
 // process is one child of the test binary: etcd, kube-apiserver or
@@ -219,19 +221,26 @@ func (p *process) waitReady(timeout time.Duration, ready func() error) (time.Dur
 	start := time.Now()
 	exited := p.exited()
 	var last error
-	for {
+	gone := false
+	testenv.Poll(timeout, 20*time.Millisecond, func() bool {
 		if last = ready(); last == nil {
-			return time.Since(start), nil
+			return true
 		}
 		select {
 		case <-exited:
-			return time.Since(start), fmt.Errorf("%s exited before it was ready (%v); log tail:\n%s", p.name, p.exitErr(), p.tail(30))
-		case <-time.After(20 * time.Millisecond):
+			gone = true
+			return true
+		default:
+			return false
 		}
-		if time.Since(start) > timeout {
-			return time.Since(start), fmt.Errorf("%s not ready after %v: %v; log tail:\n%s", p.name, timeout, last, p.tail(30))
-		}
+	})
+	switch {
+	case last == nil:
+		return time.Since(start), nil
+	case gone:
+		return time.Since(start), fmt.Errorf("%s exited before it was ready (%v); log tail:\n%s", p.name, p.exitErr(), p.tail(30))
 	}
+	return time.Since(start), fmt.Errorf("%s not ready after %v: %v; log tail:\n%s", p.name, timeout, last, p.tail(30))
 }
 
 // startRetrying starts p with args built from fresh free ports and waits for it to

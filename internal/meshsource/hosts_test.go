@@ -66,88 +66,93 @@ func toAny[T any](v []T) []any {
 	return out
 }
 
+// entryHostsCase is one ServiceEntry (its spec and status) and the hosts it
+// answers (renderHosts) and the errors of those it skips.
+type entryHostsCase struct {
+	name           string
+	spec, status   map[string]any
+	want, wantBad  string
+	wantOrderEmpty bool
+}
+
+var entryHostsCases = []entryHostsCase{
+	{
+		name: "spec.addresses answer every host; CIDRs are skipped",
+		spec: map[string]any{"hosts": list("api.example.com", "API.example.org."), "resolution": "STATIC",
+			"addresses": list("192.0.2.10", "10.0.0.0/8", "2001:db8::10", "::ffff:192.0.2.11")},
+		want: "api.example.com. 192.0.2.10 192.0.2.11 2001:db8::10; api.example.org. 192.0.2.10 192.0.2.11 2001:db8::10",
+	},
+	{
+		name: "status.addresses of each host when spec has none",
+		spec: map[string]any{"hosts": list("a.example.com", "b.example.com"), "resolution": "DNS"},
+		status: map[string]any{"addresses": []any{
+			map[string]any{"value": "240.240.0.1", "host": "a.example.com"},
+			map[string]any{"value": "2001:2::f0f0:1", "host": "a.example.com"},
+			map[string]any{"value": "240.240.0.2", "host": "B.example.com"},
+		}},
+		want: "a.example.com. 240.240.0.1 2001:2::f0f0:1; b.example.com. 240.240.0.2",
+	},
+	{
+		name:   "a status address without a host is every host's",
+		spec:   map[string]any{"hosts": list("a.example.com"), "resolution": "DNS"},
+		status: map[string]any{"addresses": []any{map[string]any{"value": "240.240.0.9"}}},
+		want:   "a.example.com. 240.240.0.9",
+	},
+	{
+		name: "spec.addresses beat status.addresses",
+		spec: map[string]any{"hosts": list("a.example.com"), "resolution": "DNS", "addresses": list("192.0.2.1")},
+		status: map[string]any{"addresses": []any{
+			map[string]any{"value": "240.240.0.1", "host": "a.example.com"},
+		}},
+		want: "a.example.com. 192.0.2.1",
+	},
+	{
+		name: "no address: a VIP for every resolution but NONE",
+		spec: map[string]any{"hosts": list("dns.example.com"), "resolution": "DNS"},
+		want: "dns.example.com. VIP",
+	},
+	{name: "STATIC", spec: map[string]any{"hosts": list("s.example.com"), "resolution": "STATIC"}, want: "s.example.com. VIP"},
+	{name: "DNS_ROUND_ROBIN", spec: map[string]any{"hosts": list("r.example.com"), "resolution": "DNS_ROUND_ROBIN"}, want: "r.example.com. VIP"},
+	{name: "NONE without addresses: nothing", spec: map[string]any{"hosts": list("n.example.com"), "resolution": "NONE"}, want: ""},
+	{name: "resolution unset is NONE", spec: map[string]any{"hosts": list("n.example.com")}, want: ""},
+	{
+		name: "NONE with addresses answers them",
+		spec: map[string]any{"hosts": list("n.example.com"), "addresses": list("192.0.2.7")},
+		want: "n.example.com. 192.0.2.7",
+	},
+	{
+		name: "wildcard with addresses",
+		spec: map[string]any{"hosts": list("*.wild.example.com"), "resolution": "NONE", "addresses": list("192.0.2.30")},
+		want: "*.wild.example.com. 192.0.2.30",
+	},
+	{name: "wildcard DNS without addresses: nothing", spec: map[string]any{"hosts": list("*.wild.example.com"), "resolution": "DNS"}, want: ""},
+	{name: "wildcard DYNAMIC_DNS: a VIP", spec: map[string]any{"hosts": list("*.dyn.example.com"), "resolution": "DYNAMIC_DNS"}, want: "*.dyn.example.com. VIP"},
+	{
+		name: "exportTo . is the entry's namespace",
+		spec: map[string]any{"hosts": list("p.example.com"), "resolution": "DNS", "exportTo": list(".")},
+		want: "p.example.com. VIP visible:team-a",
+	},
+	{
+		name: "exportTo names and .",
+		spec: map[string]any{"hosts": list("p.example.com"), "resolution": "DNS", "exportTo": list("team-b", ".")},
+		want: "p.example.com. VIP visible:team-b,team-a",
+	},
+	{
+		name: "exportTo * among others is everyone",
+		spec: map[string]any{"hosts": list("p.example.com"), "resolution": "DNS", "exportTo": list(".", "*")},
+		want: "p.example.com. VIP",
+	},
+	{name: "exportTo ~ is nobody", spec: map[string]any{"hosts": list("p.example.com"), "resolution": "DNS", "exportTo": list("~")}, want: ""},
+	{
+		name:    "a bad host is skipped, the others answered",
+		spec:    map[string]any{"hosts": list("*.com", "ok.example.com", "ok.example.com"), "resolution": "DNS"},
+		want:    "ok.example.com. VIP",
+		wantBad: `host "*.com": "*.com": a wildcard needs a parent of at least two labels`,
+	},
+}
+
 func TestEntryHosts(t *testing.T) {
-	tests := []struct {
-		name           string
-		spec, status   map[string]any
-		want, wantBad  string
-		wantOrderEmpty bool
-	}{
-		{
-			name: "spec.addresses answer every host; CIDRs are skipped",
-			spec: map[string]any{"hosts": list("api.example.com", "API.example.org."), "resolution": "STATIC",
-				"addresses": list("192.0.2.10", "10.0.0.0/8", "2001:db8::10", "::ffff:192.0.2.11")},
-			want: "api.example.com. 192.0.2.10 192.0.2.11 2001:db8::10; api.example.org. 192.0.2.10 192.0.2.11 2001:db8::10",
-		},
-		{
-			name: "status.addresses of each host when spec has none",
-			spec: map[string]any{"hosts": list("a.example.com", "b.example.com"), "resolution": "DNS"},
-			status: map[string]any{"addresses": []any{
-				map[string]any{"value": "240.240.0.1", "host": "a.example.com"},
-				map[string]any{"value": "2001:2::f0f0:1", "host": "a.example.com"},
-				map[string]any{"value": "240.240.0.2", "host": "B.example.com"},
-			}},
-			want: "a.example.com. 240.240.0.1 2001:2::f0f0:1; b.example.com. 240.240.0.2",
-		},
-		{
-			name:   "a status address without a host is every host's",
-			spec:   map[string]any{"hosts": list("a.example.com"), "resolution": "DNS"},
-			status: map[string]any{"addresses": []any{map[string]any{"value": "240.240.0.9"}}},
-			want:   "a.example.com. 240.240.0.9",
-		},
-		{
-			name: "spec.addresses beat status.addresses",
-			spec: map[string]any{"hosts": list("a.example.com"), "resolution": "DNS", "addresses": list("192.0.2.1")},
-			status: map[string]any{"addresses": []any{
-				map[string]any{"value": "240.240.0.1", "host": "a.example.com"},
-			}},
-			want: "a.example.com. 192.0.2.1",
-		},
-		{
-			name: "no address: a VIP for every resolution but NONE",
-			spec: map[string]any{"hosts": list("dns.example.com"), "resolution": "DNS"},
-			want: "dns.example.com. VIP",
-		},
-		{name: "STATIC", spec: map[string]any{"hosts": list("s.example.com"), "resolution": "STATIC"}, want: "s.example.com. VIP"},
-		{name: "DNS_ROUND_ROBIN", spec: map[string]any{"hosts": list("r.example.com"), "resolution": "DNS_ROUND_ROBIN"}, want: "r.example.com. VIP"},
-		{name: "NONE without addresses: nothing", spec: map[string]any{"hosts": list("n.example.com"), "resolution": "NONE"}, want: ""},
-		{name: "resolution unset is NONE", spec: map[string]any{"hosts": list("n.example.com")}, want: ""},
-		{
-			name: "NONE with addresses answers them",
-			spec: map[string]any{"hosts": list("n.example.com"), "addresses": list("192.0.2.7")},
-			want: "n.example.com. 192.0.2.7",
-		},
-		{
-			name: "wildcard with addresses",
-			spec: map[string]any{"hosts": list("*.wild.example.com"), "resolution": "NONE", "addresses": list("192.0.2.30")},
-			want: "*.wild.example.com. 192.0.2.30",
-		},
-		{name: "wildcard DNS without addresses: nothing", spec: map[string]any{"hosts": list("*.wild.example.com"), "resolution": "DNS"}, want: ""},
-		{name: "wildcard DYNAMIC_DNS: a VIP", spec: map[string]any{"hosts": list("*.dyn.example.com"), "resolution": "DYNAMIC_DNS"}, want: "*.dyn.example.com. VIP"},
-		{
-			name: "exportTo . is the entry's namespace",
-			spec: map[string]any{"hosts": list("p.example.com"), "resolution": "DNS", "exportTo": list(".")},
-			want: "p.example.com. VIP visible:team-a",
-		},
-		{
-			name: "exportTo names and .",
-			spec: map[string]any{"hosts": list("p.example.com"), "resolution": "DNS", "exportTo": list("team-b", ".")},
-			want: "p.example.com. VIP visible:team-b,team-a",
-		},
-		{
-			name: "exportTo * among others is everyone",
-			spec: map[string]any{"hosts": list("p.example.com"), "resolution": "DNS", "exportTo": list(".", "*")},
-			want: "p.example.com. VIP",
-		},
-		{name: "exportTo ~ is nobody", spec: map[string]any{"hosts": list("p.example.com"), "resolution": "DNS", "exportTo": list("~")}, want: ""},
-		{
-			name:    "a bad host is skipped, the others answered",
-			spec:    map[string]any{"hosts": list("*.com", "ok.example.com", "ok.example.com"), "resolution": "DNS"},
-			want:    "ok.example.com. VIP",
-			wantBad: `host "*.com": "*.com": a wildcard needs a parent of at least two labels`,
-		},
-	}
-	for _, tt := range tests {
+	for _, tt := range entryHostsCases {
 		t.Run(tt.name, func(t *testing.T) {
 			o, err := transformServiceEntry(entry("team-a", tt.spec, tt.status))
 			if err != nil {

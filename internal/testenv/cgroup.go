@@ -96,44 +96,27 @@ func (c *Cgroup) SetFrozen(t testing.TB, frozen bool) {
 // FD is the open directory of the cgroup, for exec.Cmd SysProcAttr.CgroupFD.
 func (c *Cgroup) FD() int { return int(c.dir.Fd()) }
 
-// Procs lists the pids in the cgroup.
-func (c *Cgroup) Procs() []int {
-	b, err := os.ReadFile(filepath.Join(c.Path, "cgroup.procs"))
-	if err != nil {
-		return nil
-	}
-	var pids []int
-	for _, f := range strings.Fields(string(b)) {
-		if pid, err := strconv.Atoi(f); err == nil {
-			pids = append(pids, pid)
-		}
-	}
-	return pids
-}
-
 func (c *Cgroup) remove() error { return removeCgroupDir(c.Path) }
 
 // removeCgroupDir kills the processes in the cgroup directory path (v1 or v2) and
 // removes it, retrying for up to 5 s while they exit.
 func removeCgroupDir(path string) error {
-	deadline := time.Now().Add(5 * time.Second)
-	for {
+	var err error
+	var pids []string
+	if Poll(5*time.Second, 20*time.Millisecond, func() bool {
 		b, _ := os.ReadFile(filepath.Join(path, "cgroup.procs"))
-		pids := strings.Fields(string(b))
+		pids = strings.Fields(string(b))
 		for _, p := range pids {
 			if pid, err := strconv.Atoi(p); err == nil {
 				_ = syscall.Kill(pid, syscall.SIGKILL)
 			}
 		}
-		err := os.Remove(path)
-		if err == nil || errors.Is(err, os.ErrNotExist) {
-			return nil
-		}
-		if time.Now().After(deadline) {
-			return fmt.Errorf("%w (processes %v)", err, pids)
-		}
-		time.Sleep(20 * time.Millisecond)
+		err = os.Remove(path)
+		return err == nil || errors.Is(err, os.ErrNotExist)
+	}) {
+		return nil
 	}
+	return fmt.Errorf("%w (processes %v)", err, pids)
 }
 
 var sweepCgroupsOnce sync.Once

@@ -6,6 +6,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net"
+	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -15,6 +17,7 @@ import (
 	"sync"
 	"syscall"
 	"testing"
+	"time"
 
 	"golang.org/x/sys/unix"
 )
@@ -97,6 +100,21 @@ func removeEtcNetns(t testing.TB, name string) {
 
 // Path is the bind-mounted namespace file.
 func (n *Netns) Path() string { return filepath.Join("/var/run/netns", n.Name) }
+
+// HTTPClient is an HTTP client whose connections are dialled inside the
+// namespace (each dial 2 s at most), for an endpoint listening there. The
+// caller closes its idle connections (CloseIdleConnections) when done.
+func (n *Netns) HTTPClient(timeout time.Duration) *http.Client {
+	tr := &http.Transport{DialContext: func(ctx context.Context, network, addr string) (net.Conn, error) {
+		var c net.Conn
+		err := n.Do(func() (err error) {
+			c, err = (&net.Dialer{Timeout: 2 * time.Second}).DialContext(ctx, network, addr)
+			return err
+		})
+		return c, err
+	}}
+	return &http.Client{Transport: tr, Timeout: timeout}
+}
 
 // Do runs fn on an OS thread switched into the namespace, so sockets fn opens
 // (listeners, dialers) live in it. The thread is switched back afterwards.

@@ -9,13 +9,10 @@ import (
 	"log/slog"
 	"net/http"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"slices"
 	"strconv"
 	"strings"
-	"sync"
-	"syscall"
 	"testing"
 	"time"
 
@@ -33,6 +30,7 @@ import (
 	"k8s.io/client-go/restmapper"
 	"k8s.io/client-go/tools/clientcmd"
 
+	"github.com/meshdns/meshdns-ebpf/internal/agenttest"
 	"github.com/meshdns/meshdns-ebpf/internal/kubelife"
 	"github.com/meshdns/meshdns-ebpf/internal/kubetest"
 	"github.com/meshdns/meshdns-ebpf/internal/testenv"
@@ -222,73 +220,21 @@ func TestManifestsServerSideApply(t *testing.T) {
 	}
 }
 
-var agentBin struct {
-	once sync.Once
-	path string
-	err  error
-}
-
-func buildAgent(t *testing.T) string {
-	t.Helper()
-	agentBin.once.Do(func() {
-		dir, err := os.MkdirTemp("", "meshdns-deploy-agent-")
-		if err != nil {
-			agentBin.err = err
-			return
-		}
-		agentBin.path = filepath.Join(dir, "meshdns-ebpf")
-		cmd := exec.Command("go", "build", "-o", agentBin.path, "./cmd/meshdns-ebpf")
-		cmd.Dir = repoRoot()
-		cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
-		if out, err := cmd.CombinedOutput(); err != nil {
-			agentBin.err = fmt.Errorf("go build: %v\n%s", err, out)
-		}
-	})
-	if agentBin.err != nil {
-		t.Fatal(agentBin.err)
-	}
-	return agentBin.path
-}
-
 // agentRun is the agent as the DaemonSet runs it, but resolver only
 // (--mode off: capture is the eBPF suites' job) and with the token of the
 // shipped ServiceAccount.
 type agentRun struct {
-	cmd   *exec.Cmd
+	*agenttest.Process
 	addr  string
 	admin string
-	log   *testenv.SyncBuffer
-	done  chan error
 }
 
 func startAgent(t *testing.T, kubeconfig, upstream string) *agentRun {
 	t.Helper()
-	a := &agentRun{addr: fmt.Sprintf("127.0.0.1:%d", testenv.FreePort(t)), admin: fmt.Sprintf("127.0.0.1:%d", testenv.FreePort(t)),
-		log: &testenv.SyncBuffer{}, done: make(chan error, 1)}
-	a.cmd = exec.Command(buildAgent(t), "run", "--mode", "off", "--kubeconfig", kubeconfig, "--node-name", "node-a",
-		"--listen", a.addr, "--admin", a.admin, "--upstream", upstream, "--state-dir", t.TempDir())
-	a.cmd.Stdout, a.cmd.Stderr = a.log, a.log
-	a.cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
-	if err := a.cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	go func() { a.done <- a.cmd.Wait() }()
-	t.Cleanup(a.stop)
+	a := &agentRun{addr: fmt.Sprintf("127.0.0.1:%d", testenv.FreePort(t)), admin: fmt.Sprintf("127.0.0.1:%d", testenv.FreePort(t))}
+	a.Process = agenttest.Start(t, agenttest.Command(agenttest.Agent(t), "run", "--mode", "off", "--kubeconfig", kubeconfig, "--node-name", "node-a",
+		"--listen", a.addr, "--admin", a.admin, "--upstream", upstream, "--state-dir", t.TempDir()), agenttest.Options{})
 	return a
-}
-
-func (a *agentRun) stop() {
-	if a.cmd == nil {
-		return
-	}
-	_ = a.cmd.Process.Signal(syscall.SIGTERM)
-	select {
-	case <-a.done:
-	case <-time.After(10 * time.Second):
-		_ = a.cmd.Process.Kill()
-		<-a.done
-	}
-	a.cmd = nil
 }
 
 func (a *agentRun) readyz() (int, string) {
@@ -347,9 +293,9 @@ func TestShippedRBACIsExact(t *testing.T) {
 			a.lookup("api.example.com.") == "192.0.2.10"
 	}) {
 		code, body := a.readyz()
-		t.Fatalf("with the shipped ClusterRole the agent is not ready: %d %s\n%s", code, body, a.log.String())
+		t.Fatalf("with the shipped ClusterRole the agent is not ready: %d %s\n%s", code, body, a.Log.String())
 	}
-	a.stop()
+	a.Stop(agenttest.StopGrace)
 
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
@@ -375,7 +321,7 @@ func TestShippedRBACIsExact(t *testing.T) {
 				checkDegraded(t, a, what, rule.Resources, web.Spec.ClusterIP)
 				restore()
 				if !testenv.WaitFor(30*time.Second, func() bool { return a.lookup("api.example.com.") == "192.0.2.10" }) {
-					t.Fatalf("the rule for %s granted again: the ServiceEntry is still not answered\n%s", what, a.log.String())
+					t.Fatalf("the rule for %s granted again: the ServiceEntry is still not answered\n%s", what, a.Log.String())
 				}
 				if m := a.metrics(t); m[`meshdns_names_source_stale_seconds{source="serviceentries"}`] != 0 {
 					t.Errorf("recovered, but stale_seconds{serviceentries} = %v", m[`meshdns_names_source_stale_seconds{source="serviceentries"}`])
@@ -391,7 +337,7 @@ func TestShippedRBACIsExact(t *testing.T) {
 			})
 			if !ok {
 				code, body := a.readyz()
-				t.Fatalf("without the rule for %s: /readyz %d %q, want 503 naming it as forbidden\n%s", what, code, body, a.log.String())
+				t.Fatalf("without the rule for %s: /readyz %d %q, want 503 naming it as forbidden\n%s", what, code, body, a.Log.String())
 			}
 			t.Logf("without %s: %s", what, body)
 			if ctx.Err() != nil {
@@ -412,7 +358,7 @@ func checkDegraded(t *testing.T, a *agentRun, what string, resources []string, w
 	}) {
 		code, body := a.readyz()
 		t.Fatalf("without the rule for %s (an optional source): /readyz %d %q, %s = %v; want 200, the local Services answered and the source stale\n%s",
-			what, code, body, stale, a.metrics(t)[stale], a.log.String())
+			what, code, body, stale, a.metrics(t)[stale], a.Log.String())
 	}
 	if a.lookup("api.example.com.") != "" {
 		t.Errorf("without the rule for %s, api.example.com is answered", what)
@@ -420,7 +366,7 @@ func checkDegraded(t *testing.T, a *agentRun, what string, resources []string, w
 	if m := a.metrics(t); m[`meshdns_names_source_synced{source="serviceentries"}`] != 0 || m[`meshdns_names_source_errors_total{source="serviceentries"}`] == 0 {
 		t.Errorf("serviceentries: synced %v, errors %v; want 0 and > 0", m[`meshdns_names_source_synced{source="serviceentries"}`], m[`meshdns_names_source_errors_total{source="serviceentries"}`])
 	}
-	if log := a.log.String(); !strings.Contains(log, "forbidden") || !mentionsAny(log, resources) {
+	if log := a.Log.String(); !strings.Contains(log, "forbidden") || !mentionsAny(log, resources) {
 		t.Errorf("the log does not say %s is forbidden:\n%s", what, log)
 	}
 }

@@ -23,6 +23,7 @@ import (
 	"github.com/miekg/dns"
 	corev1 "k8s.io/api/core/v1"
 
+	"github.com/meshdns/meshdns-ebpf/internal/agenttest"
 	"github.com/meshdns/meshdns-ebpf/internal/testenv"
 )
 
@@ -40,9 +41,7 @@ func TestMain(m *testing.M) {
 	if shared.dir != "" {
 		_ = os.RemoveAll(shared.dir)
 	}
-	if agentBin.path != "" {
-		_ = os.RemoveAll(filepath.Dir(agentBin.path))
-	}
+	agenttest.RemoveBinaries()
 	os.Exit(code)
 }
 
@@ -306,81 +305,22 @@ func TestImageIptablesFallback(t *testing.T) {
 	cmd := exec.CommandContext(ctx, "nsenter", "--net="+ns.Path(), "--", "unshare", "--mount", "--propagation", "private", "--",
 		"sh", "-c", script, root, "run", "--mode=iptables", "--nameservers=10.96.0.10", "--upstream="+up.Addr,
 		"--admin=127.0.0.1:9153", "--state-dir=/run/meshdns", "--log-level=debug")
-	var log testenv.SyncBuffer
-	cmd.Stdout, cmd.Stderr = &log, &log
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
 	cmd.Cancel = func() error { return cmd.Process.Signal(syscall.SIGKILL) }
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	exited := make(chan error, 1)
-	go func() { exited <- cmd.Wait() }()
-	t.Cleanup(func() {
-		_ = syscall.Kill(-cmd.Process.Pid, syscall.SIGKILL)
-		select {
-		case <-exited:
-		case <-time.After(10 * time.Second):
-		}
-	})
+	proc := agenttest.Start(t, cmd, agenttest.Options{Group: true})
+	log := proc.Log
 
-	var exitErr error
-	ready := testenv.WaitFor(20*time.Second, func() bool {
-		select {
-		case exitErr = <-exited:
-			return true
-		default:
-		}
-		ok := false
-		_ = ns.Do(func() error {
-			// Dialled here, on the thread inside the namespace (http.Client would
-			// dial from another goroutine, outside it).
-			conn, err := net.DialTimeout("tcp", "127.0.0.1:9153", time.Second)
-			if err != nil {
-				return err
-			}
-			defer conn.Close()
-			_ = conn.SetDeadline(time.Now().Add(2 * time.Second))
-			if _, err := conn.Write([]byte("GET /readyz HTTP/1.0\r\nHost: agent\r\n\r\n")); err != nil {
-				return err
-			}
-			resp, err := http.ReadResponse(bufio.NewReader(conn), nil)
-			if err != nil {
-				return err
-			}
-			resp.Body.Close()
-			ok = resp.StatusCode == http.StatusOK
-			return nil
-		})
-		return ok
-	})
-	if !ready || exitErr != nil || cmd.ProcessState != nil {
-		t.Fatalf("the agent in the image did not become ready (exit: %v):\n%s", exitErr, log.String())
+	ready := testenv.WaitFor(20*time.Second, func() bool { return proc.Exited() || readyzIn(ns, "127.0.0.1:9153") })
+	if !ready || proc.Exited() {
+		err, _ := proc.Wait(0)
+		t.Fatalf("the agent in the image did not become ready (exit: %v):\n%s", err, log.String())
 	}
-	// The shipped DaemonSet's probes, run as a kubelet runs exec probes: in the
-	// container's namespaces and root.
-	c := agent(t, render(t))
-	for name, p := range map[string]*corev1.Probe{"startup": c.StartupProbe, "liveness": c.LivenessProbe, "readiness": c.ReadinessProbe} {
-		args := append([]string{"--target", fmt.Sprint(cmd.Process.Pid), "--mount", "--net", "--root", "--wd", "--"}, p.Exec.Command...)
-		if out, err := exec.Command("nsenter", args...).CombinedOutput(); err != nil {
-			t.Errorf("the shipped %s probe %v in the image's container: %v\n%s", name, p.Exec.Command, err, out)
-		}
-	}
-	query := func(name string) (*dns.Msg, error) {
-		var r *dns.Msg
-		err := ns.Do(func() error {
-			m := new(dns.Msg)
-			m.SetQuestion(dns.Fqdn(name), dns.TypeA)
-			var err error
-			r, _, err = (&dns.Client{Timeout: 2 * time.Second}).Exchange(m, "10.96.0.10:53")
-			return err
-		})
-		return r, err
-	}
+	checkShippedProbes(t, proc.Pid())
 	for name, want := range map[string]string{
 		"productpage.default.svc.cluster.local": "240.240.0.10", // the embedded name table
 		"example.test":                          "192.0.2.7",    // forwarded upstream
 	} {
-		r, err := query(name)
+		r, err := queryIn(ns, name, "10.96.0.10:53")
 		if err != nil {
 			t.Fatalf("query %s to the captured 10.96.0.10: %v\nagent log:\n%s", name, err, log.String())
 		}
@@ -402,13 +342,10 @@ func TestImageIptablesFallback(t *testing.T) {
 	if err := cmd.Process.Signal(syscall.SIGTERM); err != nil {
 		t.Fatal(err)
 	}
-	select {
-	case err := <-exited:
-		if err != nil {
-			t.Fatalf("agent exited with %v on SIGTERM:\n%s", err, log.String())
-		}
-	case <-time.After(15 * time.Second):
+	if err, ok := proc.Wait(15 * time.Second); !ok {
 		t.Fatalf("agent did not stop on SIGTERM:\n%s", log.String())
+	} else if err != nil {
+		t.Fatalf("agent exited with %v on SIGTERM:\n%s", err, log.String())
 	}
 	if saved := ns.Exec(t, "iptables-nft-save"); strings.Contains(saved, "MESHDNS") {
 		t.Errorf("rules left after a clean stop:\n%s", saved)
@@ -416,4 +353,57 @@ func TestImageIptablesFallback(t *testing.T) {
 	if _, err := os.Stat(filepath.Join(root, "run", "meshdns", "agent.json")); !errors.Is(err, os.ErrNotExist) {
 		t.Errorf("state file left after a clean stop: %v", err)
 	}
+}
+
+// readyzIn reports whether GET /readyz of addr, from inside ns, is 200. It
+// dials on the thread inside the namespace (http.Client would dial from
+// another goroutine, outside it).
+func readyzIn(ns *testenv.Netns, addr string) bool {
+	ok := false
+	_ = ns.Do(func() error {
+		conn, err := net.DialTimeout("tcp", addr, time.Second)
+		if err != nil {
+			return err
+		}
+		defer conn.Close()
+		_ = conn.SetDeadline(time.Now().Add(2 * time.Second))
+		if _, err := conn.Write([]byte("GET /readyz HTTP/1.0\r\nHost: agent\r\n\r\n")); err != nil {
+			return err
+		}
+		resp, err := http.ReadResponse(bufio.NewReader(conn), nil)
+		if err != nil {
+			return err
+		}
+		resp.Body.Close()
+		ok = resp.StatusCode == http.StatusOK
+		return nil
+	})
+	return ok
+}
+
+// checkShippedProbes runs the shipped DaemonSet's probes as a kubelet runs
+// exec probes: in the namespaces and root of the container whose process is
+// pid.
+func checkShippedProbes(t *testing.T, pid int) {
+	t.Helper()
+	c := agent(t, render(t))
+	for name, p := range map[string]*corev1.Probe{"startup": c.StartupProbe, "liveness": c.LivenessProbe, "readiness": c.ReadinessProbe} {
+		args := append([]string{"--target", fmt.Sprint(pid), "--mount", "--net", "--root", "--wd", "--"}, p.Exec.Command...)
+		if out, err := exec.Command("nsenter", args...).CombinedOutput(); err != nil {
+			t.Errorf("the shipped %s probe %v in the image's container: %v\n%s", name, p.Exec.Command, err, out)
+		}
+	}
+}
+
+// queryIn asks server an A query for name from inside ns.
+func queryIn(ns *testenv.Netns, name, server string) (*dns.Msg, error) {
+	var r *dns.Msg
+	err := ns.Do(func() error {
+		m := new(dns.Msg)
+		m.SetQuestion(dns.Fqdn(name), dns.TypeA)
+		var err error
+		r, _, err = (&dns.Client{Timeout: 2 * time.Second}).Exchange(m, server)
+		return err
+	})
+	return r, err
 }

@@ -13,6 +13,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/util/intstr"
 	"sigs.k8s.io/yaml"
 )
@@ -308,149 +309,163 @@ func TestComponents(t *testing.T) {
 	})
 }
 
+// daemonSetViolation is one thing the policy check forbids in the DaemonSet:
+// mutate brings it in, want is what the violation must mention.
+type daemonSetViolation struct {
+	name, want string
+	mutate     func(*appsv1.DaemonSet)
+}
+
+// daemonSetViolations are what TestPolicyCatchesViolations brings into the
+// rendered DaemonSet, one at a time.
+var daemonSetViolations = []daemonSetViolation{
+	{"SYS_ADMIN", "SYS_ADMIN", func(d *appsv1.DaemonSet) {
+		c := &d.Spec.Template.Spec.Containers[0]
+		c.SecurityContext.Capabilities.Add = append(c.SecurityContext.Capabilities.Add, "SYS_ADMIN")
+	}},
+	{"other capability", "PERFMON", func(d *appsv1.DaemonSet) {
+		c := &d.Spec.Template.Spec.Containers[0]
+		c.SecurityContext.Capabilities.Add = append(c.SecurityContext.Capabilities.Add, "PERFMON")
+	}},
+	{"no drop ALL", "drop ALL", func(d *appsv1.DaemonSet) { d.Spec.Template.Spec.Containers[0].SecurityContext.Capabilities.Drop = nil }},
+	{"privileged", "privileged", func(d *appsv1.DaemonSet) {
+		d.Spec.Template.Spec.Containers[0].SecurityContext.Privileged = ptr(true)
+	}},
+	{"hostPID", "hostPID", func(d *appsv1.DaemonSet) { d.Spec.Template.Spec.HostPID = true }},
+	{"host /etc", "host path /etc", func(d *appsv1.DaemonSet) {
+		d.Spec.Template.Spec.Volumes = append(d.Spec.Template.Spec.Volumes, corev1.Volume{Name: "etc",
+			VolumeSource: corev1.VolumeSource{HostPath: &corev1.HostPathVolumeSource{Path: "/etc"}}})
+	}},
+	{"declared port", "declares ports", func(d *appsv1.DaemonSet) {
+		d.Spec.Template.Spec.Containers[0].Ports = []corev1.ContainerPort{{ContainerPort: 9153}}
+	}},
+	{"writable root", "readOnlyRootFilesystem", func(d *appsv1.DaemonSet) {
+		d.Spec.Template.Spec.Containers[0].SecurityContext.ReadOnlyRootFilesystem = nil
+	}},
+	{"escalation unset", "allowPrivilegeEscalation", func(d *appsv1.DaemonSet) {
+		d.Spec.Template.Spec.Containers[0].SecurityContext.AllowPrivilegeEscalation = nil
+	}},
+	{"escalation on", "allowPrivilegeEscalation", func(d *appsv1.DaemonSet) {
+		d.Spec.Template.Spec.Containers[0].SecurityContext.AllowPrivilegeEscalation = ptr(true)
+	}},
+	{"no seccomp", "seccompProfile", func(d *appsv1.DaemonSet) {
+		d.Spec.Template.Spec.Containers[0].SecurityContext.SeccompProfile = nil
+		d.Spec.Template.Spec.SecurityContext = nil
+	}},
+	{"unconfined", "seccompProfile", func(d *appsv1.DaemonSet) {
+		d.Spec.Template.Spec.Containers[0].SecurityContext.SeccompProfile = &corev1.SeccompProfile{Type: corev1.SeccompProfileTypeUnconfined}
+	}},
+	{"maxSurge 2", "maxSurge", func(d *appsv1.DaemonSet) {
+		d.Spec.UpdateStrategy.RollingUpdate.MaxSurge = ptr(intstr.FromInt32(2))
+	}},
+	{"maxUnavailable 1", "maxUnavailable", func(d *appsv1.DaemonSet) {
+		d.Spec.UpdateStrategy.RollingUpdate.MaxUnavailable = ptr(intstr.FromInt32(1))
+	}},
+	{"maxUnavailable percent", "maxUnavailable", func(d *appsv1.DaemonSet) {
+		d.Spec.UpdateStrategy.RollingUpdate.MaxUnavailable = ptr(intstr.FromString("10%"))
+	}},
+	{"OnDelete", "RollingUpdate", func(d *appsv1.DaemonSet) {
+		d.Spec.UpdateStrategy = appsv1.DaemonSetUpdateStrategy{Type: appsv1.OnDeleteDaemonSetStrategyType}
+	}},
+	{"loopback admin", "loopback admin", func(d *appsv1.DaemonSet) {
+		c := &d.Spec.Template.Spec.Containers[0]
+		c.Args = append(c.Args, "--admin=127.0.0.1:9153")
+	}},
+	{"HTTP readiness probe", "must be an exec probe", func(d *appsv1.DaemonSet) {
+		d.Spec.Template.Spec.Containers[0].ReadinessProbe.ProbeHandler = corev1.ProbeHandler{
+			HTTPGet: &corev1.HTTPGetAction{Path: "/readyz", Port: intstr.FromInt32(9153)},
+		}
+	}},
+	{"readiness probe that checks liveness", "readinessProbe runs", func(d *appsv1.DaemonSet) {
+		d.Spec.Template.Spec.Containers[0].ReadinessProbe.Exec.Command = []string{"/usr/local/bin/meshdns-ebpf", "probe", "live"}
+	}},
+	{"probe timeout of the default 1 s", "timeoutSeconds", func(d *appsv1.DaemonSet) {
+		d.Spec.Template.Spec.Containers[0].LivenessProbe.TimeoutSeconds = 0
+	}},
+	{"grace period of 30 s", "terminationGracePeriodSeconds", func(d *appsv1.DaemonSet) {
+		d.Spec.Template.Spec.TerminationGracePeriodSeconds = ptr(int64(30))
+	}},
+	{"cluster DNS for the agent", "dnsPolicy", func(d *appsv1.DaemonSet) {
+		d.Spec.Template.Spec.DNSPolicy = corev1.DNSClusterFirstWithHostNet
+	}},
+	{"no memory limit", "memory limit", func(d *appsv1.DaemonSet) {
+		d.Spec.Template.Spec.Containers[0].Resources.Limits = nil
+	}},
+	{"node name", "NODE_NAME", func(d *appsv1.DaemonSet) {
+		d.Spec.Template.Spec.Containers[0].Env = nil
+	}},
+	{"any OS", "kubernetes.io/os", func(d *appsv1.DaemonSet) { d.Spec.Template.Spec.NodeSelector = nil }},
+	{"any architecture", "architectures", func(d *appsv1.DaemonSet) { d.Spec.Template.Spec.Affinity = nil }},
+	{"an architecture the image lacks", "architectures", func(d *appsv1.DaemonSet) {
+		e := &d.Spec.Template.Spec.Affinity.NodeAffinity.RequiredDuringSchedulingIgnoredDuringExecution.NodeSelectorTerms[0].MatchExpressions[0]
+		e.Values = append(e.Values, "s390x")
+	}},
+	{"AppArmor runtime default", "appArmorProfile", func(d *appsv1.DaemonSet) {
+		d.Spec.Template.Spec.Containers[0].SecurityContext.AppArmorProfile = &corev1.AppArmorProfile{Type: corev1.AppArmorProfileTypeRuntimeDefault}
+	}},
+	{"no AppArmor annotation", "annotation " + apparmorAnnotation, func(d *appsv1.DaemonSet) {
+		delete(d.Spec.Template.Annotations, apparmorAnnotation+"agent")
+	}},
+	{"no SELinux type", "spc_t", func(d *appsv1.DaemonSet) {
+		d.Spec.Template.Spec.Containers[0].SecurityContext.SELinuxOptions = nil
+	}},
+	{"hard-coded GOMEMLIMIT", "GOMEMLIMIT is set", func(d *appsv1.DaemonSet) {
+		c := &d.Spec.Template.Spec.Containers[0]
+		c.Env = append(c.Env, corev1.EnvVar{Name: "GOMEMLIMIT", Value: "230MiB"})
+	}},
+	{"memory limit not from the container", "MESHDNS_MEMORY_LIMIT", func(d *appsv1.DaemonSet) {
+		c := &d.Spec.Template.Spec.Containers[0]
+		for i := range c.Env {
+			if c.Env[i].Name == "MESHDNS_MEMORY_LIMIT" {
+				c.Env[i] = corev1.EnvVar{Name: "MESHDNS_MEMORY_LIMIT", Value: "268435456"}
+			}
+		}
+	}},
+}
+
 // The policy check itself must fail on each thing it forbids.
 func TestPolicyCatchesViolations(t *testing.T) {
 	base := render(t)
-	for _, tc := range []struct {
-		name, want string
-		mutate     func(*appsv1.DaemonSet)
-	}{
-		{"SYS_ADMIN", "SYS_ADMIN", func(d *appsv1.DaemonSet) {
-			c := &d.Spec.Template.Spec.Containers[0]
-			c.SecurityContext.Capabilities.Add = append(c.SecurityContext.Capabilities.Add, "SYS_ADMIN")
-		}},
-		{"other capability", "PERFMON", func(d *appsv1.DaemonSet) {
-			c := &d.Spec.Template.Spec.Containers[0]
-			c.SecurityContext.Capabilities.Add = append(c.SecurityContext.Capabilities.Add, "PERFMON")
-		}},
-		{"no drop ALL", "drop ALL", func(d *appsv1.DaemonSet) { d.Spec.Template.Spec.Containers[0].SecurityContext.Capabilities.Drop = nil }},
-		{"privileged", "privileged", func(d *appsv1.DaemonSet) {
-			d.Spec.Template.Spec.Containers[0].SecurityContext.Privileged = ptr(true)
-		}},
-		{"hostPID", "hostPID", func(d *appsv1.DaemonSet) { d.Spec.Template.Spec.HostPID = true }},
-		{"host /etc", "host path /etc", func(d *appsv1.DaemonSet) {
-			d.Spec.Template.Spec.Volumes = append(d.Spec.Template.Spec.Volumes, corev1.Volume{Name: "etc",
-				VolumeSource: corev1.VolumeSource{HostPath: &corev1.HostPathVolumeSource{Path: "/etc"}}})
-		}},
-		{"declared port", "declares ports", func(d *appsv1.DaemonSet) {
-			d.Spec.Template.Spec.Containers[0].Ports = []corev1.ContainerPort{{ContainerPort: 9153}}
-		}},
-		{"writable root", "readOnlyRootFilesystem", func(d *appsv1.DaemonSet) {
-			d.Spec.Template.Spec.Containers[0].SecurityContext.ReadOnlyRootFilesystem = nil
-		}},
-		{"escalation unset", "allowPrivilegeEscalation", func(d *appsv1.DaemonSet) {
-			d.Spec.Template.Spec.Containers[0].SecurityContext.AllowPrivilegeEscalation = nil
-		}},
-		{"escalation on", "allowPrivilegeEscalation", func(d *appsv1.DaemonSet) {
-			d.Spec.Template.Spec.Containers[0].SecurityContext.AllowPrivilegeEscalation = ptr(true)
-		}},
-		{"no seccomp", "seccompProfile", func(d *appsv1.DaemonSet) {
-			d.Spec.Template.Spec.Containers[0].SecurityContext.SeccompProfile = nil
-			d.Spec.Template.Spec.SecurityContext = nil
-		}},
-		{"unconfined", "seccompProfile", func(d *appsv1.DaemonSet) {
-			d.Spec.Template.Spec.Containers[0].SecurityContext.SeccompProfile = &corev1.SeccompProfile{Type: corev1.SeccompProfileTypeUnconfined}
-		}},
-		{"maxSurge 2", "maxSurge", func(d *appsv1.DaemonSet) {
-			d.Spec.UpdateStrategy.RollingUpdate.MaxSurge = ptr(intstr.FromInt32(2))
-		}},
-		{"maxUnavailable 1", "maxUnavailable", func(d *appsv1.DaemonSet) {
-			d.Spec.UpdateStrategy.RollingUpdate.MaxUnavailable = ptr(intstr.FromInt32(1))
-		}},
-		{"maxUnavailable percent", "maxUnavailable", func(d *appsv1.DaemonSet) {
-			d.Spec.UpdateStrategy.RollingUpdate.MaxUnavailable = ptr(intstr.FromString("10%"))
-		}},
-		{"OnDelete", "RollingUpdate", func(d *appsv1.DaemonSet) {
-			d.Spec.UpdateStrategy = appsv1.DaemonSetUpdateStrategy{Type: appsv1.OnDeleteDaemonSetStrategyType}
-		}},
-		{"loopback admin", "loopback admin", func(d *appsv1.DaemonSet) {
-			c := &d.Spec.Template.Spec.Containers[0]
-			c.Args = append(c.Args, "--admin=127.0.0.1:9153")
-		}},
-		{"HTTP readiness probe", "must be an exec probe", func(d *appsv1.DaemonSet) {
-			d.Spec.Template.Spec.Containers[0].ReadinessProbe.ProbeHandler = corev1.ProbeHandler{
-				HTTPGet: &corev1.HTTPGetAction{Path: "/readyz", Port: intstr.FromInt32(9153)},
-			}
-		}},
-		{"readiness probe that checks liveness", "readinessProbe runs", func(d *appsv1.DaemonSet) {
-			d.Spec.Template.Spec.Containers[0].ReadinessProbe.Exec.Command = []string{"/usr/local/bin/meshdns-ebpf", "probe", "live"}
-		}},
-		{"probe timeout of the default 1 s", "timeoutSeconds", func(d *appsv1.DaemonSet) {
-			d.Spec.Template.Spec.Containers[0].LivenessProbe.TimeoutSeconds = 0
-		}},
-		{"grace period of 30 s", "terminationGracePeriodSeconds", func(d *appsv1.DaemonSet) {
-			d.Spec.Template.Spec.TerminationGracePeriodSeconds = ptr(int64(30))
-		}},
-		{"cluster DNS for the agent", "dnsPolicy", func(d *appsv1.DaemonSet) {
-			d.Spec.Template.Spec.DNSPolicy = corev1.DNSClusterFirstWithHostNet
-		}},
-		{"no memory limit", "memory limit", func(d *appsv1.DaemonSet) {
-			d.Spec.Template.Spec.Containers[0].Resources.Limits = nil
-		}},
-		{"node name", "NODE_NAME", func(d *appsv1.DaemonSet) {
-			d.Spec.Template.Spec.Containers[0].Env = nil
-		}},
-		{"any OS", "kubernetes.io/os", func(d *appsv1.DaemonSet) { d.Spec.Template.Spec.NodeSelector = nil }},
-		{"any architecture", "architectures", func(d *appsv1.DaemonSet) { d.Spec.Template.Spec.Affinity = nil }},
-		{"an architecture the image lacks", "architectures", func(d *appsv1.DaemonSet) {
-			e := &d.Spec.Template.Spec.Affinity.NodeAffinity.RequiredDuringSchedulingIgnoredDuringExecution.NodeSelectorTerms[0].MatchExpressions[0]
-			e.Values = append(e.Values, "s390x")
-		}},
-		{"AppArmor runtime default", "appArmorProfile", func(d *appsv1.DaemonSet) {
-			d.Spec.Template.Spec.Containers[0].SecurityContext.AppArmorProfile = &corev1.AppArmorProfile{Type: corev1.AppArmorProfileTypeRuntimeDefault}
-		}},
-		{"no AppArmor annotation", "annotation " + apparmorAnnotation, func(d *appsv1.DaemonSet) {
-			delete(d.Spec.Template.Annotations, apparmorAnnotation+"agent")
-		}},
-		{"no SELinux type", "spc_t", func(d *appsv1.DaemonSet) {
-			d.Spec.Template.Spec.Containers[0].SecurityContext.SELinuxOptions = nil
-		}},
-		{"hard-coded GOMEMLIMIT", "GOMEMLIMIT is set", func(d *appsv1.DaemonSet) {
-			c := &d.Spec.Template.Spec.Containers[0]
-			c.Env = append(c.Env, corev1.EnvVar{Name: "GOMEMLIMIT", Value: "230MiB"})
-		}},
-		{"memory limit not from the container", "MESHDNS_MEMORY_LIMIT", func(d *appsv1.DaemonSet) {
-			c := &d.Spec.Template.Spec.Containers[0]
-			for i := range c.Env {
-				if c.Env[i].Name == "MESHDNS_MEMORY_LIMIT" {
-					c.Env[i] = corev1.EnvVar{Name: "MESHDNS_MEMORY_LIMIT", Value: "268435456"}
-				}
-			}
-		}},
-	} {
+	for _, tc := range daemonSetViolations {
 		t.Run(tc.name, func(t *testing.T) {
-			var objs []object
-			for _, o := range base {
-				if ds, ok := o.obj.(*appsv1.DaemonSet); ok {
+			v := checkPolicy(mutated(base, func(o runtime.Object) runtime.Object {
+				if ds, ok := o.(*appsv1.DaemonSet); ok {
 					ds = ds.DeepCopy()
 					tc.mutate(ds)
-					o.obj = ds
+					return ds
 				}
-				objs = append(objs, o)
-			}
-			v := checkPolicy(objs)
+				return o
+			}))
 			if !slices.ContainsFunc(v, func(s string) bool { return strings.Contains(s, tc.want) }) {
 				t.Fatalf("the policy check did not catch it (want a violation mentioning %q); got %q", tc.want, v)
 			}
 		})
 	}
 	t.Run("secrets cluster-wide", func(t *testing.T) {
-		var objs []object
-		for _, o := range base {
-			if cr, ok := o.obj.(*rbacv1.ClusterRole); ok {
+		v := checkPolicy(mutated(base, func(o runtime.Object) runtime.Object {
+			if cr, ok := o.(*rbacv1.ClusterRole); ok {
 				cr = cr.DeepCopy()
 				cr.Rules = append(cr.Rules, rbacv1.PolicyRule{APIGroups: []string{""}, Resources: []string{"secrets"}, Verbs: []string{"get", "list", "watch", "create"}})
-				o.obj = cr
+				return cr
 			}
-			objs = append(objs, o)
-		}
-		v := checkPolicy(objs)
+			return o
+		}))
 		for _, want := range []string{"secrets cluster-wide", `verb "create"`} {
 			if !slices.ContainsFunc(v, func(s string) bool { return strings.Contains(s, want) }) {
 				t.Errorf("no violation mentioning %q in %q", want, v)
 			}
 		}
 	})
+}
+
+// mutated copies objs with each object replaced by what change returns.
+func mutated(objs []object, change func(runtime.Object) runtime.Object) []object {
+	out := make([]object, 0, len(objs))
+	for _, o := range objs {
+		o.obj = change(o.obj)
+		out = append(out, o)
+	}
+	return out
 }
 
 func ptr[T any](v T) *T { return &v }

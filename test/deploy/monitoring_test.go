@@ -12,13 +12,13 @@ import (
 	"regexp"
 	"slices"
 	"strings"
-	"syscall"
 	"testing"
 	"time"
 
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"sigs.k8s.io/yaml"
 
+	"github.com/meshdns/meshdns-ebpf/internal/agenttest"
 	"github.com/meshdns/meshdns-ebpf/internal/testenv"
 )
 
@@ -284,38 +284,20 @@ func liveAgentMetrics(t *testing.T) map[string]bool {
 		t.Fatal(err)
 	}
 	const admin = "127.0.0.1:9153"
-	log := &testenv.SyncBuffer{}
 	cmd := testenv.Command(context.Background(), testenv.Proc{Netns: ns, Cgroup: cg, NetOnly: true, Caps: testenv.ModeCaps["ebpf"]},
-		buildAgent(t), "run", "--mode", "ebpf", "--cgroup", cg.Path, "--listen", "169.254.20.53:53",
+		agenttest.Agent(t), "run", "--mode", "ebpf", "--cgroup", cg.Path, "--listen", "169.254.20.53:53",
 		"--nameservers", "169.254.53.1", "--upstream", "169.254.53.1", "--names", names, "--admin", admin,
 		"--bpffs", bpffs, "--state-dir", t.TempDir(), "--persist=false", "--memory-limit", "268435456")
-	cmd.Stdout, cmd.Stderr = log, log
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	done := make(chan error, 1)
-	go func() { done <- cmd.Wait() }()
-	t.Cleanup(func() {
-		_ = syscall.Kill(-cmd.Process.Pid, syscall.SIGTERM)
-		select {
-		case <-done:
-		case <-time.After(15 * time.Second):
-			_ = syscall.Kill(-cmd.Process.Pid, syscall.SIGKILL)
-			<-done
-		}
-	})
+	proc := agenttest.Start(t, cmd, agenttest.Options{Group: true})
 	var have map[string]bool
 	if !testenv.WaitFor(30*time.Second, func() bool {
-		select {
-		case err := <-done:
-			done <- err
+		if proc.Exited() {
 			return true
-		default:
 		}
 		have = scrapeInNetns(ns, admin, "/metrics")
 		return have["meshdns_build_info"] && have["meshdns_datapath_events_total"]
 	}) || len(have) == 0 {
-		t.Fatalf("no metrics from the agent; log:\n%s", log.String())
+		t.Fatalf("no metrics from the agent; log:\n%s", proc.Log.String())
 	}
 	return have
 }

@@ -27,7 +27,7 @@ func (n *node) startTap(args ...string) <-chan tap.Record {
 	if err != nil {
 		n.t.Fatal(err)
 	}
-	var stderr syncBuffer
+	var stderr testenv.SyncBuffer
 	cmd.Stderr = &stderr
 	if err := cmd.Start(); err != nil {
 		n.t.Fatal(err)
@@ -93,7 +93,7 @@ func TestTapShowsUnansweredWithItsWorkload(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Second)
 	defer cancel()
 	dig := testenv.Command(ctx, testenv.Proc{Netns: n.pod, Cgroup: app, UID: 1000, GID: 1000}, "dig", "+time=8", "+tries=1", name, "A")
-	var digOut syncBuffer
+	var digOut testenv.SyncBuffer
 	dig.Stdout, dig.Stderr = &digOut, &digOut
 	sent := time.Now()
 	if err := dig.Start(); err != nil {

@@ -25,7 +25,7 @@ func has(want string) func(string) bool {
 	}
 }
 
-// clientSuite is the suite of real clients of issue 2: glibc's getent (A and AAAA in
+// clientSuite is the suite of real clients: glibc's getent (A and AAAA in
 // parallel on one connected socket), Go's pure resolver, dig over UDP and TCP, and a
 // musl-linked getaddrinfo. Each accepts an answer only if it comes from the
 // nameserver it asked, so a pass also proves the reply source was restored.
@@ -58,7 +58,7 @@ func runClients(t *testing.T, n *node, ns *testenv.Netns, uid int, cases []clien
 	}
 }
 
-// TestClientsEBPF: issue 2 tests 1-3 in eBPF mode. Real clients on the node and in
+// TestClientsEBPF: in eBPF mode, real clients on the node and in
 // a pod resolve a mesh name only our resolver knows and an external name forwarded
 // upstream; IPv6 nameservers and v4-mapped destinations are captured too.
 func TestClientsEBPF(t *testing.T) {
@@ -94,7 +94,7 @@ func TestClientsEBPF(t *testing.T) {
 	}
 }
 
-// TestExclusions: issue 2 test 4 and 5. A proxy-UID process and the resolver's own
+// TestExclusions: a proxy-UID process and the resolver's own
 // upstream queries reach the original nameserver; root processes are still
 // captured; other destinations are left alone unless --capture-all.
 func TestExclusions(t *testing.T) {

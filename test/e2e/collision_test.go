@@ -15,7 +15,7 @@ import (
 	"github.com/meshdns/meshdns-ebpf/internal/testenv"
 )
 
-// TestCollisionEBPF: issue 4 test 2, eBPF half. The workload that makes Istio's
+// TestCollisionEBPF: the collision workload in eBPF mode. The workload that makes Istio's
 // pre-1.11 REDIRECT rules misroute a quarter of the mesh queries (see
 // internal/ctzone TestCollisionBugIstioPre111: a narrow port range, app and proxy
 // sharing source ports) runs with the eBPF datapath instead: 0 of 10,000 mesh queries

@@ -12,15 +12,10 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
-	"net"
-	"net/http"
 	"net/netip"
 	"os"
-	"os/exec"
 	"path/filepath"
-	"runtime"
 	"strings"
-	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -28,15 +23,13 @@ import (
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/link"
 
+	"github.com/meshdns/meshdns-ebpf/internal/agenttest"
 	"github.com/meshdns/meshdns-ebpf/internal/ctzone/ctzonetest"
 	"github.com/meshdns/meshdns-ebpf/internal/testenv"
 )
 
-// Binaries built once for the whole package.
+// The binaries of the package, built once per test binary (agenttest).
 var bins struct {
-	once                             sync.Once
-	err                              error
-	dir                              string
 	agent, goresolve, dnsblast, musl string
 	// Load generators (testdata/dnsload, testdata/goload): glibc, musl, Go.
 	loadGlibc, loadMusl, loadGo string
@@ -44,53 +37,19 @@ var bins struct {
 
 func buildBinaries(t *testing.T) {
 	t.Helper()
-	bins.once.Do(func() {
-		dir, err := os.MkdirTemp("", "meshdns-e2e-bin-")
-		if err != nil {
-			bins.err = err
-			return
-		}
-		bins.dir = dir
-		_, file, _, _ := runtime.Caller(0)
-		here := filepath.Dir(file)
-		root := filepath.Join(here, "..", "..")
-		bins.agent = filepath.Join(dir, "meshdns-ebpf")
-		bins.goresolve = filepath.Join(dir, "goresolve")
-		bins.dnsblast = filepath.Join(dir, "dnsblast")
-		bins.musl = filepath.Join(dir, "muslresolve")
-		bins.loadGlibc = filepath.Join(dir, "dnsload-glibc")
-		bins.loadMusl = filepath.Join(dir, "dnsload-musl")
-		bins.loadGo = filepath.Join(dir, "goload")
-		steps := [][]string{
-			{"go", "build", "-o", bins.agent, "./cmd/meshdns-ebpf"},
-			{"go", "build", "-o", bins.goresolve, "./test/e2e/testdata/goresolve"},
-			{"go", "build", "-o", bins.dnsblast, "./test/e2e/testdata/dnsblast"},
-			{"go", "build", "-o", bins.loadGo, "./test/e2e/testdata/goload"},
-			{"musl-gcc", "-static", "-O2", "-o", bins.musl, "test/e2e/testdata/muslresolve.c"},
-			{"musl-gcc", "-static", "-O2", "-pthread", "-o", bins.loadMusl, "test/e2e/testdata/dnsload/dnsload.c"},
-			{"gcc", "-O2", "-pthread", "-o", bins.loadGlibc, "test/e2e/testdata/dnsload/dnsload.c"},
-		}
-		for _, s := range steps {
-			cmd := exec.Command(s[0], s[1:]...)
-			cmd.Dir = root
-			cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
-			if out, err := cmd.CombinedOutput(); err != nil {
-				bins.err = fmt.Errorf("%s: %v\n%s", strings.Join(s, " "), err, out)
-				return
-			}
-		}
-	})
-	if bins.err != nil {
-		t.Fatalf("build test binaries: %v", bins.err)
-	}
+	bins.agent = agenttest.Agent(t)
+	bins.goresolve = agenttest.GoBinary(t, "./test/e2e/testdata/goresolve")
+	bins.dnsblast = agenttest.GoBinary(t, "./test/e2e/testdata/dnsblast")
+	bins.loadGo = agenttest.GoBinary(t, "./test/e2e/testdata/goload")
+	bins.musl = agenttest.Program(t, "muslresolve", "musl-gcc", "-static", "-O2", "-o", agenttest.Out, "test/e2e/testdata/muslresolve.c")
+	bins.loadMusl = agenttest.Program(t, "dnsload-musl", "musl-gcc", "-static", "-O2", "-pthread", "-o", agenttest.Out, "test/e2e/testdata/dnsload/dnsload.c")
+	bins.loadGlibc = agenttest.Program(t, "dnsload-glibc", "gcc", "-O2", "-pthread", "-o", agenttest.Out, "test/e2e/testdata/dnsload/dnsload.c")
 }
 
 func TestMain(m *testing.M) {
 	ctzonetest.MaybeRunHelper() // the collision workload re-executes this binary
 	code := m.Run()
-	if bins.dir != "" {
-		os.RemoveAll(bins.dir)
-	}
+	agenttest.RemoveBinaries()
 	os.Exit(code)
 }
 
@@ -147,39 +106,9 @@ type node struct {
 	orig6    *testenv.FakeDNS
 	other    *testenv.FakeDNS
 
-	agent   *agentProc      // the current agent
-	agentCg *testenv.Cgroup // where agents run (nil: cg); a child of cg, so their upstream queries meet the programs too
-	stderr  *syncBuffer
-}
-
-// agentProc is one agent process.
-type agentProc struct {
-	cmd  *exec.Cmd
-	done chan error // receives the exit once; re-sent by whoever reads it first
-}
-
-func (p *agentProc) pid() int { return p.cmd.Process.Pid }
-
-// exited reports whether the process has exited (without consuming that).
-func (p *agentProc) exited() bool {
-	select {
-	case err := <-p.done:
-		p.done <- err
-		return true
-	default:
-		return false
-	}
-}
-
-// wait waits up to d for the process to exit.
-func (p *agentProc) wait(d time.Duration) (error, bool) {
-	select {
-	case err := <-p.done:
-		p.done <- err
-		return err, true
-	case <-time.After(d):
-		return nil, false
-	}
+	agent   *agenttest.Process // the current agent
+	agentCg *testenv.Cgroup    // where agents run (nil: cg); a child of cg, so their upstream queries meet the programs too
+	stderr  *agenttest.Log     // every agent's output
 }
 
 func newNode(t *testing.T) *node {
@@ -263,11 +192,11 @@ func (n *node) start(mode string, extra ...string) {
 
 // waitAnswering waits until a captured client resolves a mesh name (through p
 // or whichever agent serves), and fails if p exits meanwhile.
-func (n *node) waitAnswering(p *agentProc) {
+func (n *node) waitAnswering(p *agenttest.Process) {
 	n.t.Helper()
 	exited := false
 	if !testenv.WaitFor(15*time.Second, func() bool {
-		if p.exited() {
+		if p.Exited() {
 			exited = true
 			return true
 		}
@@ -277,7 +206,7 @@ func (n *node) waitAnswering(p *agentProc) {
 		n.t.Fatalf("agent never answered %s through capture; agent log:\n%s", meshName, n.stderr.String())
 	}
 	if exited {
-		err, _ := p.wait(0)
+		err, _ := p.Wait(0)
 		n.t.Fatalf("agent exited during start (%v); log:\n%s", err, n.stderr.String())
 	}
 }
@@ -288,16 +217,16 @@ func (n *node) startNoWait(mode string, extra ...string) {
 }
 
 // spawn starts an agent process (it does not replace n.agent).
-func (n *node) spawn(mode string, extra ...string) *agentProc {
+func (n *node) spawn(mode string, extra ...string) *agenttest.Process {
 	n.t.Helper()
 	return n.spawnWrapped(mode, nil, extra...)
 }
 
 // spawnWrapped starts an agent process run by wrapper (e.g. unshare ... --).
-func (n *node) spawnWrapped(mode string, wrapper []string, extra ...string) *agentProc {
+func (n *node) spawnWrapped(mode string, wrapper []string, extra ...string) *agenttest.Process {
 	n.t.Helper()
 	if n.stderr == nil {
-		n.stderr = &syncBuffer{}
+		n.stderr = &agenttest.Log{}
 	}
 	fmt.Fprintf(n.stderr, "--- agent start: %v %v\n", wrapper, extra)
 	// The wrapper runs as root; the agent gets only its mode's capabilities.
@@ -314,14 +243,8 @@ func (n *node) spawnWrapped(mode string, wrapper []string, extra ...string) *age
 	}
 	cmd := testenv.Command(context.Background(), testenv.Proc{Netns: n.ns, Cgroup: cg, NetOnly: true, Caps: caps},
 		argv[0], argv[1:]...)
-	cmd.Stdout = n.stderr
-	cmd.Stderr = n.stderr
-	if err := cmd.Start(); err != nil {
-		n.t.Fatalf("start agent: %v", err)
-	}
-	p := &agentProc{cmd: cmd, done: make(chan error, 1)}
-	go func() { p.done <- cmd.Wait() }()
-	return p
+	// The node stops its agents (stop); one a test leaves dies with its cgroup.
+	return agenttest.Start(n.t, cmd, agenttest.Options{Log: n.stderr, Unmanaged: true})
 }
 
 // waitRedirected waits until the datapath redirected k more queries.
@@ -342,16 +265,16 @@ func (n *node) upgrade(mode string, extra ...string) {
 	next := n.spawn(mode, extra...)
 	if !testenv.WaitFor(20*time.Second, func() bool {
 		st, err := n.state()
-		return next.exited() || (err == nil && st.PID == next.pid())
-	}) || next.exited() {
-		n.t.Fatalf("the successor (pid %d) did not take over; log:\n%s", next.pid(), n.stderr.String())
+		return next.Exited() || (err == nil && st.PID == next.Pid())
+	}) || next.Exited() {
+		n.t.Fatalf("the successor (pid %d) did not take over; log:\n%s", next.Pid(), n.stderr.String())
 	}
 	n.agent = next
-	if err := old.cmd.Process.Signal(syscall.SIGTERM); err != nil {
+	if err := old.Signal(syscall.SIGTERM); err != nil {
 		n.t.Fatalf("SIGTERM the old agent: %v", err)
 	}
-	if err, ok := old.wait(10 * time.Second); !ok || err != nil {
-		n.t.Fatalf("the old agent (pid %d) did not exit cleanly after the handover (%v); log:\n%s", old.pid(), err, n.stderr.String())
+	if err, ok := old.Wait(10 * time.Second); !ok || err != nil {
+		n.t.Fatalf("the old agent (pid %d) did not exit cleanly after the handover (%v); log:\n%s", old.Pid(), err, n.stderr.String())
 	}
 }
 
@@ -373,11 +296,11 @@ type agentState struct {
 // signal sends sig to the agent and, for SIGTERM, waits for it to exit.
 func (n *node) signal(sig syscall.Signal) error {
 	n.t.Helper()
-	if err := n.agent.cmd.Process.Signal(sig); err != nil {
-		return err
-	}
-	err, ok := n.agent.wait(10 * time.Second)
+	err, ok := n.agent.SignalAndWait(sig, 10*time.Second)
 	if !ok {
+		if err != nil {
+			return err
+		}
 		n.t.Fatalf("agent did not exit after %v; log:\n%s", sig, n.stderr.String())
 	}
 	n.agent = nil
@@ -386,11 +309,7 @@ func (n *node) signal(sig syscall.Signal) error {
 
 func (n *node) stop() {
 	if n.agent != nil {
-		_ = n.agent.cmd.Process.Signal(syscall.SIGTERM)
-		if _, ok := n.agent.wait(10 * time.Second); !ok {
-			_ = n.agent.cmd.Process.Kill()
-			n.agent.wait(10 * time.Second)
-		}
+		n.agent.Stop(agenttest.StopGrace)
 		n.agent = nil
 	}
 	// Whatever a test left (a kill -9), cleanup removes; it is a no-op otherwise.
@@ -528,16 +447,9 @@ func (n *node) assertClean() {
 // agent's admin endpoint listens).
 func (n *node) httpGet(url string) (int, string) {
 	n.t.Helper()
-	tr := &http.Transport{DialContext: func(ctx context.Context, network, addr string) (net.Conn, error) {
-		var c net.Conn
-		err := n.ns.Do(func() (err error) {
-			c, err = (&net.Dialer{Timeout: 2 * time.Second}).DialContext(ctx, network, addr)
-			return err
-		})
-		return c, err
-	}}
-	defer tr.CloseIdleConnections()
-	resp, err := (&http.Client{Transport: tr, Timeout: 5 * time.Second}).Get(url)
+	c := n.ns.HTTPClient(5 * time.Second)
+	defer c.CloseIdleConnections()
+	resp, err := c.Get(url)
 	if err != nil {
 		n.t.Fatalf("GET %s: %v", url, err)
 	}
@@ -550,21 +462,4 @@ func (n *node) httpGet(url string) (int, string) {
 // finishing its start when clients already get answers).
 func (n *node) logged(s string) bool {
 	return testenv.WaitFor(2*time.Second, func() bool { return strings.Contains(n.stderr.String(), s) })
-}
-
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
 }

@@ -29,7 +29,7 @@ func TestWedgedResolverFailsLiveness(t *testing.T) {
 		if code, body := healthz(); code != http.StatusOK {
 			t.Fatalf("/healthz of a working resolver under load: %d %s", code, body)
 		}
-		time.Sleep(200 * time.Millisecond) // 3 s of looks
+		time.Sleep(200 * time.Millisecond) // 3 s of looks: the pace of the checks, each of which must pass
 	}
 
 	_, _ = n.client(pod, 1000, "dig", "+time=1", "+tries=1", "wedge.test") // never answered

@@ -17,6 +17,9 @@ import (
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	"sigs.k8s.io/yaml"
+
+	"github.com/meshdns/meshdns-ebpf/internal/agenttest"
+	"github.com/meshdns/meshdns-ebpf/internal/testenv"
 )
 
 // shippedPod is what a kubelet acts on in deploy/kubernetes/daemonset.yaml.
@@ -53,14 +56,14 @@ func readShippedPod(t *testing.T) shippedPod {
 // the node's (the /run/meshdns host path), its admin address the node
 // address at the shipped port.
 type container struct {
-	*agentProc
+	*agenttest.Process
 	hostPID int // the agent, seen from the node
 }
 
 func (n *node) startContainer(extra ...string) *container {
 	n.t.Helper()
 	p := n.spawnWrapped("ebpf", []string{"unshare", "--pid", "--fork", "--kill-child", "--"}, append([]string{"--admin", nodeAdmin}, extra...)...)
-	return &container{agentProc: p, hostPID: childOf(n.t, p.pid())}
+	return &container{Process: p, hostPID: childOf(n.t, p.Pid())}
 }
 
 // signal signals the agent (pid 1 of the container), as a runtime does.
@@ -123,17 +126,17 @@ func (n *node) waitProbe(name string, p *corev1.Probe, c *container, within time
 	n.t.Helper()
 	start := time.Now()
 	var last error
-	for time.Since(start) < within {
-		if c.exited() {
+	var passed time.Duration
+	if !testenv.Poll(within, 100*time.Millisecond, func() bool {
+		if c.Exited() {
 			n.t.Fatalf("the agent (pid %d) exited before its %s probe passed; log:\n%s", c.hostPID, name, n.stderr.String())
 		}
-		if last = n.probe(p, c); last == nil {
-			return time.Since(start)
-		}
-		time.Sleep(100 * time.Millisecond)
+		last, passed = n.probe(p, c), time.Since(start)
+		return last == nil
+	}) {
+		n.t.Fatalf("the %s probe of pid %d did not pass within %v: %v", name, c.hostPID, within, last)
 	}
-	n.t.Fatalf("the %s probe of pid %d did not pass within %v: %v", name, c.hostPID, within, last)
-	return 0
+	return passed
 }
 
 // startReadyContainer starts the node's first agent as a container and
@@ -141,7 +144,7 @@ func (n *node) waitProbe(name string, p *corev1.Probe, c *container, within time
 func (n *node) startReadyContainer(pod shippedPod) *container {
 	n.t.Helper()
 	c := n.startContainer()
-	n.agent = c.agentProc
+	n.agent = c.Process
 	n.waitProbe("startup", pod.startup, c, 60*time.Second)
 	n.waitProbe("readiness", pod.readiness, c, 60*time.Second)
 	return c
@@ -155,19 +158,19 @@ func (n *node) startReadyContainer(pod shippedPod) *container {
 func (n *node) kubeletUpgrade(pod shippedPod, old *container, extra ...string) (*container, time.Duration) {
 	n.t.Helper()
 	next := n.startContainer(extra...)
-	n.agent = next.agentProc
+	n.agent = next.Process
 	ready := n.waitProbe("startup", pod.startup, next, 60*time.Second)
 	ready += n.waitProbe("readiness", pod.readiness, next, 60*time.Second)
 	if err := old.signal(syscall.SIGTERM); err != nil {
 		n.t.Fatalf("SIGTERM the old agent: %v", err)
 	}
-	if _, ok := old.wait(pod.grace); !ok {
+	if _, ok := old.Wait(pod.grace); !ok {
 		// Where it is stuck: a Go program dumps its goroutines on SIGQUIT.
 		fmt.Fprintf(n.stderr, "--- the old agent (pid %d) outlived the grace period: SIGQUIT\n", old.hostPID)
 		_ = old.signal(syscall.SIGQUIT)
-		if _, ok := old.wait(5 * time.Second); !ok {
+		if _, ok := old.Wait(5 * time.Second); !ok {
 			_ = old.signal(syscall.SIGKILL)
-			old.wait(10 * time.Second)
+			old.Wait(10 * time.Second)
 		}
 		n.t.Errorf("the old agent (pid %d) outlived the grace period %v and was killed", old.hostPID, pod.grace)
 	}
@@ -187,7 +190,7 @@ func TestKubeletRolloutUnderLoad(t *testing.T) {
 	n := newNode(t)
 	load := n.addLoadPod()
 	cur := n.startReadyContainer(pod)
-	n.waitAnswering(cur.agentProc)
+	n.waitAnswering(cur.Process)
 	n.orig.Reset()
 	missBefore := n.mapMiss()
 	ld := n.startLoad(load, 2000)
@@ -256,15 +259,15 @@ func TestAgentPodDeletedOrKilledUnderLoad(t *testing.T) {
 		if tc.sig == syscall.SIGKILL {
 			// The kubelet restarts a container once it has exited; lookups sent
 			// until the process and its sockets are gone were in flight.
-			if _, ok := old.wait(10 * time.Second); !ok {
+			if _, ok := old.Wait(10 * time.Second); !ok {
 				t.Fatal("the killed agent did not exit")
 			}
 		}
 		signalled := monotonic()
 		cur = n.startContainer()
-		n.agent = cur.agentProc
+		n.agent = cur.Process
 		ready := n.waitProbe("readiness", pod.readiness, cur, 60*time.Second)
-		if _, ok := old.wait(pod.grace); !ok {
+		if _, ok := old.Wait(pod.grace); !ok {
 			t.Errorf("%s: the old agent outlived the grace period", tc.name)
 		}
 		n.waitRedirected(1000) // capturing again, through the new agent

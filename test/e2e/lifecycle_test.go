@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"net"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strconv"
 	"strings"
@@ -11,6 +12,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/meshdns/meshdns-ebpf/internal/agenttest"
 	"github.com/meshdns/meshdns-ebpf/internal/cgroup2"
 	"github.com/meshdns/meshdns-ebpf/internal/testenv"
 )
@@ -44,20 +46,19 @@ func hookCounter(t *testing.T, n *node, hook, counter string) uint64 {
 // (NXDOMAIN) and returns how long that took from start.
 func timeToOriginal(t *testing.T, n *node, start time.Time) time.Duration {
 	t.Helper()
-	for time.Since(start) < 10*time.Second {
-		qstart := time.Now()
+	var qstart time.Time
+	if !testenv.Poll(time.Until(start.Add(10*time.Second)), 50*time.Millisecond, func() bool {
+		qstart = time.Now()
 		out, _ := n.client(n.ns, 1000, "dig", "+time=1", "+tries=1", meshName)
-		if strings.Contains(out, "status: NXDOMAIN") {
-			// The query that saw the original nameserver was sent at qstart.
-			return qstart.Sub(start)
-		}
-		time.Sleep(50 * time.Millisecond)
+		return strings.Contains(out, "status: NXDOMAIN")
+	}) {
+		t.Fatalf("clients never reached the original nameserver again")
 	}
-	t.Fatalf("clients never reached the original nameserver again")
-	return 0
+	// The query that saw the original nameserver was sent at qstart.
+	return qstart.Sub(start)
 }
 
-// TestFailOpen: issue 2 test 6, issue 13. After SIGTERM and after kill -9, clients
+// TestFailOpen: after SIGTERM and after kill -9, clients
 // resolve through the original nameserver at once; SIGTERM leaves the programs
 // attached but inert for the next agent (nothing with --persist=false); cleanup
 // removes what kill -9 left; a new agent starts on top of those leftovers.
@@ -109,7 +110,7 @@ func TestFailOpen(t *testing.T) {
 	n.assertClean()
 }
 
-// TestStatsCountExactly: issue 2 test 7. N queries → N redirects on the expected hook,
+// TestStatsCountExactly: N queries → N redirects on the expected hook,
 // in the table and in JSON, and the per-cgroup view names the test cgroup.
 func TestStatsCountExactly(t *testing.T) {
 	n := newNode(t)
@@ -194,32 +195,34 @@ func TestStatsCountExactly(t *testing.T) {
 	}
 }
 
-// TestBadInput: issue 2 test 8. Each bad input gets a clear error and a non-zero
+// TestBadInput: each bad input gets a clear error and a non-zero
 // exit, and leaves nothing attached, pinned or added.
 func TestBadInput(t *testing.T) {
 	n := newNode(t)
+	for _, c := range badInputCases(t) {
+		t.Run(c.name, func(t *testing.T) { n.checkBadInput(t, c) })
+	}
+}
+
+// badCase is one bad input to the agent and what its error must say.
+type badCase struct {
+	name string
+	uid  int
+	args []string
+	want string
+	caps []string // nil: the mode's (testenv.ModeCaps)
+}
+
+// badInputCases are TestBadInput's inputs; the cgroup v1 one only where a
+// v1 hierarchy is mounted.
+func badInputCases(t *testing.T) []badCase {
 	badTable := filepath.Join(t.TempDir(), "bad.yaml")
 	if err := os.WriteFile(badTable, []byte("table:\n  x.example:\n    ips: [\"not-an-ip\"]\n"), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	v1, _ := filepath.Glob("/sys/fs/cgroup/*")
-	v1dir := ""
-	for _, d := range v1 {
-		if fi, err := os.Stat(d); err == nil && fi.IsDir() && !isCgroup2(d) {
-			v1dir = d
-			break
-		}
-	}
-	type badCase struct {
-		name string
-		uid  int
-		args []string
-		want string
-		caps []string // nil: the mode's (testenv.ModeCaps)
-	}
 	cases := []badCase{
 		{"not-root", 1000, nil, "needs CAP_BPF (load the eBPF programs and create their maps) and CAP_NET_ADMIN", nil},
-		// The capability errors the DaemonSet docs quote (issue 13).
+		// The capability errors the DaemonSet docs quote.
 		{"no-cap-bpf", 0, nil, "meshdns-ebpf run --mode ebpf needs CAP_BPF (load the eBPF programs and create their maps); it runs as uid 0 with CAP_NET_ADMIN, CAP_NET_BIND_SERVICE", []string{"net_admin", "net_bind_service"}},
 		{"no-cap-net-admin", 0, nil, "needs CAP_NET_ADMIN (attach to cgroups, register the resolver's sockets, SO_MARK, the dummy link and its address)", []string{"bpf", "net_bind_service"}},
 		{"no-cap-net-bind-service", 0, nil, "needs CAP_NET_BIND_SERVICE (listen on a port below 1024)", []string{"bpf", "net_admin"}},
@@ -231,72 +234,90 @@ func TestBadInput(t *testing.T) {
 		{"bad-mode", 0, []string{"--mode", "magic"}, "--mode", nil},
 		{"bad-listen", 0, []string{"--listen", "169.254.20.53"}, "ADDR:PORT", nil},
 	}
-	if v1dir != "" {
+	if v1dir := cgroupV1Dir(); v1dir != "" {
 		cases = append(cases, badCase{"cgroup-v1", 0, []string{"--cgroup", v1dir}, "not on a cgroup2 filesystem", nil})
 	}
 	cases = append(cases, badCase{"no-cgroup2-mount", 0, nil, "no cgroup2 filesystem is mounted", nil})
-	for _, c := range cases {
-		t.Run(c.name, func(t *testing.T) {
-			if c.name == "listen-in-use" {
-				// Occupy the resolver's TCP port on its address inside the node.
-				n.ns.IP(t, "addr", "add", listen4+"/32", "dev", "lo")
-				defer n.ns.IP(t, "addr", "del", listen4+"/32", "dev", "lo")
-				var l net.Listener
-				if err := n.ns.Do(func() (err error) { l, err = net.Listen("tcp", listen4+":53"); return }); err != nil {
-					t.Fatal(err)
-				}
-				defer l.Close()
-			}
-			args := n.agentArgs("ebpf", c.args...) // a repeated flag overrides the earlier one
-			caps := c.caps
-			if caps == nil && c.uid == 0 {
-				caps = testenv.ModeCaps["ebpf"]
-			}
-			cmd := testenv.Command(t.Context(), testenv.Proc{Netns: n.ns, Cgroup: n.cg, UID: c.uid, GID: c.uid, NetOnly: true, Caps: caps}, bins.agent, args...)
-			if c.name == "no-cgroup2-mount" {
-				// No --cgroup, in a private mount namespace without the cgroup2
-				// mount. The guard refuses to start the agent if the mount is
-				// still visible: it would then attach to the machine's root cgroup.
-				mnt, err := cgroup2.FindMount()
-				if err != nil {
-					t.Fatal(err)
-				}
-				script := `umount -l "$1" && ! grep -q ' cgroup2 ' /proc/self/mounts || exit 99; shift; exec "$@"`
-				noCg := withoutFlag(args, "--cgroup")
-				inner := append(append(testenv.OnlyCaps(testenv.ModeCaps["ebpf"]), bins.agent), noCg...)
-				cmd = testenv.Command(t.Context(), testenv.Proc{Netns: n.ns, Cgroup: n.cg, NetOnly: true},
-					"unshare", append([]string{"--mount", "--propagation", "private", "sh", "-c", script, "sh", mnt}, inner...)...)
-			}
-			done := make(chan struct{})
-			var out []byte
-			var err error
-			go func() { out, err = cmd.CombinedOutput(); close(done) }()
-			select {
-			case <-done:
-			case <-time.After(20 * time.Second):
-				_ = cmd.Process.Kill()
-				<-done
-				t.Fatalf("agent kept running on bad input %v:\n%s", c.args, out)
-			}
-			if err == nil {
-				t.Fatalf("agent exited 0 on bad input %v:\n%s", c.args, out)
-			}
-			if !strings.Contains(string(out), c.want) {
-				t.Errorf("error does not say %q:\n%s", c.want, out)
-			}
-			if a := n.attached(); len(a) > 0 {
-				t.Errorf("programs left attached: %v", a)
-			}
-			if p := n.pins(); len(p) > 0 {
-				t.Errorf("pins left: %v", p)
-			}
-			if c.name != "listen-in-use" {
-				if out := n.ns.IP(t, "addr", "show", "dev", "lo"); strings.Contains(out, listen4) {
-					t.Errorf("node address left behind:\n%s", out)
-				}
-			}
-		})
+	return cases
+}
+
+// cgroupV1Dir is a cgroup v1 hierarchy's directory, or "".
+func cgroupV1Dir() string {
+	v1, _ := filepath.Glob("/sys/fs/cgroup/*")
+	for _, d := range v1 {
+		if fi, err := os.Stat(d); err == nil && fi.IsDir() && !isCgroup2(d) {
+			return d
+		}
 	}
+	return ""
+}
+
+// checkBadInput runs the agent on c's input: it must exit non-zero, say
+// c.want, and leave nothing attached, pinned or added.
+func (n *node) checkBadInput(t *testing.T, c badCase) {
+	if c.name == "listen-in-use" {
+		n.occupyListen(t)
+	}
+	args := n.agentArgs("ebpf", c.args...) // a repeated flag overrides the earlier one
+	caps := c.caps
+	if caps == nil && c.uid == 0 {
+		caps = testenv.ModeCaps["ebpf"]
+	}
+	cmd := testenv.Command(t.Context(), testenv.Proc{Netns: n.ns, Cgroup: n.cg, UID: c.uid, GID: c.uid, NetOnly: true, Caps: caps}, bins.agent, args...)
+	if c.name == "no-cgroup2-mount" {
+		cmd = n.withoutCgroup2Mount(t, args)
+	}
+	p := agenttest.Start(t, cmd, agenttest.Options{Unmanaged: true})
+	err, ok := p.Wait(20 * time.Second)
+	if !ok {
+		p.Kill()
+		t.Fatalf("agent kept running on bad input %v:\n%s", c.args, p.Log)
+	}
+	out := p.Log.String()
+	if err == nil {
+		t.Fatalf("agent exited 0 on bad input %v:\n%s", c.args, out)
+	}
+	if !strings.Contains(out, c.want) {
+		t.Errorf("error does not say %q:\n%s", c.want, out)
+	}
+	if a := n.attached(); len(a) > 0 {
+		t.Errorf("programs left attached: %v", a)
+	}
+	if p := n.pins(); len(p) > 0 {
+		t.Errorf("pins left: %v", p)
+	}
+	if c.name != "listen-in-use" {
+		if out := n.ns.IP(t, "addr", "show", "dev", "lo"); strings.Contains(out, listen4) {
+			t.Errorf("node address left behind:\n%s", out)
+		}
+	}
+}
+
+// occupyListen holds the resolver's TCP port on its address inside the node
+// until the test ends.
+func (n *node) occupyListen(t *testing.T) {
+	n.ns.IP(t, "addr", "add", listen4+"/32", "dev", "lo")
+	t.Cleanup(func() { n.ns.IP(t, "addr", "del", listen4+"/32", "dev", "lo") })
+	var l net.Listener
+	if err := n.ns.Do(func() (err error) { l, err = net.Listen("tcp", listen4+":53"); return }); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { l.Close() })
+}
+
+// withoutCgroup2Mount is the agent without --cgroup, in a private mount
+// namespace without the cgroup2 mount. The guard refuses to start the agent
+// if the mount is still visible: it would then attach to the machine's root
+// cgroup.
+func (n *node) withoutCgroup2Mount(t *testing.T, args []string) *exec.Cmd {
+	mnt, err := cgroup2.FindMount()
+	if err != nil {
+		t.Fatal(err)
+	}
+	script := `umount -l "$1" && ! grep -q ' cgroup2 ' /proc/self/mounts || exit 99; shift; exec "$@"`
+	inner := append(append(testenv.OnlyCaps(testenv.ModeCaps["ebpf"]), bins.agent), withoutFlag(args, "--cgroup")...)
+	return testenv.Command(t.Context(), testenv.Proc{Netns: n.ns, Cgroup: n.cg, NetOnly: true},
+		"unshare", append([]string{"--mount", "--propagation", "private", "sh", "-c", script, "sh", mnt}, inner...)...)
 }
 
 // withoutFlag drops "name value" from args.

@@ -4,7 +4,6 @@ import (
 	"bufio"
 	"context"
 	"fmt"
-	"os/exec"
 	"sort"
 	"strconv"
 	"strings"
@@ -14,6 +13,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/meshdns/meshdns-ebpf/internal/agenttest"
 	"github.com/meshdns/meshdns-ebpf/internal/testenv"
 )
 
@@ -47,10 +47,8 @@ func (n *node) addLoadPod() *testenv.Netns {
 }
 
 type loadClient struct {
+	*agenttest.Process
 	name string
-	cmd  *exec.Cmd
-	out  *syncBuffer
-	done chan error
 }
 
 type load struct {
@@ -109,23 +107,13 @@ func (n *node) startLoadClients(pod *testenv.Netns, rate float64, specs []loadCl
 		}
 		args := append(append([]string{"-r", fmt.Sprint(rate * c.share), "-t", "64"}, c.flags...), targets...)
 		cmd := testenv.Command(context.Background(), testenv.Proc{Netns: pod, Cgroup: n.cg, UID: 1000, GID: 1000}, c.bin, args...)
-		lc := &loadClient{name: c.name, cmd: cmd, out: &syncBuffer{}, done: make(chan error, 1)}
-		cmd.Stdout = lc.out
-		cmd.Stderr = lc.out
-		if err := cmd.Start(); err != nil {
-			n.t.Fatalf("start %s load: %v", c.name, err)
-		}
-		go func() { lc.done <- cmd.Wait() }()
+		lc := &loadClient{name: c.name, Process: agenttest.Start(n.t, cmd, agenttest.Options{Unmanaged: true})}
 		l.clients = append(l.clients, lc)
-		n.t.Cleanup(func() {
-			_ = cmd.Process.Kill()
-			<-lc.done
-			lc.done <- nil
-		})
+		n.t.Cleanup(lc.Kill)
 	}
 	for _, c := range l.clients {
-		if !testenv.WaitFor(10*time.Second, func() bool { return strings.Contains(c.out.String(), "START") }) {
-			n.t.Fatalf("%s load did not start:\n%s", c.name, c.out.String())
+		if !c.Log.WaitFor("START", 10*time.Second) {
+			n.t.Fatalf("%s load did not start:\n%s", c.name, c.Log.String())
 		}
 	}
 	return l
@@ -135,20 +123,18 @@ func (n *node) startLoadClients(pod *testenv.Netns, rate float64, specs []loadCl
 func (l *load) stop() loadResult {
 	l.t.Helper()
 	for _, c := range l.clients {
-		_ = c.cmd.Process.Signal(syscall.SIGTERM)
+		_ = c.Signal(syscall.SIGTERM)
 	}
 	r := loadResult{perClient: map[string]string{}}
 	for _, c := range l.clients {
-		select {
-		case err := <-c.done:
-			c.done <- err
-			if err != nil {
-				l.t.Fatalf("%s load: %v\n%s", c.name, err, c.out.String())
-			}
-		case <-time.After(30 * time.Second):
+		err, ok := c.Wait(30 * time.Second)
+		if !ok {
 			l.t.Fatalf("%s load did not stop", c.name)
 		}
-		sc := bufio.NewScanner(strings.NewReader(c.out.String()))
+		if err != nil {
+			l.t.Fatalf("%s load: %v\n%s", c.name, err, c.Log.String())
+		}
+		sc := bufio.NewScanner(strings.NewReader(c.Log.String()))
 		for sc.Scan() {
 			f := strings.Fields(sc.Text())
 			switch {
@@ -181,7 +167,7 @@ func (l *load) stop() loadResult {
 			}
 		}
 		if _, ok := r.perClient[c.name]; !ok {
-			l.t.Fatalf("%s load printed no summary:\n%s", c.name, c.out.String())
+			l.t.Fatalf("%s load printed no summary:\n%s", c.name, c.Log.String())
 		}
 	}
 	return r

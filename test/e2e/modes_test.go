@@ -9,7 +9,7 @@ import (
 	"github.com/meshdns/meshdns-ebpf/internal/testenv"
 )
 
-// TestClientsIptables: issue 4 test 3. The client suite passes in iptables mode too,
+// TestClientsIptables: the client suite passes in iptables mode too,
 // for processes on the node and in a pod; stop leaves no rule of ours.
 func TestClientsIptables(t *testing.T) {
 	testenv.RequirePrivileged(t, "iptables-save")
@@ -35,7 +35,7 @@ func TestClientsIptables(t *testing.T) {
 	n.assertClean()
 }
 
-// TestAutoMode: issue 4 test 5. Auto picks eBPF on this kernel, and iptables (saying
+// TestAutoMode: auto picks eBPF on this kernel, and iptables (saying
 // why) when the eBPF probe fails.
 func TestAutoMode(t *testing.T) {
 	testenv.RequirePrivileged(t, "iptables-save")

@@ -24,7 +24,7 @@ const (
 	flakyIP   = "169.254.77.10"
 )
 
-// TestSoak (issue 13, `make soak`): mixed load for MESHDNS_SOAK (10 minutes)
+// TestSoak (`make soak`): mixed load for MESHDNS_SOAK (10 minutes)
 // while the upstream misbehaves (a zone answered normally, after 800 ms, or
 // never, in turn), the name table is rewritten and the agent restarts every
 // 30 s (an overlapped upgrade and a plain restart in turn). No query may be
@@ -58,68 +58,14 @@ func TestSoak(t *testing.T) {
 			targets: append(append([]string{}, loadTargets...), "q%d."+flakyZone+"="+flakyIP)},
 	})
 
-	type rss struct{ kb, pid int }
-	var samples []rss
-	sample := func() {
-		if n.agent == nil {
-			return
-		}
-		if kb := vmRSS(n.agent.pid()); kb > 0 {
-			samples = append(samples, rss{kb, n.agent.pid()})
-		}
-	}
+	sk := &soak{t: t, n: n}
 	start := time.Now()
-	restarts, upgrades, reloads := 0, 0, 0
-	var gaps [][2]int64 // plain restarts: from SIGTERM to serving again
-	type event struct {
-		at   int64
-		what string
-	}
-	var events []event
-	mark := func(what string) { events = append(events, event{monotonic(), what}) }
 	tick := time.NewTicker(time.Second)
 	defer tick.Stop()
 	for sec := 1; time.Since(start) < dur; sec++ {
 		<-tick.C
-		sample()
-		switch sec % 30 {
-		case 5:
-			mark("upstream slow")
-			n.orig.SetNameDelay("*."+flakyZone, 800*time.Millisecond) // slow
-		case 10:
-			mark("upstream down")
-			n.orig.SetNameDelay("*."+flakyZone, 10*time.Second) // down: answers long after anyone waits
-		case 15:
-			n.orig.SetNameDelay("*."+flakyZone, 0)
-			n.orig.Reset() // its query log would grow for the whole soak
-			reloads++
-			short := fmt.Sprintf("soak-%d", reloads)
-			mark("table reload " + short)
-			n.writeNames(short)
-			// The reload takes: the new name resolves through capture.
-			if !testenv.WaitFor(5*time.Second, func() bool {
-				out, _ := n.client(n.ns, 1000, "dig", "+short", "+time=1", "+tries=1", short+".default.svc.cluster.local")
-				return strings.TrimSpace(out) == "240.240.0.99"
-			}) {
-				t.Errorf("table reload %d did not take within 5 s", reloads)
-			}
-		case 0:
-			if (sec/30)%2 == 1 {
-				mark("overlapped upgrade")
-				n.upgrade("ebpf")
-				upgrades++
-			} else {
-				from := monotonic()
-				mark("plain restart")
-				if err := n.signal(syscall.SIGTERM); err != nil {
-					t.Fatalf("restart: agent exit: %v", err)
-				}
-				n.startNoWait("ebpf")
-				n.waitAnswering(n.agent)
-				gaps = append(gaps, [2]int64{from, monotonic()})
-				restarts++
-			}
-		}
+		sk.sample()
+		sk.step(sec)
 	}
 	n.orig.SetNameDelay("*."+flakyZone, 0)
 	res := ld.stop()
@@ -128,63 +74,157 @@ func TestSoak(t *testing.T) {
 	stalled := hookCounter(t, n, "total", "skip_stalled") - stalledBefore
 	noResolver := hookCounter(t, n, "total", "skip_no_resolver") - noResolverBefore
 
-	// A lookup that began up to a second before the stop may send its query
-	// after capture went off.
-	inGap := func(f loadFail) bool {
-		for _, g := range gaps {
-			if f.start >= g[0]-int64(time.Second) && f.start < g[1]+int64(time.Second) {
-				return true
-			}
-		}
-		return false
+	lost, wrong, fell, servfail := sk.classify(res.fails)
+	first, peak, last := sk.rss()
+	t.Logf("soak %v: %d lookups (%.0f/s) through %d overlapped upgrades, %d plain restarts, %d table reloads and upstream faults every 30 s",
+		el.Round(time.Second), res.sent, float64(res.sent)/el.Seconds(), sk.upgrades, sk.restarts, sk.reloads)
+	t.Logf("soak: %d lost, %d wrong, %d wrong-source replies; %d SERVFAIL while the upstream failed (%s); %d mesh lookups answered by the original nameserver during plain restarts",
+		len(lost), len(wrong), miss, len(servfail), byZone(servfail), len(fell))
+	t.Logf("soak: redirects skipped as stalled %d, for no resolver %d (plain restarts)", stalled, noResolver)
+	t.Logf("soak: agent RSS start %.1f MiB, peak %.1f MiB, end %.1f MiB (%d samples, one per second, over %d agent processes)",
+		float64(first)/1024, float64(peak)/1024, float64(last)/1024, len(sk.samples), sk.upgrades+sk.restarts+1)
+	t.Logf("soak clients: glibc: %s; musl: %s; raw: %s", res.perClient["glibc"], res.perClient["musl"], res.perClient["raw"])
+	if len(lost)+len(wrong) > 0 || miss > 0 {
+		t.Errorf("soak: %d lost, %d wrong, %d wrong-source; after: %v\n%s%s", len(lost), len(wrong), miss,
+			sk.after(append(append([]loadFail{}, lost...), wrong...)), describe(lost, 0), describe(wrong, 0))
 	}
-	var lost, wrong, fell, servfail []loadFail
-	for _, f := range res.fails {
+	if peak > 2*first+64*1024 {
+		t.Errorf("agent RSS grew: start %d KiB, peak %d KiB", first, peak)
+	}
+}
+
+// soak is what TestSoak does every second, and what it saw.
+type soak struct {
+	t                           *testing.T
+	n                           *node
+	samples                     []rssSample
+	restarts, upgrades, reloads int
+	gaps                        [][2]int64 // plain restarts: from SIGTERM to serving again
+	events                      []soakEvent
+}
+
+// rssSample is the agent's resident memory (KiB) at one second.
+type rssSample struct{ kb, pid int }
+
+// soakEvent is a fault or change the soak made, at a CLOCK_MONOTONIC time.
+type soakEvent struct {
+	at   int64
+	what string
+}
+
+func (sk *soak) mark(what string) { sk.events = append(sk.events, soakEvent{monotonic(), what}) }
+
+func (sk *soak) sample() {
+	if sk.n.agent == nil {
+		return
+	}
+	if kb := vmRSS(sk.n.agent.Pid()); kb > 0 {
+		sk.samples = append(sk.samples, rssSample{kb, sk.n.agent.Pid()})
+	}
+}
+
+// step makes second sec's change of each 30 s cycle: the upstream slow at
+// 5, down at 10, well again and the table reloaded at 15, and the agent
+// upgraded (odd cycles) or restarted (even ones) at 0.
+func (sk *soak) step(sec int) {
+	n, t := sk.n, sk.t
+	switch sec % 30 {
+	case 5:
+		sk.mark("upstream slow")
+		n.orig.SetNameDelay("*."+flakyZone, 800*time.Millisecond) // slow
+	case 10:
+		sk.mark("upstream down")
+		n.orig.SetNameDelay("*."+flakyZone, 10*time.Second) // down: answers long after anyone waits
+	case 15:
+		n.orig.SetNameDelay("*."+flakyZone, 0)
+		n.orig.Reset() // its query log would grow for the whole soak
+		sk.reloads++
+		short := fmt.Sprintf("soak-%d", sk.reloads)
+		sk.mark("table reload " + short)
+		n.writeNames(short)
+		// The reload takes: the new name resolves through capture.
+		if !testenv.WaitFor(5*time.Second, func() bool {
+			out, _ := n.client(n.ns, 1000, "dig", "+short", "+time=1", "+tries=1", short+".default.svc.cluster.local")
+			return strings.TrimSpace(out) == "240.240.0.99"
+		}) {
+			t.Errorf("table reload %d did not take within 5 s", sk.reloads)
+		}
+	case 0:
+		if (sec/30)%2 == 1 {
+			sk.mark("overlapped upgrade")
+			n.upgrade("ebpf")
+			sk.upgrades++
+		} else {
+			from := monotonic()
+			sk.mark("plain restart")
+			if err := n.signal(syscall.SIGTERM); err != nil {
+				t.Fatalf("restart: agent exit: %v", err)
+			}
+			n.startNoWait("ebpf")
+			n.waitAnswering(n.agent)
+			sk.gaps = append(sk.gaps, [2]int64{from, monotonic()})
+			sk.restarts++
+		}
+	}
+}
+
+// inGap: a lookup that began up to a second before a plain restart's stop
+// may send its query after capture went off.
+func (sk *soak) inGap(f loadFail) bool {
+	for _, g := range sk.gaps {
+		if f.start >= g[0]-int64(time.Second) && f.start < g[1]+int64(time.Second) {
+			return true
+		}
+	}
+	return false
+}
+
+// classify sorts the failed lookups: lost, wrong, fallen through to the
+// original nameserver during a plain restart, and SERVFAIL of the raw client
+// (an answer: the upstream failed).
+func (sk *soak) classify(fails []loadFail) (lost, wrong, fell, servfail []loadFail) {
+	for _, f := range fails {
 		switch {
 		case f.what == "lost" || f.what == "again" || strings.HasPrefix(f.what, "eai:"):
 			lost = append(lost, f)
 		case f.what == "servfail" && f.client == "raw":
-			servfail = append(servfail, f) // an answer: the upstream failed
-		case f.what == "nxdomain" && isMesh(f.name) && inGap(f):
+			servfail = append(servfail, f)
+		case f.what == "nxdomain" && isMesh(f.name) && sk.inGap(f):
 			fell = append(fell, f)
 		default:
 			wrong = append(wrong, f)
 		}
 	}
-	first, peak, last := 0, 0, 0
-	for i, s := range samples {
+	return lost, wrong, fell, servfail
+}
+
+// rss is the agent's resident memory (KiB) at the first sample, the peak
+// and the last.
+func (sk *soak) rss() (first, peak, last int) {
+	for i, s := range sk.samples {
 		if i == 0 {
 			first = s.kb
 		}
 		peak = max(peak, s.kb)
 		last = s.kb
 	}
-	t.Logf("soak %v: %d lookups (%.0f/s) through %d overlapped upgrades, %d plain restarts, %d table reloads and upstream faults every 30 s",
-		el.Round(time.Second), res.sent, float64(res.sent)/el.Seconds(), upgrades, restarts, reloads)
-	t.Logf("soak: %d lost, %d wrong, %d wrong-source replies; %d SERVFAIL while the upstream failed (%s); %d mesh lookups answered by the original nameserver during plain restarts",
-		len(lost), len(wrong), miss, len(servfail), byZone(servfail), len(fell))
-	t.Logf("soak: redirects skipped as stalled %d, for no resolver %d (plain restarts)", stalled, noResolver)
-	t.Logf("soak: agent RSS start %.1f MiB, peak %.1f MiB, end %.1f MiB (%d samples, one per second, over %d agent processes)",
-		float64(first)/1024, float64(peak)/1024, float64(last)/1024, len(samples), upgrades+restarts+1)
-	t.Logf("soak clients: glibc: %s; musl: %s; raw: %s", res.perClient["glibc"], res.perClient["musl"], res.perClient["raw"])
-	if len(lost)+len(wrong) > 0 || miss > 0 {
-		// Which event each failure followed.
-		after := map[string]int{}
-		for _, f := range append(append([]loadFail{}, lost...), wrong...) {
-			last := "start"
-			var since int64
-			for _, e := range events {
-				if e.at <= f.start {
-					last, since = e.what, f.start-e.at
-				}
+	return first, peak, last
+}
+
+// after counts the failures by the event each followed (and how long after).
+func (sk *soak) after(fails []loadFail) map[string]int {
+	after := map[string]int{}
+	for _, f := range fails {
+		last := "start"
+		var since int64
+		for _, e := range sk.events {
+			if e.at <= f.start {
+				last, since = e.what, f.start-e.at
 			}
-			after[fmt.Sprintf("%s (+%v)", last, time.Duration(since).Round(100*time.Millisecond))]++
 		}
-		t.Errorf("soak: %d lost, %d wrong, %d wrong-source; after: %v\n%s%s", len(lost), len(wrong), miss, after, describe(lost, 0), describe(wrong, 0))
+		after[fmt.Sprintf("%s (+%v)", last, time.Duration(since).Round(100*time.Millisecond))]++
 	}
-	if peak > 2*first+64*1024 {
-		t.Errorf("agent RSS grew: start %d KiB, peak %d KiB", first, peak)
-	}
+	return after
 }
 
 // byZone counts failures per zone (the name without its first label).

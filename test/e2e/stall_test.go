@@ -28,14 +28,14 @@ var stoppers = []stopper{
 		setup: func(*node) {},
 		stop: func(n *node) {
 			n.t.Helper()
-			if err := n.agent.cmd.Process.Signal(syscall.SIGSTOP); err != nil {
+			if err := n.agent.Signal(syscall.SIGSTOP); err != nil {
 				n.t.Fatal(err)
 			}
-			if !testenv.WaitFor(5*time.Second, func() bool { return procState(n.agent.pid()) == "T" }) {
+			if !testenv.WaitFor(5*time.Second, func() bool { return procState(n.agent.Pid()) == "T" }) {
 				n.t.Fatalf("the agent did not stop")
 			}
 		},
-		resume: func(n *node) { _ = n.agent.cmd.Process.Signal(syscall.SIGCONT) },
+		resume: func(n *node) { _ = n.agent.Signal(syscall.SIGCONT) },
 	},
 	{
 		// The agent alone in a child cgroup that the cgroup v2 freezer freezes,

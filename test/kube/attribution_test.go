@@ -7,13 +7,10 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"net"
-	"net/http"
 	"net/netip"
 	"os"
 	"os/exec"
 	"path/filepath"
-	"runtime"
 	"strconv"
 	"strings"
 	"sync"
@@ -22,6 +19,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/meshdns/meshdns-ebpf/internal/agenttest"
 	"github.com/meshdns/meshdns-ebpf/internal/cgroup2"
 	"github.com/meshdns/meshdns-ebpf/internal/kubetest"
 	"github.com/meshdns/meshdns-ebpf/internal/tap"
@@ -33,40 +31,17 @@ import (
 // and Go's resolver.
 func loadClients(t *testing.T) (glibc, musl, goload string) {
 	t.Helper()
-	dir := t.TempDir()
-	_, file, _, _ := runtime.Caller(0)
-	root := filepath.Join(filepath.Dir(file), "..", "..")
-	glibc, musl, goload = filepath.Join(dir, "dnsload-glibc"), filepath.Join(dir, "dnsload-musl"), filepath.Join(dir, "goload")
-	for _, s := range [][]string{
-		{"gcc", "-O2", "-pthread", "-o", glibc, "test/e2e/testdata/dnsload/dnsload.c"},
-		{"musl-gcc", "-static", "-O2", "-pthread", "-o", musl, "test/e2e/testdata/dnsload/dnsload.c"},
-		{"go", "build", "-o", goload, "./test/e2e/testdata/goload"},
-	} {
-		cmd := exec.Command(s[0], s[1:]...)
-		cmd.Dir = root
-		if out, err := cmd.CombinedOutput(); err != nil {
-			t.Fatalf("%v: %v\n%s", s, err, out)
-		}
-	}
-	if err := os.Chmod(dir, 0o755); err != nil {
-		t.Fatal(err)
-	}
-	return glibc, musl, goload
+	return agenttest.Program(t, "dnsload-glibc", "gcc", "-O2", "-pthread", "-o", agenttest.Out, "test/e2e/testdata/dnsload/dnsload.c"),
+		agenttest.Program(t, "dnsload-musl", "musl-gcc", "-static", "-O2", "-pthread", "-o", agenttest.Out, "test/e2e/testdata/dnsload/dnsload.c"),
+		agenttest.GoBinary(t, "./test/e2e/testdata/goload")
 }
 
 // getIn fetches url from inside ns.
 func getIn(t *testing.T, ns *testenv.Netns, url string) string {
 	t.Helper()
-	tr := &http.Transport{DialContext: func(ctx context.Context, network, addr string) (net.Conn, error) {
-		var c net.Conn
-		err := ns.Do(func() (err error) {
-			c, err = (&net.Dialer{Timeout: 2 * time.Second}).DialContext(ctx, network, addr)
-			return err
-		})
-		return c, err
-	}}
-	defer tr.CloseIdleConnections()
-	resp, err := (&http.Client{Transport: tr, Timeout: 10 * time.Second}).Get(url)
+	c := ns.HTTPClient(10 * time.Second)
+	defer c.CloseIdleConnections()
+	resp, err := c.Get(url)
 	if err != nil {
 		return ""
 	}
@@ -136,7 +111,7 @@ func TestTapAndMetricsNameEveryQuery(t *testing.T) {
 		"--admin", admin, "--top-window", "10m", "--namespace-metrics")
 	ready := long[0]
 	if !testenv.WaitFor(30*time.Second, func() bool {
-		a.checkRunning(t)
+		a.MustRun(t)
 		out, _ := runIn(ready.ns, ready.cg, 10*time.Second, glibc, "-r", "10", "-t", "1", "-d", "0.2", "x%d.ready.attr.test=192.0.2.1")
 		return strings.Contains(out, "ok=") && !strings.Contains(out, "ok=0 ")
 	}) {
@@ -269,7 +244,7 @@ type tapCollector struct {
 func startTapCollector(t *testing.T, nodeNS *testenv.Netns, stateDir, admin string) *tapCollector {
 	t.Helper()
 	tc := &tapCollector{done: make(chan error, 1)}
-	tc.cmd = exec.Command("nsenter", "--net="+nodeNS.Path(), "--", buildAgent(t), "tap", "--state-dir", stateDir, "-o", "json")
+	tc.cmd = exec.Command("nsenter", "--net="+nodeNS.Path(), "--", agenttest.Agent(t), "tap", "--state-dir", stateDir, "-o", "json")
 	stdout, err := tc.cmd.StdoutPipe()
 	if err != nil {
 		t.Fatal(err)

@@ -7,15 +7,14 @@ import (
 	"io"
 	"net"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strings"
-	"syscall"
 	"testing"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
 
+	"github.com/meshdns/meshdns-ebpf/internal/agenttest"
 	"github.com/meshdns/meshdns-ebpf/internal/kubetest"
 	"github.com/meshdns/meshdns-ebpf/internal/testenv"
 )
@@ -73,12 +72,12 @@ func TestCaptureClusterDNS(t *testing.T) {
 		return f[0]
 	}
 	if !testenv.WaitFor(30*time.Second, func() bool {
-		a.checkRunning(t)
+		a.MustRun(t)
 		return getent("web") == web.Spec.ClusterIP
 	}) {
 		t.Fatalf("the pod never resolved web through the agent")
 	}
-	if !strings.Contains(a.log.tail(400), `capturing the cluster DNS Service`) {
+	if !strings.Contains(a.Log.Tail(400), `capturing the cluster DNS Service`) {
 		t.Errorf("the agent did not log the discovered cluster DNS Service")
 	}
 	realKubeDNS.Reset()
@@ -104,9 +103,7 @@ func TestCaptureClusterDNS(t *testing.T) {
 // capturing a test cgroup, reaching the API server through a proxy into
 // that namespace (it listens on the test's loopback).
 type nodeAgent struct {
-	cmd             *exec.Cmd
-	done            chan error
-	log             *logBuffer
+	*agenttest.Process
 	stateDir, bpffs string
 }
 
@@ -131,52 +128,13 @@ func startNodeAgentOn(t *testing.T, c *cluster, nodeNS *testenv.Netns, cg *teste
 	t.Helper()
 	apiPort := proxyIntoNetns(t, nodeNS, strings.TrimPrefix(c.Host(), "https://"))
 	kubeconfig := rewriteServer(t, c.kubeconfig, fmt.Sprintf("https://127.0.0.1:%d", apiPort))
-	a := &nodeAgent{done: make(chan error, 1), log: &logBuffer{}, stateDir: host.stateDir, bpffs: host.bpffs}
+	a := &nodeAgent{stateDir: host.stateDir, bpffs: host.bpffs}
 	args := []string{"run", "--mode", "ebpf", "--cgroup", cg.Path, "--kubeconfig", kubeconfig, "--node-name", node,
 		"--listen", "169.254.20.53:53", "--bpffs", a.bpffs, "--state-dir", a.stateDir, "--log-level", "debug"}
-	cmd := testenv.Command(context.Background(), testenv.Proc{Netns: nodeNS, Cgroup: cg, NetOnly: true}, buildAgent(t), append(args, extra...)...)
+	cmd := testenv.Command(context.Background(), testenv.Proc{Netns: nodeNS, Cgroup: cg, NetOnly: true}, agenttest.Agent(t), append(args, extra...)...)
 	cmd.Env = append(os.Environ(), env...)
-	cmd.Stdout, cmd.Stderr = a.log, a.log
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	a.cmd = cmd
-	go func() { a.done <- cmd.Wait() }()
-	t.Cleanup(func() {
-		if _, ok := a.stop(syscall.SIGTERM, 10*time.Second); !ok {
-			_ = cmd.Process.Kill()
-			a.stop(0, 10*time.Second)
-		}
-		if t.Failed() {
-			t.Logf("agent log:\n%s", a.log.tail(60))
-		}
-	})
+	a.Process = agenttest.Start(t, cmd, agenttest.Options{})
 	return a
-}
-
-// stop signals the agent (sig 0: none) and waits up to d for it to exit.
-func (a *nodeAgent) stop(sig syscall.Signal, d time.Duration) (error, bool) {
-	if sig != 0 {
-		_ = a.cmd.Process.Signal(sig)
-	}
-	select {
-	case err := <-a.done:
-		a.done <- err
-		return err, true
-	case <-time.After(d):
-		return nil, false
-	}
-}
-
-// checkRunning fails the test when the agent has exited.
-func (a *nodeAgent) checkRunning(t *testing.T) {
-	t.Helper()
-	select {
-	case err := <-a.done:
-		a.done <- err
-		t.Fatalf("agent exited: %v\n%s", err, a.log.tail(40))
-	default:
-	}
 }
 
 // proxyIntoNetns listens on 127.0.0.1 inside ns and forwards every

@@ -73,7 +73,7 @@ func TestWhoAskedSeriesStayBounded(t *testing.T) {
 		podCgs = append(podCgs, kubepods.Child(t, "kubepods-pod"+strings.ReplaceAll(string(pod.UID), "-", "_")+".slice").Child(t, "cri-containerd-"+cid+".scope"))
 	}
 	if !testenv.WaitFor(30*time.Second, func() bool {
-		a.checkRunning(t)
+		a.MustRun(t)
 		return dig(podCgs[0].FD(), "ready.card.test") == nil
 	}) {
 		t.Fatal("no answer through the agent")

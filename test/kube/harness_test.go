@@ -6,7 +6,6 @@
 package kube
 
 import (
-	"bytes"
 	"context"
 	"fmt"
 	"io"
@@ -14,13 +13,8 @@ import (
 	"net/http"
 	"net/netip"
 	"os"
-	"os/exec"
-	"path/filepath"
-	"runtime"
 	"slices"
 	"strings"
-	"sync"
-	"syscall"
 	"testing"
 	"time"
 
@@ -28,45 +22,14 @@ import (
 	rbacv1 "k8s.io/api/rbac/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
+	"github.com/meshdns/meshdns-ebpf/internal/agenttest"
 	"github.com/meshdns/meshdns-ebpf/internal/kubetest"
 	"github.com/meshdns/meshdns-ebpf/internal/testenv"
 )
 
-var agentBin struct {
-	once sync.Once
-	path string
-	err  error
-}
-
-func buildAgent(t *testing.T) string {
-	t.Helper()
-	agentBin.once.Do(func() {
-		dir, err := os.MkdirTemp("", "meshdns-kube-bin-")
-		if err != nil {
-			agentBin.err = err
-			return
-		}
-		_, file, _, _ := runtime.Caller(0)
-		root := filepath.Join(filepath.Dir(file), "..", "..")
-		agentBin.path = filepath.Join(dir, "meshdns-ebpf")
-		cmd := exec.Command("go", "build", "-o", agentBin.path, "./cmd/meshdns-ebpf")
-		cmd.Dir = root
-		cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
-		if out, err := cmd.CombinedOutput(); err != nil {
-			agentBin.err = fmt.Errorf("go build: %v\n%s", err, out)
-		}
-	})
-	if agentBin.err != nil {
-		t.Fatal(agentBin.err)
-	}
-	return agentBin.path
-}
-
 func TestMain(m *testing.M) {
 	code := m.Run()
-	if agentBin.path != "" {
-		os.RemoveAll(filepath.Dir(agentBin.path))
-	}
+	agenttest.RemoveBinaries()
 	os.Exit(code)
 }
 
@@ -107,13 +70,11 @@ func startCluster(t *testing.T) *cluster {
 // agent is the meshdns-ebpf binary running as resolver only (--mode off) on
 // loopback, with the Kubernetes source.
 type agent struct {
-	t      *testing.T
-	cmd    *exec.Cmd
-	addr   string // resolver 127.0.0.1:port
-	admin  string
-	up     *testenv.FakeDNS
-	stderr *logBuffer
-	done   chan error
+	*agenttest.Process
+	t     *testing.T
+	addr  string // resolver 127.0.0.1:port
+	admin string
+	up    *testenv.FakeDNS
 }
 
 // upstreamNames are what the fake upstream knows.
@@ -121,8 +82,7 @@ var upstreamNames = map[string][]netip.Addr{"ext.example.org": {netip.MustParseA
 
 func startAgent(t *testing.T, c *cluster, node string, extra ...string) *agent {
 	t.Helper()
-	bin := buildAgent(t)
-	a := &agent{t: t, stderr: &logBuffer{}, done: make(chan error, 1)}
+	a := &agent{t: t}
 	a.up = testenv.StartFakeDNS(t, nil, "127.0.0.1:0", upstreamNames)
 	a.addr = fmt.Sprintf("127.0.0.1:%d", testenv.FreePort(t))
 	a.admin = fmt.Sprintf("127.0.0.1:%d", testenv.FreePort(t))
@@ -131,34 +91,8 @@ func startAgent(t *testing.T, c *cluster, node string, extra ...string) *agent {
 	if node != "" { // "": no Kubernetes source
 		args = append(args, "--kubeconfig", c.kubeconfig, "--node-name", node)
 	}
-	a.cmd = exec.Command(bin, append(args, extra...)...)
-	a.cmd.Stdout, a.cmd.Stderr = a.stderr, a.stderr
-	a.cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
-	if err := a.cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	go func() { a.done <- a.cmd.Wait() }()
-	t.Cleanup(func() {
-		a.stop()
-		if t.Failed() {
-			t.Logf("agent log (tail):\n%s", a.stderr.tail(60))
-		}
-	})
+	a.Process = agenttest.Start(t, agenttest.Command(agenttest.Agent(t), append(args, extra...)...), agenttest.Options{})
 	return a
-}
-
-func (a *agent) stop() {
-	if a.cmd == nil {
-		return
-	}
-	_ = a.cmd.Process.Signal(syscall.SIGTERM)
-	select {
-	case <-a.done:
-	case <-time.After(10 * time.Second):
-		_ = a.cmd.Process.Kill()
-		<-a.done
-	}
-	a.cmd = nil
 }
 
 // waitReady waits until /readyz is 200 and returns how long that took.
@@ -166,17 +100,12 @@ func (a *agent) waitReady(timeout time.Duration) time.Duration {
 	a.t.Helper()
 	start := time.Now()
 	if !testenv.WaitFor(timeout, func() bool {
-		select {
-		case err := <-a.done:
-			a.done <- err
-			a.t.Fatalf("agent exited: %v\n%s", err, a.stderr.tail(40))
-		default:
-		}
+		a.MustRun(a.t)
 		code, _ := a.get("/readyz")
 		return code == http.StatusOK
 	}) {
 		code, body := a.get("/readyz")
-		a.t.Fatalf("agent not ready within %v: %d %s\n%s", timeout, code, body, a.stderr.tail(40))
+		a.t.Fatalf("agent not ready within %v: %d %s\n%s", timeout, code, body, a.Log.Tail(40))
 	}
 	return time.Since(start)
 }
@@ -260,38 +189,16 @@ func (a *agent) ask(from, name string, qtype uint16) string {
 // took after since.
 func (a *agent) waitAnswer(since time.Time, name string, qtype uint16, want string, timeout time.Duration) time.Duration {
 	a.t.Helper()
-	deadline := time.Now().Add(timeout)
-	for {
-		got := a.ask("", name, qtype)
-		if got == want {
-			return time.Since(since)
-		}
-		if time.Now().After(deadline) {
-			a.t.Fatalf("%s %s = %q, want %q within %v", name, dns.TypeToString[qtype], got, want, timeout)
-		}
-		time.Sleep(2 * time.Millisecond)
+	var got string
+	var at time.Duration
+	// A short interval: the time it returns is what the tests measure.
+	if !testenv.Poll(timeout, 2*time.Millisecond, func() bool {
+		got, at = a.ask("", name, qtype), time.Since(since)
+		return got == want
+	}) {
+		a.t.Fatalf("%s %s = %q, want %q within %v", name, dns.TypeToString[qtype], got, want, timeout)
 	}
-}
-
-type logBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (l *logBuffer) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.Write(p)
-}
-
-func (l *logBuffer) tail(n int) string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	lines := strings.Split(l.b.String(), "\n")
-	if len(lines) > n {
-		lines = lines[len(lines)-n:]
-	}
-	return strings.Join(lines, "\n")
+	return at
 }
 
 func percentile(ds []time.Duration, p float64) time.Duration {

@@ -57,6 +57,15 @@ func TestRecords(t *testing.T) {
 			Labels: map[string]string{"app": "db"}, IPs: []string{p.ip}, Ready: p.ready, Hostname: p.hostname, Subdomain: "db"})
 	}
 	c.WaitReadyEndpoints(t, "default", "db", 2)
+	// "all" publishes not-ready addresses: its slice must hold all three
+	// before the agent reads it (the controller writes it on its own time).
+	c.WaitEndpointSlices(t, "default", "all", func(slices []discoveryv1.EndpointSlice) bool {
+		n := 0
+		for _, s := range slices {
+			n += len(s.Endpoints)
+		}
+		return n == 3
+	})
 
 	a := startAgent(t, c, node)
 	t.Logf("ready after %v", a.waitReady(60*time.Second))

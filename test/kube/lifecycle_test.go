@@ -99,8 +99,8 @@ func (l *lifecycleNode) dig() string {
 
 func (l *lifecycleNode) waitAnswering(a *nodeAgent) {
 	l.t.Helper()
-	if !testenv.WaitFor(30*time.Second, func() bool { a.checkRunning(l.t); return l.dig() == l.web }) {
-		l.t.Fatalf("the agent never answered through capture\n%s", a.log.tail(40))
+	if !testenv.WaitFor(30*time.Second, func() bool { a.MustRun(l.t); return l.dig() == l.web }) {
+		l.t.Fatalf("the agent never answered through capture\n%s", a.Log.Tail(40))
 	}
 }
 
@@ -147,14 +147,14 @@ func TestUninstallLeavesNothingRestartKeepsPins(t *testing.T) {
 	l := newLifecycleNode(t)
 	a := l.startPod("meshdns-ebpf-a")
 	l.waitAnswering(a)
-	if _, ok := a.stop(syscall.SIGTERM, 20*time.Second); !ok {
-		t.Fatalf("the agent did not stop\n%s", a.log.tail(40))
+	if _, ok := a.SignalAndWait(syscall.SIGTERM, 20*time.Second); !ok {
+		t.Fatalf("the agent did not stop\n%s", a.Log.Tail(40))
 	}
 	left := l.leftovers()
 	t.Logf("after a restart's SIGTERM: %v", left)
-	if !strings.Contains(a.log.tail(200), "stopping for a restart") || !strings.Contains(strings.Join(left, "\n"), "pin: ") ||
+	if !strings.Contains(a.Log.Tail(200), "stopping for a restart") || !strings.Contains(strings.Join(left, "\n"), "pin: ") ||
 		!strings.Contains(strings.Join(left, "\n"), "program attached") {
-		t.Errorf("a restart must leave the programs attached and pinned for the next agent: %v\n%s", left, a.log.tail(40))
+		t.Errorf("a restart must leave the programs attached and pinned for the next agent: %v\n%s", left, a.Log.Tail(40))
 	}
 
 	links := 0
@@ -166,8 +166,8 @@ func TestUninstallLeavesNothingRestartKeepsPins(t *testing.T) {
 	l.c.DeletePod(t, agentNS, "meshdns-ebpf-a")
 	b := l.startPod("meshdns-ebpf-b")
 	l.waitAnswering(b)
-	if want := fmt.Sprintf("adopted_links=%d ", links); links == 0 || !strings.Contains(b.log.tail(400), want) {
-		t.Errorf("the next agent did not adopt the %d pinned links (want %q in its log)\n%s", links, want, b.log.tail(40))
+	if want := fmt.Sprintf("adopted_links=%d ", links); links == 0 || !strings.Contains(b.Log.Tail(400), want) {
+		t.Errorf("the next agent did not adopt the %d pinned links (want %q in its log)\n%s", links, want, b.Log.Tail(40))
 	}
 
 	// kubectl delete -k: the namespace first, the roles next, then the pods
@@ -179,15 +179,15 @@ func TestUninstallLeavesNothingRestartKeepsPins(t *testing.T) {
 	}
 	l.revoke()
 	stopped := time.Now()
-	if _, ok := b.stop(syscall.SIGTERM, 20*time.Second); !ok {
-		t.Fatalf("the agent did not stop\n%s", b.log.tail(40))
+	if _, ok := b.SignalAndWait(syscall.SIGTERM, 20*time.Second); !ok {
+		t.Fatalf("the agent did not stop\n%s", b.Log.Tail(40))
 	}
 	t.Logf("uninstall: the agent stopped %v after its SIGTERM", time.Since(stopped).Round(time.Millisecond))
 	if left := l.leftovers(); len(left) > 0 {
-		t.Errorf("an uninstall left: %v\n%s", left, b.log.tail(40))
+		t.Errorf("an uninstall left: %v\n%s", left, b.Log.Tail(40))
 	}
-	if !strings.Contains(b.log.tail(400), "uninstall") {
-		t.Errorf("the agent did not say it uninstalls\n%s", b.log.tail(40))
+	if !strings.Contains(b.Log.Tail(400), "uninstall") {
+		t.Errorf("the agent did not say it uninstalls\n%s", b.Log.Tail(40))
 	}
 	if got := l.dig(); got != "NXDOMAIN" {
 		t.Errorf("after the uninstall a query got %q, want NXDOMAIN from the cluster DNS", got)
@@ -227,18 +227,18 @@ func TestDeletedAgentPodHandsOverToItsReplacement(t *testing.T) {
 
 	l.c.DeletePodGracefully(t, agentNS, "meshdns-ebpf-a")
 	l.c.CreatePod(t, kubetest.Pod{Namespace: agentNS, Name: "meshdns-ebpf-b", Node: node, Controller: l.ref})
-	if err := a.cmd.Process.Signal(syscall.SIGTERM); err != nil {
+	if err := a.Signal(syscall.SIGTERM); err != nil {
 		t.Fatal(err)
 	}
 	signalled := time.Now()
 	// The replacement's container starts a moment later.
-	if !testenv.WaitFor(10*time.Second, func() bool { return strings.Contains(a.log.tail(100), "a replacement pod is starting") }) {
-		t.Errorf("the agent did not wait for its replacement\n%s", a.log.tail(40))
+	if !testenv.WaitFor(10*time.Second, func() bool { return strings.Contains(a.Log.Tail(100), "a replacement pod is starting") }) {
+		t.Errorf("the agent did not wait for its replacement\n%s", a.Log.Tail(40))
 	}
 	time.Sleep(time.Second) // the kubelet starting the new container: what the old agent must bridge
 	b := l.runAgent("meshdns-ebpf-b")
-	if _, ok := a.stop(0, 45*time.Second); !ok {
-		t.Fatalf("the old agent did not exit within the grace period\n%s", a.log.tail(40))
+	if _, ok := a.Wait(45 * time.Second); !ok {
+		t.Fatalf("the old agent did not exit within the grace period\n%s", a.Log.Tail(40))
 	}
 	t.Logf("the old agent exited %v after its SIGTERM", time.Since(signalled).Round(time.Millisecond))
 	l.waitAnswering(b)
@@ -249,7 +249,7 @@ func TestDeletedAgentPodHandsOverToItsReplacement(t *testing.T) {
 		t.Errorf("through the deletion: %d answered by the cluster DNS, %d lost, %d by an agent; want all by an agent",
 			got["NXDOMAIN"], got[""], got[l.web])
 	}
-	if !strings.Contains(b.log.tail(400), "took over from the previous agent") {
-		t.Errorf("the replacement did not take over from the old agent\n%s", b.log.tail(40))
+	if !strings.Contains(b.Log.Tail(400), "took over from the previous agent") {
+		t.Errorf("the replacement did not take over from the old agent\n%s", b.Log.Tail(40))
 	}
 }

@@ -24,6 +24,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 
+	"github.com/meshdns/meshdns-ebpf/internal/agenttest"
 	"github.com/meshdns/meshdns-ebpf/internal/kubetest"
 )
 
@@ -139,7 +140,7 @@ func startRemote(t *testing.T, local *cluster) *cluster {
 // cli runs the meshdns-ebpf CLI and returns its stdout.
 func cli(t *testing.T, args ...string) string {
 	t.Helper()
-	cmd := exec.Command(buildAgent(t), args...)
+	cmd := exec.Command(agenttest.Agent(t), args...)
 	var out, errb bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &out, &errb
 	if err := cmd.Run(); err != nil {
@@ -261,7 +262,7 @@ func (a *agent) queryWhile(qs ...query) func() (sent, failed int64, failures []s
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			tick := time.NewTicker(5 * time.Millisecond)
+			tick := time.NewTicker(5 * time.Millisecond) // the queries' pace
 			defer tick.Stop()
 			for {
 				select {

@@ -133,7 +133,8 @@ func TestRemoteClusters(t *testing.T) {
 	if code, body := a.get("/readyz"); code != http.StatusOK {
 		t.Errorf("/readyz during the remote outage = %d %s, want 200", code, body)
 	}
-	// Keep querying through a few seconds of outage.
+	// Keep querying through a few seconds of outage (the fault's duration, not
+	// a wait: flow's queries run meanwhile).
 	time.Sleep(2 * time.Second)
 	m.east.StartAPIServer(t)
 	if !testenv.WaitFor(10*time.Second, func() bool { return a.metric(`meshdns_names_source_stale_seconds{source="cluster/east"}`) == 0 }) {

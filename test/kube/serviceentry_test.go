@@ -11,6 +11,7 @@ import (
 	"github.com/miekg/dns"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 
+	"github.com/meshdns/meshdns-ebpf/internal/agenttest"
 	"github.com/meshdns/meshdns-ebpf/internal/kubetest"
 	"github.com/meshdns/meshdns-ebpf/internal/testenv"
 )
@@ -31,23 +32,7 @@ func TestServiceEntries(t *testing.T) {
 	c.CreatePod(t, kubetest.Pod{Namespace: "team-b", Name: "client", Node: node, IPs: []string{"127.0.0.3"}, Ready: true})
 	web := c.CreateService(t, kubetest.Service{Namespace: "default", Name: "web"})
 
-	createSE(t, c, "infra", "addr", map[string]any{"hosts": strs("api.example.com"), "resolution": "DNS",
-		"addresses": strs("192.0.2.10", "2001:db8::10"), "ports": []any{map[string]any{"number": int64(443), "name": "https", "protocol": "TLS"}}})
-	createSE(t, c, "infra", "status", map[string]any{"hosts": strs("status.example.com"), "resolution": "DNS",
-		"ports": []any{map[string]any{"number": int64(80), "name": "http", "protocol": "HTTP"}}})
-	createSE(t, c, "infra", "vip", map[string]any{"hosts": strs("vip.example.com", "vip.example.org"), "resolution": "DNS",
-		"ports": []any{map[string]any{"number": int64(80), "name": "http", "protocol": "HTTP"}}})
-	createSE(t, c, "infra", "none", map[string]any{"hosts": strs("none.example.com"), "resolution": "NONE",
-		"ports": []any{map[string]any{"number": int64(80), "name": "http", "protocol": "HTTP"}}})
-	createSE(t, c, "team-a", "private", map[string]any{"hosts": strs("private.example.com"), "resolution": "STATIC",
-		"addresses": strs("192.0.2.20"), "exportTo": strs("."),
-		"endpoints": []any{map[string]any{"address": "192.0.2.21"}},
-		"ports":     []any{map[string]any{"number": int64(80), "name": "http", "protocol": "HTTP"}}})
-	createSE(t, c, "infra", "wild", map[string]any{"hosts": strs("*.wild.example.com"), "resolution": "NONE",
-		"addresses": strs("192.0.2.30"), "ports": []any{map[string]any{"number": int64(443), "name": "tls", "protocol": "TLS"}}})
-	createSE(t, c, "default", "web", map[string]any{"hosts": strs("web.default.svc.cluster.local"), "resolution": "STATIC",
-		"addresses": strs("192.0.2.99"), "endpoints": []any{map[string]any{"address": "192.0.2.98"}},
-		"ports": []any{map[string]any{"number": int64(80), "name": "http", "protocol": "HTTP"}}})
+	createServiceEntries(t, c)
 
 	a := startAgent(t, c, node)
 	t.Logf("ready after %v", a.waitReady(60*time.Second).Round(time.Millisecond))
@@ -115,6 +100,35 @@ func TestServiceEntries(t *testing.T) {
 	took = a.waitAnswer(start, "web.default.svc.cluster.local.", dns.TypeA, "192.0.2.99", 5*time.Second)
 	t.Logf("Service deleted -> the ServiceEntry of its host answers in %v", took.Round(time.Millisecond))
 
+	checkServiceEntryTable(t, a, vipV4, vipV6)
+}
+
+// createServiceEntries makes TestServiceEntries' entries: addresses in spec,
+// in status (written later), a VIP of ours, resolution NONE, exportTo ".", a
+// wildcard host, and one of a Service's host.
+func createServiceEntries(t *testing.T, c *cluster) {
+	createSE(t, c, "infra", "addr", map[string]any{"hosts": strs("api.example.com"), "resolution": "DNS",
+		"addresses": strs("192.0.2.10", "2001:db8::10"), "ports": []any{map[string]any{"number": int64(443), "name": "https", "protocol": "TLS"}}})
+	createSE(t, c, "infra", "status", map[string]any{"hosts": strs("status.example.com"), "resolution": "DNS",
+		"ports": []any{map[string]any{"number": int64(80), "name": "http", "protocol": "HTTP"}}})
+	createSE(t, c, "infra", "vip", map[string]any{"hosts": strs("vip.example.com", "vip.example.org"), "resolution": "DNS",
+		"ports": []any{map[string]any{"number": int64(80), "name": "http", "protocol": "HTTP"}}})
+	createSE(t, c, "infra", "none", map[string]any{"hosts": strs("none.example.com"), "resolution": "NONE",
+		"ports": []any{map[string]any{"number": int64(80), "name": "http", "protocol": "HTTP"}}})
+	createSE(t, c, "team-a", "private", map[string]any{"hosts": strs("private.example.com"), "resolution": "STATIC",
+		"addresses": strs("192.0.2.20"), "exportTo": strs("."),
+		"endpoints": []any{map[string]any{"address": "192.0.2.21"}},
+		"ports":     []any{map[string]any{"number": int64(80), "name": "http", "protocol": "HTTP"}}})
+	createSE(t, c, "infra", "wild", map[string]any{"hosts": strs("*.wild.example.com"), "resolution": "NONE",
+		"addresses": strs("192.0.2.30"), "ports": []any{map[string]any{"number": int64(443), "name": "tls", "protocol": "TLS"}}})
+	createSE(t, c, "default", "web", map[string]any{"hosts": strs("web.default.svc.cluster.local"), "resolution": "STATIC",
+		"addresses": strs("192.0.2.99"), "endpoints": []any{map[string]any{"address": "192.0.2.98"}},
+		"ports": []any{map[string]any{"number": int64(80), "name": "http", "protocol": "HTTP"}}})
+}
+
+// checkServiceEntryTable: what `meshdns-ebpf table` and the ndsz views show
+// of the ServiceEntries.
+func checkServiceEntryTable(t *testing.T, a *agent, vipV4, vipV6 string) {
 	// What `meshdns-ebpf table` shows.
 	t.Logf("meshdns-ebpf table --source serviceentries:\n%s", cli(t, "table", "--admin", a.admin, "--source", "serviceentries"))
 	var entries []struct {
@@ -214,7 +228,7 @@ func TestServiceEntryVIPStable(t *testing.T) {
 	y := startAgent(t, c, node)
 	y.waitReady(60 * time.Second)
 	check("Y (listed all at start)", slots(y))
-	x.stop()
+	x.Stop(agenttest.StopGrace)
 	x2 := startAgent(t, c, node)
 	x2.waitReady(60 * time.Second)
 	check("X restarted", slots(x2))

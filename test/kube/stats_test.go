@@ -13,6 +13,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/meshdns/meshdns-ebpf/internal/agenttest"
 	"github.com/meshdns/meshdns-ebpf/internal/kubetest"
 	"github.com/meshdns/meshdns-ebpf/internal/testenv"
 )
@@ -40,7 +41,7 @@ func TestStatsNamePods(t *testing.T) {
 	nodeNS.IP(t, "addr", "add", "169.254.53.1/32", "dev", "lo")
 	testenv.StartFakeDNS(t, nodeNS, "169.254.53.1:53", upstreamNames)
 	a := startNodeAgent(t, c, nodeNS, cg, "--nameservers", "10.96.0.10", "--upstream", "169.254.53.1", "--admin", "127.0.0.1:19155")
-	stateDir, bpffs, bin := a.stateDir, a.bpffs, buildAgent(t)
+	stateDir, bpffs, bin := a.stateDir, a.bpffs, agenttest.Agent(t)
 
 	// dig from a pod's cgroup to the captured nameserver.
 	dig := func(cgDir string) string {
@@ -60,7 +61,7 @@ func TestStatsNamePods(t *testing.T) {
 		return strings.TrimSpace(out.String())
 	}
 	if !testenv.WaitFor(30*time.Second, func() bool {
-		a.checkRunning(t)
+		a.MustRun(t)
 		return dig(cgA) == web.Spec.ClusterIP
 	}) {
 		t.Fatalf("no answer through the agent")

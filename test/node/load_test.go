@@ -5,7 +5,6 @@ import (
 	"context"
 	"fmt"
 	"io"
-	"os/exec"
 	"sort"
 	"strconv"
 	"strings"
@@ -14,8 +13,8 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/meshdns/meshdns-ebpf/internal/agenttest"
 	"github.com/meshdns/meshdns-ebpf/internal/nodetest"
-	"github.com/meshdns/meshdns-ebpf/internal/testenv"
 )
 
 // The load of the rollout and restart checks: 2,000 lookups/s from the client
@@ -57,11 +56,9 @@ func loadClients() []loadClient {
 }
 
 type runningClient struct {
+	*agenttest.Process
 	c     loadClient
-	cmd   *exec.Cmd
 	stdin io.WriteCloser
-	out   *testenv.SyncBuffer
-	done  chan error
 }
 
 // load is the running load.
@@ -106,25 +103,20 @@ func startLoad(t *testing.T, n *nodetest.Node, rate float64, targets []string) *
 		if err != nil {
 			t.Fatal(err)
 		}
-		rc := &runningClient{c: c, cmd: cmd, stdin: stdin, out: &testenv.SyncBuffer{}, done: make(chan error, 1)}
-		cmd.Stdout, cmd.Stderr = rc.out, rc.out
-		if err := cmd.Start(); err != nil {
-			t.Fatalf("start the %s load: %v", c.name, err)
-		}
-		go func() { rc.done <- cmd.Wait() }()
+		// Closing stdin stops it (kubectl exec -i); the cleanup kills it if
+		// that did not.
+		rc := &runningClient{c: c, stdin: stdin, Process: agenttest.Start(t, cmd, agenttest.Options{Unmanaged: true})}
 		t.Cleanup(func() {
 			_ = stdin.Close()
-			select {
-			case <-rc.done:
-			case <-time.After(30 * time.Second):
-				_ = cmd.Process.Kill()
+			if _, ok := rc.Wait(30 * time.Second); !ok {
+				rc.Kill()
 			}
 		})
 		l.clients = append(l.clients, rc)
 	}
 	for _, rc := range l.clients {
-		if !testenv.WaitFor(30*time.Second, func() bool { return strings.Contains(rc.out.String(), "START") }) {
-			t.Fatalf("the %s load did not start:\n%s", rc.c.name, rc.out.String())
+		if !rc.Log.WaitFor("START", 30*time.Second) {
+			t.Fatalf("the %s load did not start:\n%s", rc.c.name, rc.Log.String())
 		}
 	}
 	return l
@@ -138,16 +130,14 @@ func (l *load) stop() loadResult {
 	}
 	r := loadResult{sent: map[string]int{}, summaries: map[string]string{}}
 	for _, rc := range l.clients {
-		select {
-		case err := <-rc.done:
-			rc.done <- err
-			if err != nil {
-				l.t.Errorf("the %s load: %v\n%s", rc.c.name, err, tail(rc.out.String(), 20))
-			}
-		case <-time.After(60 * time.Second):
+		err, ok := rc.Wait(60 * time.Second)
+		if !ok {
 			l.t.Fatalf("the %s load did not stop", rc.c.name)
 		}
-		sc := bufio.NewScanner(strings.NewReader(rc.out.String()))
+		if err != nil {
+			l.t.Errorf("the %s load: %v\n%s", rc.c.name, err, tail(rc.Log.String(), 20))
+		}
+		sc := bufio.NewScanner(strings.NewReader(rc.Log.String()))
 		for sc.Scan() {
 			f := strings.Fields(sc.Text())
 			switch {
@@ -165,7 +155,7 @@ func (l *load) stop() loadResult {
 			}
 		}
 		if _, ok := r.summaries[rc.c.name]; !ok {
-			l.t.Errorf("the %s load printed no summary:\n%s", rc.c.name, tail(rc.out.String(), 20))
+			l.t.Errorf("the %s load printed no summary:\n%s", rc.c.name, tail(rc.Log.String(), 20))
 		}
 	}
 	return r

@@ -1,5 +1,5 @@
 // Package overload runs the agent binary inside a memory cgroup limited to the
-// DaemonSet's 256 MiB and overloads it as issue 13 describes: large upstream answers,
+// DaemonSet's 256 MiB and overloads it: large upstream answers,
 // thousands of reconnecting TCP clients, thousands of slow upstream misses. For each it
 // proves that the agent stays under the limit (alive, no OOM kill), keeps answering
 // in-table queries (p99 printed) and keeps serving /metrics.
@@ -16,18 +16,16 @@ import (
 	"net/http"
 	"net/netip"
 	"os"
-	"os/exec"
 	"path/filepath"
-	"runtime"
 	"strings"
 	"sync"
 	"sync/atomic"
-	"syscall"
 	"testing"
 	"time"
 
 	"github.com/miekg/dns"
 
+	"github.com/meshdns/meshdns-ebpf/internal/agenttest"
 	"github.com/meshdns/meshdns-ebpf/internal/dnsfake"
 	"github.com/meshdns/meshdns-ebpf/internal/testenv"
 )
@@ -42,47 +40,23 @@ const (
 type agent struct {
 	t       *testing.T
 	cg      *testenv.MemCgroup
-	cmd     *exec.Cmd
+	proc    *agenttest.Process
 	dnsAddr string
 	admin   string
 	up      *dnsfake.Server
-	exited  chan error
-	stderr  *lockedBuffer
-}
-
-type lockedBuffer struct {
-	mu sync.Mutex
-	b  strings.Builder
-}
-
-func (l *lockedBuffer) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	if l.b.Len() < 1<<20 {
-		l.b.Write(p)
-	}
-	return len(p), nil
-}
-
-func (l *lockedBuffer) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.String()
 }
 
 func agentBinary(t *testing.T) string {
 	if p := os.Getenv("OVERLOAD_AGENT"); p != "" {
 		return p
 	}
-	bin := filepath.Join(t.TempDir(), "meshdns-ebpf")
-	_, file, _, _ := runtime.Caller(0)
-	cmd := exec.Command("go", "build", "-o", bin, "./cmd/meshdns-ebpf")
-	cmd.Dir = filepath.Join(filepath.Dir(file), "..", "..")
-	cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
-	if out, err := cmd.CombinedOutput(); err != nil {
-		t.Fatalf("build agent: %v\n%s", err, out)
-	}
-	return bin
+	return agenttest.Agent(t)
+}
+
+func TestMain(m *testing.M) {
+	code := m.Run()
+	agenttest.RemoveBinaries()
+	os.Exit(code)
 }
 
 // upstreamAnswers: big*.test TXT: ~64 KiB (truncated over UDP, whole over TCP);
@@ -128,42 +102,17 @@ func startAgent(t *testing.T) *agent {
 	if err := os.WriteFile(names, []byte(namesYAML), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	a := &agent{t: t, cg: cg, up: up, exited: make(chan error, 1), stderr: &lockedBuffer{}}
+	a := &agent{t: t, cg: cg, up: up}
 	a.dnsAddr = fmt.Sprintf("127.0.0.1:%d", testenv.FreePort(t))
 	a.admin = fmt.Sprintf("127.0.0.1:%d", testenv.FreePort(t))
 	argv := cg.JoinCommand(bin, "run", "--mode", "off", "--listen", a.dnsAddr, "--upstream", up.Addr.String(),
 		"--names", names, "--admin", a.admin, "--authoritative=true", "--state-dir", dir, "--log-level", "warn")
-	a.cmd = exec.Command(argv[0], argv[1:]...)
-	a.cmd.Stderr = a.stderr
-	a.cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
-	if err := a.cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	go func() { a.exited <- a.cmd.Wait() }()
-	t.Cleanup(func() {
-		_ = a.cmd.Process.Signal(syscall.SIGTERM)
-		select {
-		case <-a.exited:
-		case <-time.After(10 * time.Second):
-			_ = a.cmd.Process.Kill()
-			<-a.exited
-		}
-	})
-	deadline := time.Now().Add(20 * time.Second)
-	for {
-		if code, _ := a.get("/readyz", time.Second); code == http.StatusOK {
-			break
-		}
-		select {
-		case err := <-a.exited:
-			t.Fatalf("agent exited at start: %v\n%s", err, a.stderr.String())
-		default:
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("agent not ready within 20 s\n%s", a.stderr.String())
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
+	a.proc = agenttest.Start(t, agenttest.Command(argv[0], argv[1:]...), agenttest.Options{Log: &agenttest.Log{Max: 1 << 20}})
+	testenv.Eventually(t, 20*time.Second, func() bool {
+		a.proc.MustRun(t)
+		code, _ := a.get("/readyz", time.Second)
+		return code == http.StatusOK
+	}, "agent not ready within 20 s\n%s", a.proc.Log)
 	cg.ResetPeak()
 	return a
 }
@@ -229,7 +178,7 @@ func (a *agent) probe(stop <-chan struct{}) *probeResult {
 			select {
 			case <-stop:
 				return
-			case <-time.After(200 * time.Millisecond):
+			case <-time.After(200 * time.Millisecond): // the scraper's pace
 			}
 			r.scrapes++
 			if code, err := a.get("/metrics", 3*time.Second); err != nil || code != http.StatusOK {
@@ -253,13 +202,7 @@ func (a *agent) during(what string, load func()) {
 	close(stop)
 	r := <-res
 	peak, fails, ooms := a.cg.Int("memory.max_usage_in_bytes"), a.cg.Int("memory.failcnt"), a.cg.OOMKills()
-	alive := true
-	select {
-	case err := <-a.exited:
-		alive = false
-		a.exited <- err
-	default:
-	}
+	alive := !a.proc.Exited()
 	if mstats, err := a.metrics("go_memstats_heap_inuse_bytes", "go_memstats_heap_sys_bytes", "process_resident_memory_bytes", "meshdns_cache_bytes", "meshdns_cache_entries"); err == nil {
 		t.Logf("%s: agent after the load: %s", what, mstats)
 	}
@@ -267,7 +210,7 @@ func (a *agent) during(what string, load func()) {
 		what, el.Round(time.Millisecond), float64(peak)/(1<<20), limit>>20, fails, ooms, alive,
 		len(r.Latencies), r.Lost, r.Percentile(0.5).Round(time.Microsecond), r.Percentile(0.99).Round(time.Microsecond), r.scrapeFails, r.scrapes)
 	if !alive || ooms > 0 {
-		t.Fatalf("%s: the agent did not survive (alive %v, OOM kills %d)\n%s", what, alive, ooms, a.stderr.String())
+		t.Fatalf("%s: the agent did not survive (alive %v, OOM kills %d)\n%s", what, alive, ooms, a.proc.Log.String())
 	}
 	if peak >= limit {
 		t.Errorf("%s: peak memory %d reached the %d limit", what, peak, limit)
@@ -301,7 +244,7 @@ func tcpQuery(c net.Conn, name string, qtype uint16, id uint16) (*dns.Msg, error
 	return resp, resp.Unpack(b)
 }
 
-// Issue 13 (4): 10,500 names whose answers are 64 KiB (fetched over TCP) asked over TCP.
+// 10,500 names whose answers are 64 KiB (fetched over TCP) asked over TCP.
 func TestLargeAnswers(t *testing.T) {
 	a := startAgent(t)
 	const names, workers = 10500, 32
@@ -352,7 +295,7 @@ func TestLargeAnswers(t *testing.T) {
 	}
 }
 
-// Issue 13 (4): 5,000 TCP clients that connect, query, stay, and reconnect.
+// 5,000 TCP clients that connect, query, stay, and reconnect.
 func TestReconnectingTCPClients(t *testing.T) {
 	a := startAgent(t)
 	const clients = 5000
@@ -368,7 +311,7 @@ func TestReconnectingTCPClients(t *testing.T) {
 					c, err := net.DialTimeout("tcp", a.dnsAddr, 5*time.Second)
 					if err != nil {
 						failed.Add(1)
-						time.Sleep(100 * time.Millisecond)
+						time.Sleep(100 * time.Millisecond) // the client's backoff before it reconnects (load pacing)
 						continue
 					}
 					_ = c.SetDeadline(time.Now().Add(5 * time.Second))
@@ -393,7 +336,7 @@ func TestReconnectingTCPClients(t *testing.T) {
 	}
 }
 
-// Issue 13 (4): 10,000 simultaneous distinct slow (2 s) misses from 100 clients.
+// 10,000 simultaneous distinct slow (2 s) misses from 100 clients.
 func TestSlowMisses(t *testing.T) {
 	a := startAgent(t)
 	var flood *dnsfake.Flood

@@ -28,7 +28,6 @@ import (
 	"time"
 
 	"github.com/miekg/dns"
-	"github.com/prometheus/client_golang/prometheus"
 )
 
 var (
@@ -426,6 +425,3 @@ func (f *Forwarder) newEntry(key cacheKey, h uint64, resp *dns.Msg) (*entry, err
 	e.exp = f.now() + int64(ttl)
 	return e, nil
 }
-
-// Collectors returns the metric collectors, for callers that register them elsewhere.
-func (f *Forwarder) Collectors() []prometheus.Collector { return f.m.collectors }

@@ -49,17 +49,28 @@ type target struct {
 	want netip.Addr
 }
 
-func main() {
-	rate := flag.Float64("r", 100, "lookups per second, in total")
-	workers := flag.Int("t", 8, "goroutines")
-	dur := flag.Duration("d", time.Hour, "how long")
-	raw := flag.Bool("raw", false, "send the queries directly to -server and count servfail and lost apart")
-	server := flag.String("server", "", "with -raw: nameserver ip:port")
-	timeout := flag.Duration("timeout", 3*time.Second, "with -raw: how long to wait for an answer")
-	unconnected := flag.Bool("unconnected", false, "with -raw: send from an unconnected socket and count replies from another source")
-	watchStdin := flag.Bool("i", false, "also stop at the end of standard input")
+// config is what the flags and arguments say.
+type config struct {
+	rate             float64
+	workers          int
+	dur, timeout     time.Duration
+	raw, unconnected bool
+	server           string
+	watchStdin       bool
+	targets          []target
+}
+
+func parseFlags() config {
+	var c config
+	flag.Float64Var(&c.rate, "r", 100, "lookups per second, in total")
+	flag.IntVar(&c.workers, "t", 8, "goroutines")
+	flag.DurationVar(&c.dur, "d", time.Hour, "how long")
+	flag.BoolVar(&c.raw, "raw", false, "send the queries directly to -server and count servfail and lost apart")
+	flag.StringVar(&c.server, "server", "", "with -raw: nameserver ip:port")
+	flag.DurationVar(&c.timeout, "timeout", 3*time.Second, "with -raw: how long to wait for an answer")
+	flag.BoolVar(&c.unconnected, "unconnected", false, "with -raw: send from an unconnected socket and count replies from another source")
+	flag.BoolVar(&c.watchStdin, "i", false, "also stop at the end of standard input")
 	flag.Parse()
-	var targets []target
 	for _, a := range flag.Args() {
 		name, ip, ok := strings.Cut(a, "=")
 		want, err := netip.ParseAddr(ip)
@@ -67,110 +78,136 @@ func main() {
 			fmt.Fprintf(os.Stderr, "goload: bad target %s\n", a)
 			os.Exit(2)
 		}
-		targets = append(targets, target{name, want})
+		c.targets = append(c.targets, target{name, want})
 	}
-	if len(targets) == 0 {
+	if len(c.targets) == 0 {
 		fmt.Fprintln(os.Stderr, "goload: need name=ip arguments")
 		os.Exit(2)
 	}
+	return c
+}
+
+// load is one run: its configuration and what its lookups saw.
+type load struct {
+	config
+	sent, ok, wrong, nx, failed, servfail, lost, wrongSrc atomic.Int64
+	mu                                                    sync.Mutex // one FAIL line at a time
+}
+
+func main() {
+	l := &load{config: parseFlags()}
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
 	defer stop()
-	ctx, cancel := context.WithTimeout(ctx, *dur)
+	ctx, cancel := context.WithTimeout(ctx, l.dur)
 	defer cancel()
-	if *watchStdin {
+	if l.watchStdin {
 		go func() {
 			_, _ = io.Copy(io.Discard, os.Stdin)
 			cancel()
 		}()
 	}
-	var sent, ok, wrong, nx, failed, servfail, lost, wrongSrc atomic.Int64
-	var mu sync.Mutex
-	report := func(start, end int64, name, what string) {
-		mu.Lock()
-		fmt.Printf("FAIL %d %d %s %s\n", start, end, name, what)
-		mu.Unlock()
-	}
 	fmt.Printf("START %d\n", monotonic())
-	interval := time.Duration(float64(time.Second) * float64(*workers) / *rate)
+	interval := time.Duration(float64(time.Second) * float64(l.workers) / l.rate)
 	var wg sync.WaitGroup
-	for w := range *workers {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			next := time.Now().Add(interval * time.Duration(w) / time.Duration(*workers))
-			for i := w; ctx.Err() == nil; i++ {
-				time.Sleep(time.Until(next))
-				next = next.Add(interval)
-				t := targets[i%len(targets)]
-				name := t.name
-				if strings.Contains(name, "%d") {
-					name = fmt.Sprintf(name, w*100000000+i)
-				}
-				start := monotonic()
-				if *raw {
-					what := ""
-					if *unconnected {
-						var strays []string
-						what, strays = exchangeUnconnected(*server, name, t.want, *timeout)
-						for _, src := range strays {
-							wrongSrc.Add(1)
-							report(start, monotonic(), name, "wrongsrc:"+src)
-						}
-					} else {
-						what = exchange(*server, name, t.want, *timeout)
-					}
-					end := monotonic()
-					sent.Add(1)
-					switch what {
-					case "ok":
-						ok.Add(1)
-					case "servfail":
-						servfail.Add(1)
-						report(start, end, name, what)
-					case "nxdomain":
-						nx.Add(1)
-						report(start, end, name, what)
-					case "lost":
-						lost.Add(1)
-						report(start, end, name, what)
-					default:
-						wrong.Add(1)
-						report(start, end, name, what)
-					}
-					continue
-				}
-				// A Resolver per lookup: one Resolver merges concurrent lookups of a
-				// name into one query (singleflight), which would count one lost
-				// query as many failed lookups. Not bound to ctx: a lookup in flight
-				// at the stop finishes.
-				r := &net.Resolver{PreferGo: true}
-				ips, err := r.LookupNetIP(context.Background(), "ip4", name)
-				end := monotonic()
-				sent.Add(1)
-				var dnsErr *net.DNSError
-				switch {
-				case err == nil && len(ips) > 0 && ips[0].Unmap() == t.want:
-					ok.Add(1)
-				case err == nil:
-					wrong.Add(1)
-					report(start, end, name, fmt.Sprintf("wrong:%v", ips))
-				case errors.As(err, &dnsErr) && dnsErr.IsNotFound:
-					nx.Add(1)
-					report(start, end, name, "nxdomain")
-				default:
-					failed.Add(1)
-					report(start, end, name, strings.ReplaceAll(err.Error(), " ", "_"))
-				}
-			}
-		}()
+	for w := range l.workers {
+		wg.Go(func() { l.worker(ctx, w, interval) })
 	}
 	wg.Wait()
-	if *raw {
+	l.summary()
+}
+
+// worker looks targets up in turn, one every interval (offset by its share of
+// it), until ctx ends.
+func (l *load) worker(ctx context.Context, w int, interval time.Duration) {
+	next := time.Now().Add(interval * time.Duration(w) / time.Duration(l.workers))
+	for i := w; ctx.Err() == nil; i++ {
+		time.Sleep(time.Until(next)) // the load's pace
+		next = next.Add(interval)
+		t := l.targets[i%len(l.targets)]
+		name := t.name
+		if strings.Contains(name, "%d") {
+			name = fmt.Sprintf(name, w*100000000+i)
+		}
+		if l.raw {
+			l.rawLookup(name, t.want)
+		} else {
+			l.goLookup(name, t.want)
+		}
+	}
+}
+
+// rawLookup sends the query itself and counts its outcome.
+func (l *load) rawLookup(name string, want netip.Addr) {
+	start := monotonic()
+	what := ""
+	if l.unconnected {
+		var strays []string
+		what, strays = exchangeUnconnected(l.server, name, want, l.timeout)
+		for _, src := range strays {
+			l.wrongSrc.Add(1)
+			l.report(start, monotonic(), name, "wrongsrc:"+src)
+		}
+	} else {
+		what = exchange(l.server, name, want, l.timeout)
+	}
+	end := monotonic()
+	l.sent.Add(1)
+	switch what {
+	case "ok":
+		l.ok.Add(1)
+		return
+	case "servfail":
+		l.servfail.Add(1)
+	case "nxdomain":
+		l.nx.Add(1)
+	case "lost":
+		l.lost.Add(1)
+	default:
+		l.wrong.Add(1)
+	}
+	l.report(start, end, name, what)
+}
+
+// goLookup looks name up with Go's resolver and counts its outcome.
+func (l *load) goLookup(name string, want netip.Addr) {
+	start := monotonic()
+	// A Resolver per lookup: one Resolver merges concurrent lookups of a
+	// name into one query (singleflight), which would count one lost
+	// query as many failed lookups. Not bound to ctx: a lookup in flight
+	// at the stop finishes.
+	r := &net.Resolver{PreferGo: true}
+	ips, err := r.LookupNetIP(context.Background(), "ip4", name)
+	end := monotonic()
+	l.sent.Add(1)
+	var dnsErr *net.DNSError
+	switch {
+	case err == nil && len(ips) > 0 && ips[0].Unmap() == want:
+		l.ok.Add(1)
+	case err == nil:
+		l.wrong.Add(1)
+		l.report(start, end, name, fmt.Sprintf("wrong:%v", ips))
+	case errors.As(err, &dnsErr) && dnsErr.IsNotFound:
+		l.nx.Add(1)
+		l.report(start, end, name, "nxdomain")
+	default:
+		l.failed.Add(1)
+		l.report(start, end, name, strings.ReplaceAll(err.Error(), " ", "_"))
+	}
+}
+
+func (l *load) report(start, end int64, name, what string) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	fmt.Printf("FAIL %d %d %s %s\n", start, end, name, what)
+}
+
+func (l *load) summary() {
+	if l.raw {
 		fmt.Printf("SUMMARY sent=%d ok=%d wrong=%d nxdomain=%d failed=%d servfail=%d lost=%d wrongsrc=%d\n",
-			sent.Load(), ok.Load(), wrong.Load(), nx.Load(), servfail.Load()+lost.Load(), servfail.Load(), lost.Load(), wrongSrc.Load())
+			l.sent.Load(), l.ok.Load(), l.wrong.Load(), l.nx.Load(), l.servfail.Load()+l.lost.Load(), l.servfail.Load(), l.lost.Load(), l.wrongSrc.Load())
 		return
 	}
-	fmt.Printf("SUMMARY sent=%d ok=%d wrong=%d nxdomain=%d failed=%d\n", sent.Load(), ok.Load(), wrong.Load(), nx.Load(), failed.Load())
+	fmt.Printf("SUMMARY sent=%d ok=%d wrong=%d nxdomain=%d failed=%d\n", l.sent.Load(), l.ok.Load(), l.wrong.Load(), l.nx.Load(), l.failed.Load())
 }
 
 // exchangeUnconnected is exchange from an unconnected socket: it reads until a

@@ -1,0 +1,7 @@
+package agenttest
+
+import "syscall"
+
+func dieWithParent() *syscall.SysProcAttr {
+	return &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+}

@@ -1,0 +1,7 @@
+//go:build !linux
+
+package agenttest
+
+import "syscall"
+
+func dieWithParent() *syscall.SysProcAttr { return &syscall.SysProcAttr{} }
