@@ -14,7 +14,7 @@ import (
 	"github.com/meshdns/meshdns-ebpf/internal/testenv"
 )
 
-// The istiod run (issue 25): N Services on one API server with a real
+// The istiod run: N Services on one API server with a real
 // istiod (pilot-discovery, internal/kubetest) on it. The agent runs once
 // with the Kubernetes source (--kubeconfig) and once with the NDS source
 // alone (--istiod, plaintext, one view), each measured for time to ready,
@@ -134,7 +134,7 @@ func sequentialUpdates(t *testing.T, cp *kubetest.ControlPlane, addr string, hea
 // renderIstiod prints the istiod run.
 func renderIstiod(rs []istiodResult, s settings) string {
 	var b strings.Builder
-	fmt.Fprintf(&b, "\n## NDS source (istiod) beside the Kubernetes source (issue 25)\n\n")
+	fmt.Fprintf(&b, "\n## NDS source (istiod) beside the Kubernetes source\n\n")
 	if len(rs) == 0 {
 		return b.String()
 	}

@@ -19,7 +19,7 @@ import (
 	"github.com/meshdns/meshdns-ebpf/internal/testenv"
 )
 
-// The mesh run (issue 12): N Istio ServiceEntries in the local cluster
+// The mesh run: N Istio ServiceEntries in the local cluster
 // (one in five without addresses, so the agent allocates its VIP) plus N
 // Services split over the local and a remote cluster (a second API server
 // on the same etcd, read through --remote-kubeconfigs). It measures the
@@ -221,7 +221,7 @@ func entryChurn(ctx context.Context, t *testing.T, cp *kubetest.ControlPlane, ad
 // renderMesh prints the mesh run beside the single-cluster meshdns rows.
 func renderMesh(m meshResult, rs []result) string {
 	var b strings.Builder
-	fmt.Fprintf(&b, "\n## Mesh: ServiceEntries and two clusters (issue 12)\n\n")
+	fmt.Fprintf(&b, "\n## Mesh: ServiceEntries and two clusters\n\n")
 	fmt.Fprintf(&b, "meshdns with `--kubeconfig` (local cluster, Istio's ServiceEntry CRD installed) and `--remote-kubeconfigs` (a second kube-apiserver on the same etcd). "+
 		"%d ServiceEntries in the local cluster (one in five without addresses: %d VIPs allocated by the agent), %d Services split over the two clusters (one in %d headless, one ready endpoint each). "+
 		"Updates: ServiceEntry `spec.addresses` changes and the remote cluster's headless EndpointSlice changes, %d/s each at once for %v; update -> answer timed from the API write's return (polled every 1 ms). "+

@@ -11,6 +11,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/meshdns/meshdns-ebpf/internal/kubetest"
+	"github.com/meshdns/meshdns-ebpf/internal/testenv"
 )
 
 // The pod a bound service account token names.
@@ -62,21 +63,10 @@ func startWatch(t *testing.T, cp *kubetest.ControlPlane, ns, pod string) *Watch 
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { w.Close() })
-	if !kubetestWait(func() bool { return w.synced() }) {
+	if !testenv.WaitFor(kubetest.WaitTimeout, func() bool { return w.synced() }) {
 		t.Fatalf("the watches did not sync: %v", w.errs)
 	}
 	return w
-}
-
-func kubetestWait(cond func() bool) bool {
-	deadline := time.Now().Add(kubetest.WaitTimeout)
-	for !cond() {
-		if time.Now().After(deadline) {
-			return false
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
-	return true
 }
 
 func verdict(t *testing.T, w *Watch) Verdict {
@@ -114,7 +104,7 @@ func TestVerdicts(t *testing.T) {
 				t.Errorf("a pod of the daemonset starts on the node: %+v, want successor agent-b", v)
 			}
 			cp.DeletePodGracefully(t, ns, "agent-b")
-			if !kubetestWait(func() bool { return w.verdict().Successor == "" }) {
+			if !testenv.WaitFor(kubetest.WaitTimeout, func() bool { return w.verdict().Successor == "" }) {
 				t.Errorf("the replacement is being deleted too: %+v, want no successor", w.verdict())
 			}
 			if v := verdict(t, w); v.Successor != "" || v.Uninstall {

@@ -719,7 +719,7 @@ func containsString(list []string, s string) bool {
 	return false
 }
 
-// Issue 13: 70,000 captured sockets open at once (more than the 65,536 entries
+// 70,000 captured sockets open at once (more than the 65,536 entries
 // the old LRU map held) all keep their state: each socket connects (redirected,
 // state recorded), and once all of them are connected each sends its query;
 // every reply comes from the nameserver the socket asked.

@@ -176,7 +176,7 @@ const probeEnv = "MESHDNS_REDIRECT_PROBE_PROGRAMS"
 
 // The programs load with CAP_BPF and CAP_NET_ADMIN only: without CAP_PERFMON
 // the verifier applies its Spectre hardening (no variable offsets into map
-// values), and the agent must not need more (issue 13).
+// values), and the agent must not need more.
 func TestProgramsLoadWithLeastPrivilege(t *testing.T) {
 	testenv.RequirePrivileged(t, "setpriv")
 	for _, caps := range [][]string{{"bpf", "net_admin"}, {"net_admin"}} {

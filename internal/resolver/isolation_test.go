@@ -13,7 +13,7 @@ import (
 	"github.com/meshdns/meshdns-ebpf/internal/metrictest"
 )
 
-// Issue 13 (9): during 10,000 simultaneous distinct slow (2 s) upstream misses from 100
+// During 10,000 simultaneous distinct slow (2 s) upstream misses from 100
 // clients, in-table queries are all answered, and every flood query gets an answer
 // within 5 s: the upstream's, or at once a SERVFAIL/REFUSED when over a bound.
 func TestSlowMissesDoNotStarveTable(t *testing.T) {

@@ -85,9 +85,8 @@ type Config struct {
 	// readers use the netpoller). The process should then run with
 	// GOMAXPROCS of at least that + 1, so one P stays free for everything
 	// else (upstream queries, TCP, metrics, GC): a reader's wake-up then
-	// never hands its P over nor wakes the runtime's monitor thread.
-	// Measured at 20k QPS on one core: 0.005 instead of 0.2 monitor sleeps
-	// per query and 12 instead of 17 µs of CPU per query. The resolver does
+	// never hands its P over nor wakes the runtime's monitor thread (its
+	// cost is in bench/RESULTS.md, "Resolver core"). The resolver does
 	// not set GOMAXPROCS itself: it is the process's setting (the agent's,
 	// internal/agent/tune.go).
 	OnReaders func(blocking int)

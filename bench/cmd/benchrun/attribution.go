@@ -516,7 +516,7 @@ func attrMedian(runs []attrRun, key func(*attrRun) float64) float64 {
 func (b *bench) renderAttribution(w *strings.Builder) {
 	p := func(format string, a ...any) { fmt.Fprintf(w, format, a...) }
 	a := b.attribution
-	p("\n## Attribution cost: who asked (issue 23)\n\n")
+	p("\n## Attribution cost: who asked\n\n")
 	if b.cfg.attrRounds == 0 {
 		p("Not run (-attribution-rounds 0).\n")
 		return
@@ -567,13 +567,13 @@ func (b *bench) renderAttribution(w *strings.Builder) {
 	}
 }
 
-// renderAttrTargets prints issue 23's cost targets, judged per scenario on the
+// renderAttrTargets prints attribution's cost targets, judged per scenario on the
 // medians (and, for the pairs, on each round's pair).
 func (b *bench) renderAttrTargets(w *strings.Builder) {
 	p := func(format string, a ...any) { fmt.Fprintf(w, format, a...) }
 	a := b.attribution
 	usq := func(r *attrRun) float64 { return r.usPerQuery() }
-	p("\n### Targets (issue 23)\n\n")
+	p("\n### Targets: attribution cost\n\n")
 	for _, t := range []struct {
 		variant string
 		limit   float64

@@ -411,10 +411,10 @@ func rcodeMix(m map[string]uint64) string {
 	return strings.Join(parts, ", ")
 }
 
-// renderTargets checks the issue's targets for meshdns.
+// renderTargets checks the latency and datapath targets for meshdns.
 func (b *bench) renderTargets(w *strings.Builder) {
 	p := func(format string, a ...any) { fmt.Fprintf(w, format, a...) }
-	p("### Targets (issue 5)\n\n")
+	p("### Targets: latency and datapath\n\n")
 	sub := b.result("meshdns")
 	if sub == nil {
 		p("- NOT MEASURED: meshdns did not run (%s).\n", b.skipReason("meshdns"))
@@ -478,11 +478,11 @@ func (b *bench) renderFloor(w *strings.Builder) {
 	}
 }
 
-// renderTargets14 checks issue 14's targets (the resolver core) for meshdns
+// renderTargets14 checks the resolver core's targets (CPU per query, tail) for meshdns
 // against the C peers of this run.
 func (b *bench) renderTargets14(w *strings.Builder, sub *peerResult) {
 	p := func(format string, a ...any) { fmt.Fprintf(w, format, a...) }
-	p("\n### Targets (issue 14)\n\n")
+	p("\n### Targets: resolver core\n\n")
 	for _, peer := range []string{"unbound", "dnsmasq"} {
 		pr := b.result(peer)
 		if pr == nil {

@@ -245,7 +245,7 @@ func TestRenderTargets14(t *testing.T) {
 	b.results = []peerResult{{peer: peer{name: "meshdns"}, scen: mesh}, {peer: peer{name: "unbound"}, scen: unbound}}
 	out := b.render()
 	wantLines(t, out,
-		"### Targets (issue 14)",
+		"### Targets: resolver core",
 		"- in-table: CPU/query @20000 QPS <= unbound's: PASS (12.0 vs 15.0 µs, 0.80x)",
 		"- cached forward: CPU/query @20000 QPS <= unbound's: **FAIL** (16.0 vs 15.0 µs, 1.07x)",
 		"- CPU/query @20000 QPS <= dnsmasq's: NOT MEASURED (dnsmasq not run)",

@@ -403,7 +403,7 @@ func TestCachedWire(t *testing.T) {
 	}
 }
 
-// Issue 13: the cache is capped in bytes. Large answers (64 KiB over TCP) cannot make
+// The cache is capped in bytes. Large answers (64 KiB over TCP) cannot make
 // it grow past CacheBytes, however many names are asked.
 func TestCacheBytesCap(t *testing.T) {
 	const records = 400 // ~ 400 x 60-byte TXT = 24 KiB per answer

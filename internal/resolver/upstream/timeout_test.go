@@ -13,7 +13,7 @@ import (
 	"github.com/meshdns/meshdns-ebpf/internal/metrictest"
 )
 
-// Issue 13 (7): an upstream slower than the first attempt's timeout is still answered
+// An upstream slower than the first attempt's timeout is still answered
 // (a retry keeps listening for the first query's reply), within the total budget, and
 // it stays healthy.
 func TestSlowUpstreamAnswered(t *testing.T) {
@@ -39,7 +39,7 @@ func TestSlowUpstreamAnswered(t *testing.T) {
 	}
 }
 
-// Issue 13 (7): one lost reply does not mark the upstream down; the retry is answered.
+// One lost reply does not mark the upstream down; the retry is answered.
 func TestOneLostReplyKeepsUpstreamHealthy(t *testing.T) {
 	var n atomic.Int64
 	answer := answerA(300)
