@@ -16,6 +16,8 @@ repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 mod="$repo/tools/istiod"
 
 log() { printf 'build-istiod: %s\n' "$*" >&2; }
+# shellcheck source=lib/cachedir.sh
+. "$repo/scripts/lib/cachedir.sh"
 
 export PATH="$PATH:/usr/local/go/bin"
 export GOTOOLCHAIN=local GOWORK=off CGO_ENABLED=0
@@ -33,21 +35,9 @@ stamp() {
 		cat "$mod/go.mod" "$mod/go.sum"
 	} | sha256sum | cut -d' ' -f1
 }
-up_to_date() { [ -x "$out/pilot-discovery" ] && [ -f "$out/.stamp" ] && [ "$(cat "$out/.stamp")" = "$want" ]; }
-
-mkdir -p "$out"
+bins=(pilot-discovery)
 want="$(stamp)"
-if up_to_date; then
-	log "up to date in $out (istio $version)"
-	exit 0
-fi
-exec 9>"$out/.lock"
-flock 9
-if up_to_date; then
-	log "up to date in $out (built by a concurrent run)"
-	exit 0
-fi
-rm -f "$out/.stamp"
+cache_claim "istio $version"
 
 start=$(date +%s)
 log "building pilot-discovery (istio.io/istio $version) ..."

@@ -27,6 +27,8 @@ target="${1:-control-plane}"
 case "$target" in control-plane|node) ;; *) echo "usage: $0 [control-plane|node]" >&2; exit 2 ;; esac
 
 log() { printf 'build-kube: %s\n' "$*" >&2; }
+# shellcheck source=lib/cachedir.sh
+. "$repo/scripts/lib/cachedir.sh"
 
 export PATH="$PATH:/usr/local/go/bin"
 export GOTOOLCHAIN=local GOWORK=off CGO_ENABLED=0
@@ -76,27 +78,9 @@ stamp() {
 	} | sha256sum | cut -d' ' -f1
 }
 
-up_to_date() {
-	local b
-	for b in "${bins[@]}"; do [ -x "$out/$b" ] || return 1; done
-	[ -f "$out/.stamp" ] && [ "$(cat "$out/.stamp")" = "$want" ]
-}
-
-mkdir -p "$out"
 want="$(stamp)"
-if up_to_date; then
-	log "up to date in $out ($target: kubernetes $kube_version, etcd $etcd_version, containerd $containerd_version)"
-	exit 0
-fi
-
 # One builder at a time per output directory (two `make test` sharing MESHDNS_KUBE_BIN).
-exec 9>"$out/.lock"
-flock 9
-if up_to_date; then
-	log "up to date in $out (built by a concurrent run)"
-	exit 0
-fi
-rm -f "$out/.stamp"
+cache_claim "$target: kubernetes $kube_version, etcd $etcd_version, containerd $containerd_version"
 
 # The replace list must be exactly the staging modules k8s.io/kubernetes replaces with
 # ./staging/src/..., each at the matching v0 version; otherwise a bump silently builds

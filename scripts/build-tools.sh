@@ -17,6 +17,8 @@ helm_mod="$repo/tools/helm"
 prom_mod="$repo/tools/prom"
 
 log() { printf 'build-tools: %s\n' "$*" >&2; }
+# shellcheck source=lib/cachedir.sh
+. "$repo/scripts/lib/cachedir.sh"
 
 export PATH="$PATH:/usr/local/go/bin"
 export GOTOOLCHAIN=local GOWORK=off CGO_ENABLED=0
@@ -43,27 +45,8 @@ stamp() {
 	} | sha256sum | cut -d' ' -f1
 }
 
-up_to_date() {
-	local b
-	for b in "${bins[@]}"; do [ -x "$out/$b" ] || return 1; done
-	[ -f "$out/.stamp" ] && [ "$(cat "$out/.stamp")" = "$want" ]
-}
-
-mkdir -p "$out"
 want="$(stamp)"
-if up_to_date; then
-	log "up to date in $out (helm $helm_version, prometheus $prom_version)"
-	exit 0
-fi
-
-# One builder at a time per output directory.
-exec 9>"$out/.lock"
-flock 9
-if up_to_date; then
-	log "up to date in $out (built by a concurrent run)"
-	exit 0
-fi
-rm -f "$out/.stamp"
+cache_claim "helm $helm_version, prometheus $prom_version"
 
 build() { # build NAME DIR PACKAGE LDFLAGS: into a temporary name, renamed when complete
 	local name="$1" dir="$2" pkg="$3" ldflags="$4" start
