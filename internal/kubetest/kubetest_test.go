@@ -326,7 +326,9 @@ func TestChildrenDieWithTestBinary(t *testing.T) {
 	}
 	binDir(t) // skip (fail under CI) before spawning a helper that would skip
 	helper := exec.Command(os.Args[0], "-test.run=^TestChildrenDieWithTestBinary$", "-test.v")
-	helper.Env = append(os.Environ(), "KUBETEST_ORPHAN_HELPER=1")
+	// The killed helper runs no cleanup: its temporary directories (the control
+	// plane's data) go under ours, which this test removes.
+	helper.Env = append(os.Environ(), "KUBETEST_ORPHAN_HELPER=1", "TMPDIR="+t.TempDir())
 	out, err := helper.StdoutPipe()
 	if err != nil {
 		t.Fatal(err)
