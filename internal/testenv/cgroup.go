@@ -130,7 +130,7 @@ func sweepStaleCgroups(t testing.TB, root string) {
 			continue
 		}
 		path := filepath.Join(root, e.Name())
-		if err := removeCgroupDir(path); err != nil {
+		if err := RemoveCgroupTree(path); err != nil { // a node test's has its pods' below it
 			t.Logf("remove stale cgroup %s: %v", path, err)
 			continue
 		}

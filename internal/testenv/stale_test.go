@@ -17,14 +17,18 @@ import (
 const leakEnv = "MESHDNS_TESTENV_LEAK"
 
 // TestLeakHelper is not a test of its own: run by TestStaleLeftoversRemoved with
-// leakEnv set, it creates a netns and a cgroup, prints their names and kills
-// itself with SIGKILL, so its t.Cleanup never runs.
+// leakEnv set, it creates a netns and a cgroup with cgroups below it (as a
+// node's pods are), prints their names and kills itself with SIGKILL, so its
+// t.Cleanup never runs.
 func TestLeakHelper(t *testing.T) {
 	if os.Getenv(leakEnv) == "" {
 		t.Skip("helper process of TestStaleLeftoversRemoved")
 	}
 	ns := NewNetns(t, "mdt-leak")
 	cg := NewCgroup(t)
+	if err := os.MkdirAll(filepath.Join(cg.Path, "kubepods.slice", "pod.slice"), 0o755); err != nil {
+		t.Fatal(err)
+	}
 	fmt.Printf("LEAK %s %s\n", ns.Name, cg.Path)
 	_ = os.Stdout.Sync()
 	_ = syscall.Kill(os.Getpid(), syscall.SIGKILL)
@@ -50,7 +54,7 @@ func TestStaleLeftoversRemoved(t *testing.T) {
 	t.Cleanup(func() { // whatever the sweep misses, this test does not leave
 		_ = exec.Command("ip", "netns", "del", nsName).Run()
 		_ = os.RemoveAll(filepath.Join("/etc/netns", nsName))
-		_ = os.Remove(cgPath)
+		_ = RemoveCgroupTree(cgPath)
 	})
 	if _, err := os.Stat(filepath.Join("/run/netns", nsName)); err != nil {
 		t.Fatalf("the killed helper's netns %s is not there to sweep: %v", nsName, err)
