@@ -39,7 +39,7 @@ func TestLogTailAndWaitFor(t *testing.T) {
 
 func TestProcessOutputExitStatusAndStop(t *testing.T) {
 	p := Start(t, Command("sh", "-c", "echo started; exit 3"), Options{})
-	err, ok := p.Wait(10 * time.Second)
+	ok, err := p.Wait(10 * time.Second)
 	if !ok || err == nil || !strings.Contains(err.Error(), "exit status 3") {
 		t.Fatalf("Wait = %v, %v; want exit status 3", err, ok)
 	}
@@ -49,7 +49,7 @@ func TestProcessOutputExitStatusAndStop(t *testing.T) {
 
 	sleeper := Start(t, Command("sleep", "60"), Options{})
 	sleeper.MustRun(t)
-	if _, ok := sleeper.Wait(10 * time.Millisecond); ok {
+	if ok, _ := sleeper.Wait(10 * time.Millisecond); ok {
 		t.Fatal("a sleeping process reported as exited")
 	}
 	if err := sleeper.Stop(StopGrace); err == nil || !strings.Contains(err.Error(), "terminated") {
@@ -60,7 +60,7 @@ func TestProcessOutputExitStatusAndStop(t *testing.T) {
 	if !stubborn.Log.WaitFor("trapped", 10*time.Second) {
 		t.Fatal("the shell did not start")
 	}
-	if err, ok := stubborn.SignalAndWait(syscall.SIGTERM, 100*time.Millisecond); ok {
+	if ok, err := stubborn.SignalAndWait(syscall.SIGTERM, 100*time.Millisecond); ok {
 		t.Fatalf("a process ignoring SIGTERM exited: %v", err)
 	}
 	if err := stubborn.Stop(100 * time.Millisecond); err == nil || !strings.Contains(err.Error(), "killed") {

@@ -73,9 +73,9 @@ func (p *Process) Signal(sig syscall.Signal) error {
 }
 
 // SignalAndWait sends sig and waits up to d for the exit (Wait).
-func (p *Process) SignalAndWait(sig syscall.Signal, d time.Duration) (err error, ok bool) {
+func (p *Process) SignalAndWait(sig syscall.Signal, d time.Duration) (exited bool, err error) {
 	if err := p.Signal(sig); err != nil && !p.Exited() {
-		return err, false
+		return false, err
 	}
 	return p.Wait(d)
 }
@@ -90,16 +90,16 @@ func (p *Process) Exited() bool {
 	}
 }
 
-// Wait waits up to d for the process to exit and returns its exit status;
-// ok is false if it still runs.
-func (p *Process) Wait(d time.Duration) (err error, ok bool) {
+// Wait waits up to d for the process to exit and returns whether it did and
+// its exit status.
+func (p *Process) Wait(d time.Duration) (exited bool, err error) {
 	t := time.NewTimer(d)
 	defer t.Stop()
 	select {
 	case <-p.done:
-		return p.err, true
+		return true, p.err
 	case <-t.C:
-		return nil, false
+		return false, nil
 	}
 }
 
@@ -110,7 +110,7 @@ func (p *Process) Stop(grace time.Duration) error {
 		return p.err
 	}
 	_ = p.Signal(syscall.SIGTERM)
-	if err, ok := p.Wait(grace); ok {
+	if ok, err := p.Wait(grace); ok {
 		return err
 	}
 	p.Kill()

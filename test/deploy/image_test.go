@@ -312,7 +312,7 @@ func TestImageIptablesFallback(t *testing.T) {
 
 	ready := testenv.WaitFor(20*time.Second, func() bool { return proc.Exited() || readyzIn(ns, "127.0.0.1:9153") })
 	if !ready || proc.Exited() {
-		err, _ := proc.Wait(0)
+		_, err := proc.Wait(0)
 		t.Fatalf("the agent in the image did not become ready (exit: %v):\n%s", err, log.String())
 	}
 	checkShippedProbes(t, proc.Pid())
@@ -342,7 +342,7 @@ func TestImageIptablesFallback(t *testing.T) {
 	if err := cmd.Process.Signal(syscall.SIGTERM); err != nil {
 		t.Fatal(err)
 	}
-	if err, ok := proc.Wait(15 * time.Second); !ok {
+	if ok, err := proc.Wait(15 * time.Second); !ok {
 		t.Fatalf("agent did not stop on SIGTERM:\n%s", log.String())
 	} else if err != nil {
 		t.Fatalf("agent exited with %v on SIGTERM:\n%s", err, log.String())

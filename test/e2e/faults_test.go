@@ -82,7 +82,7 @@ func TestKillAndStopUnderLoad(t *testing.T) {
 	if err := victim.Signal(syscall.SIGKILL); err != nil {
 		t.Fatal(err)
 	}
-	if _, ok := victim.Wait(10 * time.Second); !ok {
+	if ok, _ := victim.Wait(10 * time.Second); !ok {
 		t.Fatal("the killed agent did not exit")
 	}
 	killed := monotonic() // the process and its sockets are gone
@@ -178,7 +178,7 @@ func TestPID1Restart(t *testing.T) {
 		if err := syscall.Kill(child, syscall.SIGKILL); err != nil {
 			t.Fatal(err)
 		}
-		if _, ok := p.Wait(10 * time.Second); !ok {
+		if ok, _ := p.Wait(10 * time.Second); !ok {
 			t.Fatal("unshare did not exit after its child was killed")
 		}
 		n.agent = nil
@@ -280,7 +280,7 @@ func TestHandoverFaults(t *testing.T) {
 		ld := n.startLoad(pod, 500)
 		old := n.agent
 		failing := n.spawn("ebpf", "--x-handover-fault", "successor")
-		if err, ok := failing.Wait(20 * time.Second); !ok || err == nil {
+		if ok, err := failing.Wait(20 * time.Second); !ok || err == nil {
 			t.Fatalf("the faulty successor did not exit with an error (%v); log:\n%s", err, n.stderr.String())
 		}
 		died := monotonic()
@@ -303,7 +303,7 @@ func TestHandoverFaults(t *testing.T) {
 		ld := n.startLoad(pod, 500)
 		old := n.agent
 		next := n.spawn("ebpf")
-		if _, ok := old.Wait(20 * time.Second); !ok {
+		if ok, _ := old.Wait(20 * time.Second); !ok {
 			t.Fatalf("the predecessor did not die")
 		}
 		died := monotonic()

@@ -206,7 +206,7 @@ func (n *node) waitAnswering(p *agenttest.Process) {
 		n.t.Fatalf("agent never answered %s through capture; agent log:\n%s", meshName, n.stderr.String())
 	}
 	if exited {
-		err, _ := p.Wait(0)
+		_, err := p.Wait(0)
 		n.t.Fatalf("agent exited during start (%v); log:\n%s", err, n.stderr.String())
 	}
 }
@@ -273,7 +273,7 @@ func (n *node) upgrade(mode string, extra ...string) {
 	if err := old.Signal(syscall.SIGTERM); err != nil {
 		n.t.Fatalf("SIGTERM the old agent: %v", err)
 	}
-	if err, ok := old.Wait(10 * time.Second); !ok || err != nil {
+	if ok, err := old.Wait(10 * time.Second); !ok || err != nil {
 		n.t.Fatalf("the old agent (pid %d) did not exit cleanly after the handover (%v); log:\n%s", old.Pid(), err, n.stderr.String())
 	}
 }
@@ -296,7 +296,7 @@ type agentState struct {
 // signal sends sig to the agent and, for SIGTERM, waits for it to exit.
 func (n *node) signal(sig syscall.Signal) error {
 	n.t.Helper()
-	err, ok := n.agent.SignalAndWait(sig, 10*time.Second)
+	ok, err := n.agent.SignalAndWait(sig, 10*time.Second)
 	if !ok {
 		if err != nil {
 			return err

@@ -164,11 +164,11 @@ func (n *node) kubeletUpgrade(pod shippedPod, old *container, extra ...string) (
 	if err := old.signal(syscall.SIGTERM); err != nil {
 		n.t.Fatalf("SIGTERM the old agent: %v", err)
 	}
-	if _, ok := old.Wait(pod.grace); !ok {
+	if ok, _ := old.Wait(pod.grace); !ok {
 		// Where it is stuck: a Go program dumps its goroutines on SIGQUIT.
 		fmt.Fprintf(n.stderr, "--- the old agent (pid %d) outlived the grace period: SIGQUIT\n", old.hostPID)
 		_ = old.signal(syscall.SIGQUIT)
-		if _, ok := old.Wait(5 * time.Second); !ok {
+		if ok, _ := old.Wait(5 * time.Second); !ok {
 			_ = old.signal(syscall.SIGKILL)
 			old.Wait(10 * time.Second)
 		}
@@ -259,7 +259,7 @@ func TestAgentPodDeletedOrKilledUnderLoad(t *testing.T) {
 		if tc.sig == syscall.SIGKILL {
 			// The kubelet restarts a container once it has exited; lookups sent
 			// until the process and its sockets are gone were in flight.
-			if _, ok := old.Wait(10 * time.Second); !ok {
+			if ok, _ := old.Wait(10 * time.Second); !ok {
 				t.Fatal("the killed agent did not exit")
 			}
 		}
@@ -267,7 +267,7 @@ func TestAgentPodDeletedOrKilledUnderLoad(t *testing.T) {
 		cur = n.startContainer()
 		n.agent = cur.Process
 		ready := n.waitProbe("readiness", pod.readiness, cur, 60*time.Second)
-		if _, ok := old.Wait(pod.grace); !ok {
+		if ok, _ := old.Wait(pod.grace); !ok {
 			t.Errorf("%s: the old agent outlived the grace period", tc.name)
 		}
 		n.waitRedirected(1000) // capturing again, through the new agent

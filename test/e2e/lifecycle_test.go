@@ -268,7 +268,7 @@ func (n *node) checkBadInput(t *testing.T, c badCase) {
 		cmd = n.withoutCgroup2Mount(t, args)
 	}
 	p := agenttest.Start(t, cmd, agenttest.Options{Unmanaged: true})
-	err, ok := p.Wait(20 * time.Second)
+	ok, err := p.Wait(20 * time.Second)
 	if !ok {
 		p.Kill()
 		t.Fatalf("agent kept running on bad input %v:\n%s", c.args, p.Log)

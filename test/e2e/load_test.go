@@ -127,7 +127,7 @@ func (l *load) stop() loadResult {
 	}
 	r := loadResult{perClient: map[string]string{}}
 	for _, c := range l.clients {
-		err, ok := c.Wait(30 * time.Second)
+		ok, err := c.Wait(30 * time.Second)
 		if !ok {
 			l.t.Fatalf("%s load did not stop", c.name)
 		}

@@ -147,7 +147,7 @@ func TestUninstallLeavesNothingRestartKeepsPins(t *testing.T) {
 	l := newLifecycleNode(t)
 	a := l.startPod("meshdns-ebpf-a")
 	l.waitAnswering(a)
-	if _, ok := a.SignalAndWait(syscall.SIGTERM, 20*time.Second); !ok {
+	if ok, _ := a.SignalAndWait(syscall.SIGTERM, 20*time.Second); !ok {
 		t.Fatalf("the agent did not stop\n%s", a.Log.Tail(40))
 	}
 	left := l.leftovers()
@@ -179,7 +179,7 @@ func TestUninstallLeavesNothingRestartKeepsPins(t *testing.T) {
 	}
 	l.revoke()
 	stopped := time.Now()
-	if _, ok := b.SignalAndWait(syscall.SIGTERM, 20*time.Second); !ok {
+	if ok, _ := b.SignalAndWait(syscall.SIGTERM, 20*time.Second); !ok {
 		t.Fatalf("the agent did not stop\n%s", b.Log.Tail(40))
 	}
 	t.Logf("uninstall: the agent stopped %v after its SIGTERM", time.Since(stopped).Round(time.Millisecond))
@@ -237,7 +237,7 @@ func TestDeletedAgentPodHandsOverToItsReplacement(t *testing.T) {
 	}
 	time.Sleep(time.Second) // the kubelet starting the new container: what the old agent must bridge
 	b := l.runAgent("meshdns-ebpf-b")
-	if _, ok := a.Wait(45 * time.Second); !ok {
+	if ok, _ := a.Wait(45 * time.Second); !ok {
 		t.Fatalf("the old agent did not exit within the grace period\n%s", a.Log.Tail(40))
 	}
 	t.Logf("the old agent exited %v after its SIGTERM", time.Since(signalled).Round(time.Millisecond))

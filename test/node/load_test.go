@@ -108,7 +108,7 @@ func startLoad(t *testing.T, n *nodetest.Node, rate float64, targets []string) *
 		rc := &runningClient{c: c, stdin: stdin, Process: agenttest.Start(t, cmd, agenttest.Options{Unmanaged: true})}
 		t.Cleanup(func() {
 			_ = stdin.Close()
-			if _, ok := rc.Wait(30 * time.Second); !ok {
+			if ok, _ := rc.Wait(30 * time.Second); !ok {
 				rc.Kill()
 			}
 		})
@@ -130,7 +130,7 @@ func (l *load) stop() loadResult {
 	}
 	r := loadResult{sent: map[string]int{}, summaries: map[string]string{}}
 	for _, rc := range l.clients {
-		err, ok := rc.Wait(60 * time.Second)
+		ok, err := rc.Wait(60 * time.Second)
 		if !ok {
 			l.t.Fatalf("the %s load did not stop", rc.c.name)
 		}
