@@ -16,14 +16,10 @@ repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 mod="$repo/tools/istiod"
 
 log() { printf 'build-istiod: %s\n' "$*" >&2; }
-# shellcheck source=lib/cachedir.sh
-. "$repo/scripts/lib/cachedir.sh"
+# shellcheck source=lib/toolbuild.sh
+. "$repo/scripts/lib/toolbuild.sh"
 
-export PATH="$PATH:/usr/local/go/bin"
-export GOTOOLCHAIN=local GOWORK=off CGO_ENABLED=0
-export GOFLAGS="-trimpath -buildvcs=false -mod=readonly"
-
-version="$(awk '$1 == "require" && $2 == "istio.io/istio" {print $3; exit} $1 == "istio.io/istio" && $2 ~ /^v/ {print $2; exit}' "$mod/go.mod")"
+version="$(modver "$mod/go.mod" istio.io/istio)"
 [ -n "$version" ] || { log "no 'require istio.io/istio vX' line in $mod/go.mod"; exit 1; }
 
 out="${MESHDNS_ISTIOD_BIN:-$repo/.cache/istiod-bin/$version}"

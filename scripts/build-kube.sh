@@ -27,18 +27,9 @@ target="${1:-control-plane}"
 case "$target" in control-plane|node) ;; *) echo "usage: $0 [control-plane|node]" >&2; exit 2 ;; esac
 
 log() { printf 'build-kube: %s\n' "$*" >&2; }
-# shellcheck source=lib/cachedir.sh
-. "$repo/scripts/lib/cachedir.sh"
+# shellcheck source=lib/toolbuild.sh
+. "$repo/scripts/lib/toolbuild.sh"
 
-export PATH="$PATH:/usr/local/go/bin"
-export GOTOOLCHAIN=local GOWORK=off CGO_ENABLED=0
-# -trimpath: the binaries do not depend on where the repo or the module cache live.
-export GOFLAGS="-trimpath -buildvcs=false -mod=readonly"
-
-# The versions come from the tools modules themselves, so a bump is one edit there.
-modver() { # modver GO.MOD MODULE: the required version, from a one-line or block require
-	awk -v m="$2" '$1 == "require" && $2 == m {print $3; exit} $1 == m && $2 ~ /^v/ {print $2; exit}' "$1"
-}
 kube_version="$(modver "$kube_mod/go.mod" k8s.io/kubernetes)"
 [ -n "$kube_version" ] || { log "no 'require k8s.io/kubernetes vX' line in $kube_mod/go.mod"; exit 1; }
 etcd_version="$(modver "$etcd_mod/go.mod" go.etcd.io/etcd/server/v3)"

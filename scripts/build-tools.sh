@@ -17,16 +17,9 @@ helm_mod="$repo/tools/helm"
 prom_mod="$repo/tools/prom"
 
 log() { printf 'build-tools: %s\n' "$*" >&2; }
-# shellcheck source=lib/cachedir.sh
-. "$repo/scripts/lib/cachedir.sh"
+# shellcheck source=lib/toolbuild.sh
+. "$repo/scripts/lib/toolbuild.sh"
 
-export PATH="$PATH:/usr/local/go/bin"
-export GOTOOLCHAIN=local GOWORK=off CGO_ENABLED=0
-export GOFLAGS="-trimpath -buildvcs=false -mod=readonly"
-
-modver() { # modver GO.MOD MODULE: the required version, from a one-line or block require
-	awk -v m="$2" '$1 == "require" && $2 == m {print $3; exit} $1 == m && $2 ~ /^v/ {print $2; exit}' "$1"
-}
 helm_version="$(modver "$helm_mod/go.mod" helm.sh/helm/v4)"
 prom_version="$(modver "$prom_mod/go.mod" github.com/prometheus/prometheus)"
 [ -n "$helm_version" ] || { log "no 'require helm.sh/helm/v4 vX' in $helm_mod/go.mod"; exit 1; }
