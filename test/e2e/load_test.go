@@ -1,11 +1,9 @@
 package e2e
 
 import (
-	"bufio"
 	"context"
 	"fmt"
 	"sort"
-	"strconv"
 	"strings"
 	"syscall"
 	"testing"
@@ -134,37 +132,19 @@ func (l *load) stop() loadResult {
 		if err != nil {
 			l.t.Fatalf("%s load: %v\n%s", c.name, err, c.Log.String())
 		}
-		sc := bufio.NewScanner(strings.NewReader(c.Log.String()))
-		for sc.Scan() {
-			f := strings.Fields(sc.Text())
-			switch {
-			case len(f) == 5 && f[0] == "FAIL":
-				start, _ := strconv.ParseInt(f[1], 10, 64)
-				end, _ := strconv.ParseInt(f[2], 10, 64)
-				r.fails = append(r.fails, loadFail{c.name, start, end, f[3], f[4]})
-			case len(f) > 0 && f[0] == "SUMMARY":
-				r.perClient[c.name] = strings.Join(f[1:], " ")
-				for _, kv := range f[1:] {
-					k, v, _ := strings.Cut(kv, "=")
-					x, _ := strconv.Atoi(v)
-					switch k {
-					case "sent":
-						r.sent += x
-					case "ok":
-						r.ok += x
-					case "wrong":
-						r.wrong += x
-					case "nxdomain":
-						r.nx += x
-					case "failed":
-						r.failed += x
-					case "servfail":
-						r.servfail += x
-					case "lost":
-						r.lost += x
-					}
-				}
-			}
+		out := agenttest.ParseLoadOutput(c.Log.String())
+		for _, f := range out.Fails {
+			r.fails = append(r.fails, loadFail{c.name, f.Start, f.End, f.Name, f.What})
+		}
+		if out.Summary != "" {
+			r.perClient[c.name] = out.Summary
+			r.sent += out.Counts["sent"]
+			r.ok += out.Counts["ok"]
+			r.wrong += out.Counts["wrong"]
+			r.nx += out.Counts["nxdomain"]
+			r.failed += out.Counts["failed"]
+			r.servfail += out.Counts["servfail"]
+			r.lost += out.Counts["lost"]
 		}
 		if _, ok := r.perClient[c.name]; !ok {
 			l.t.Fatalf("%s load printed no summary:\n%s", c.name, c.Log.String())

@@ -1,7 +1,6 @@
 package node
 
 import (
-	"bufio"
 	"context"
 	"fmt"
 	"io"
@@ -137,22 +136,13 @@ func (l *load) stop() loadResult {
 		if err != nil {
 			l.t.Errorf("the %s load: %v\n%s", rc.c.name, err, tail(rc.Log.String(), 20))
 		}
-		sc := bufio.NewScanner(strings.NewReader(rc.Log.String()))
-		for sc.Scan() {
-			f := strings.Fields(sc.Text())
-			switch {
-			case len(f) == 5 && f[0] == "FAIL":
-				start, _ := strconv.ParseInt(f[1], 10, 64)
-				end, _ := strconv.ParseInt(f[2], 10, 64)
-				r.failures = append(r.failures, lookup{rc.c.name, start, end, f[3], f[4]})
-			case len(f) > 0 && f[0] == "SUMMARY":
-				r.summaries[rc.c.name] = strings.Join(f[1:], " ")
-				for _, kv := range f[1:] {
-					if k, v, _ := strings.Cut(kv, "="); k == "sent" {
-						r.sent[rc.c.name], _ = strconv.Atoi(v)
-					}
-				}
-			}
+		out := agenttest.ParseLoadOutput(rc.Log.String())
+		for _, f := range out.Fails {
+			r.failures = append(r.failures, lookup{rc.c.name, f.Start, f.End, f.Name, f.What})
+		}
+		if out.Summary != "" {
+			r.summaries[rc.c.name] = out.Summary
+			r.sent[rc.c.name] = out.Counts["sent"]
 		}
 		if _, ok := r.summaries[rc.c.name]; !ok {
 			l.t.Errorf("the %s load printed no summary:\n%s", rc.c.name, tail(rc.Log.String(), 20))
