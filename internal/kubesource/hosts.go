@@ -28,7 +28,7 @@ func serviceHosts(domain string, svc *service, eps []*endpointSlice) []nametable
 	name := svc.name + "." + svc.namespace + ".svc." + domain
 	switch {
 	case svc.externalName != "":
-		return []nametable.Host{{Name: name, Kubernetes: true, CNAME: svc.externalName}}
+		return []nametable.Host{{Name: name, Kubernetes: true, Extra: &nametable.HostExtra{CNAME: svc.externalName}}}
 	case !svc.headless:
 		h := nametable.Host{Name: name, Kubernetes: true, Ports: hostPorts(svc.ports)}
 		if len(svc.clusterIPs) == 1 && svc.clusterIPs[0].Is4() {

@@ -52,8 +52,8 @@ func render(hs []nametable.Host) string {
 	var b strings.Builder
 	for _, h := range hs {
 		fmt.Fprintf(&b, "%s", h.Name)
-		if h.CNAME != "" {
-			fmt.Fprintf(&b, " CNAME %s", h.CNAME)
+		if h.CNAME() != "" {
+			fmt.Fprintf(&b, " CNAME %s", h.CNAME())
 		}
 		for _, a := range append(h.V4[:len(h.V4):len(h.V4)], h.V6...) {
 			fmt.Fprintf(&b, " %s", a)

@@ -26,7 +26,7 @@ func TestHeapPerService(t *testing.T) {
 	const n = 100000
 	// A little above what the compact objects, the sharded table and the
 	// shared endpoint addresses take (docs/testing.md has the figures).
-	const maxPerService = 1530
+	const maxPerService = 1380
 	runtime.GC()
 	var before, after runtime.MemStats
 	runtime.ReadMemStats(&before)

@@ -147,9 +147,9 @@ func diff(have, want []string, changed []string) (missing, extra []string) {
 // sorted.
 func tableNames(tab *nametable.Table) []string {
 	var out []string
-	tab.Each(func(n *nametable.Name) bool {
-		if strings.HasSuffix(n.Owner, ".svc.cluster.local.") || strings.HasSuffix(n.Owner, seDomain) {
-			out = append(out, n.Owner)
+	tab.Each(func(owner string, _ *nametable.Name) bool {
+		if strings.HasSuffix(owner, ".svc.cluster.local.") || strings.HasSuffix(owner, seDomain) {
+			out = append(out, owner)
 		}
 		return true
 	})

@@ -34,6 +34,10 @@ func entryHosts(se *serviceEntry) (hosts []nametable.Host, bad []error) {
 		return nil, nil
 	}
 	resolution := strings.ToUpper(se.resolution)
+	var extra *nametable.HostExtra // shared by the entry's hosts (the Builder copies it)
+	if visible != nil || se.order != "" {
+		extra = &nametable.HostExtra{Visible: visible, Order: se.order}
+	}
 	seen := map[string]bool{}
 	for _, raw := range se.hosts {
 		name, err := nametable.NormName(raw)
@@ -45,7 +49,7 @@ func entryHosts(se *serviceEntry) (hosts []nametable.Host, bad []error) {
 			continue
 		}
 		seen[name] = true
-		h := nametable.Host{Name: name, Visible: visible, Order: se.order}
+		h := nametable.Host{Name: name, Extra: extra}
 		wildcard := strings.HasPrefix(name, "*.")
 		switch {
 		case len(se.addrs) > 0:
@@ -72,7 +76,7 @@ func hasStatusAddrs(status []statusAddr, name string) bool {
 	return slices.ContainsFunc(status, func(s statusAddr) bool { return s.host == "" || s.host+"." == name })
 }
 
-// exportVisibility maps exportTo to nametable.Host.Visible: nil for every
+// exportVisibility maps exportTo to nametable.HostExtra.Visible: nil for every
 // client; hidden when the entry is exported nowhere.
 func exportVisibility(exportTo []string, namespace string) (visible []string, hidden bool) {
 	if len(exportTo) == 0 {

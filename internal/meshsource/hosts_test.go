@@ -50,8 +50,8 @@ func renderHosts(hs []nametable.Host) string {
 		if h.NeedVIP {
 			s += " VIP"
 		}
-		if h.Visible != nil {
-			s += " visible:" + strings.Join(h.Visible, ",")
+		if h.Visible() != nil {
+			s += " visible:" + strings.Join(h.Visible(), ",")
 		}
 		parts = append(parts, s)
 	}
@@ -171,8 +171,8 @@ func TestEntryHosts(t *testing.T) {
 				t.Errorf("bad = %q, want %q", got, tt.wantBad)
 			}
 			for _, h := range hosts {
-				if h.Order != "2025-03-04T05:06:07Z/0b6e2f1c-0000-4000-8000-000000000001" {
-					t.Errorf("order = %q", h.Order)
+				if h.Order() != "2025-03-04T05:06:07Z/0b6e2f1c-0000-4000-8000-000000000001" {
+					t.Errorf("order = %q", h.Order())
 				}
 			}
 		})

@@ -31,8 +31,8 @@ type Builder struct {
 	domain, svc string // "cluster.local.", ".svc.cluster.local."
 	ttl         uint32
 
-	prio    map[string]int                  // source -> priority
-	keys    map[string]map[string][]*Host   // source -> key -> hosts
+	sources map[string]*sourceRec           // name -> the source and its priority
+	keys    map[string]*objects             // source -> its object keys and their hosts
 	clients map[string]map[string]clientRec // source -> key -> client IPs
 	multi   map[string][]*Host              // name -> contributors, when more than one
 	shorts  map[string]shortRec             // "<short>." -> namespaces having it
@@ -49,7 +49,7 @@ type Builder struct {
 	w    struct {
 		names, wildcards, bare smapWriter[string, *Name]
 		ents                   smapWriter[string, struct{}]
-		ptr                    smapWriter[netip.Addr, ptrNames]
+		ptr                    smapWriter[addrKey, ptrNames]
 	}
 }
 
@@ -82,8 +82,8 @@ func NewBuilder(opts Options) (*Builder, error) {
 		domain:  domain,
 		svc:     ".svc." + domain,
 		ttl:     ttl,
-		prio:    map[string]int{},
-		keys:    map[string]map[string][]*Host{},
+		sources: map[string]*sourceRec{},
+		keys:    map[string]*objects{},
 		clients: map[string]map[string]clientRec{},
 		multi:   map[string][]*Host{},
 		shorts:  map[string]shortRec{},
@@ -95,7 +95,7 @@ func NewBuilder(opts Options) (*Builder, error) {
 		wildcards: newSmap[string, *Name](),
 		bare:      newSmap[string, *Name](),
 		ents:      newSmap[string, struct{}](),
-		ptr:       newSmap[netip.Addr, ptrNames](),
+		ptr:       newSmap[addrKey, ptrNames](),
 		domain:    domain,
 		svc:       b.svc,
 		ttl:       ttl,
@@ -109,15 +109,19 @@ func (b *Builder) Domain() string { return b.domain }
 
 // AddSource registers a source and its priority (higher wins).
 func (b *Builder) AddSource(name string, priority int) {
-	b.prio[name] = priority
+	if r := b.sources[name]; r != nil {
+		r.prio = priority // the tables only read the name
+	} else {
+		b.sources[name] = &sourceRec{name: name, prio: priority}
+	}
 	if b.keys[name] == nil {
-		b.keys[name] = map[string][]*Host{}
+		b.keys[name] = newObjects(0)
 		b.clients[name] = map[string]clientRec{}
 	}
 }
 
 // Objects is the number of object keys a source contributes hosts for.
-func (b *Builder) Objects(source string) int { return len(b.keys[source]) }
+func (b *Builder) Objects(source string) int { return b.keys[source].len() }
 
 // Set replaces the hosts the source's object key contributes; no hosts
 // removes the key. The Host values are copied, but the table may keep
@@ -125,7 +129,7 @@ func (b *Builder) Objects(source string) int { return len(b.keys[source]) }
 // after the call. A host that fails validation is an error and nothing
 // changes.
 func (b *Builder) Set(source, key string, hosts []Host) error {
-	if _, ok := b.prio[source]; !ok {
+	if _, ok := b.sources[source]; !ok {
 		return fmt.Errorf("nametable: unknown source %q", source)
 	}
 	nh := make([]*Host, 0, len(hosts))
@@ -135,11 +139,12 @@ func (b *Builder) Set(source, key string, hosts []Host) error {
 		if err := b.normalize(h); err != nil {
 			return fmt.Errorf("host %q: %w", hosts[i].Name, err)
 		}
-		h.Source, h.key = source, key
+		h.src, h.key = b.sources[source], key
 		nh = append(nh, h)
 	}
 	skeys := b.keys[source]
-	old := skeys[key]
+	var buf [1]*Host
+	old := skeys.hosts(key, &buf)
 	if len(old) == 0 && len(nh) == 0 {
 		return nil
 	}
@@ -179,11 +184,7 @@ func (b *Builder) Set(source, key string, hosts []Host) error {
 			b.link(h)
 		}
 	}
-	if len(nh) == 0 {
-		delete(skeys, key)
-	} else {
-		skeys[key] = nh
-	}
+	skeys.set(key, nh)
 	return nil
 }
 
@@ -221,7 +222,7 @@ func (b *Builder) SetClients(source, key string, ips []netip.Addr, ns string) er
 
 // RemoveSource drops everything a source contributed.
 func (b *Builder) RemoveSource(source string) {
-	for key := range b.keys[source] {
+	for key := range b.keys[source].keys() {
 		_ = b.Set(source, key, nil)
 	}
 	if len(b.clients[source]) > 0 {
@@ -229,7 +230,7 @@ func (b *Builder) RemoveSource(source string) {
 	}
 	delete(b.keys, source)
 	delete(b.clients, source)
-	delete(b.prio, source)
+	delete(b.sources, source)
 }
 
 // Changed reports whether anything changed since the last Publish.
@@ -300,7 +301,7 @@ func (b *Builder) mergeClients() map[netip.Addr]string {
 	}
 	best := map[netip.Addr]owner{}
 	for src, m := range b.clients {
-		p := b.prio[src]
+		p := b.sources[src].prio
 		for _, r := range m {
 			for _, ip := range r.ips {
 				if o, ok := best[ip]; !ok || p > o.prio || (p == o.prio && r.ns < o.ns) {
@@ -335,7 +336,7 @@ func (b *Builder) link(h *Host) {
 
 func (b *Builder) linkNames(h *Host) {
 	h.linked = true
-	h.self = Name{Owner: h.Name, Host: h}
+	h.self = Name{Host: h}
 	if !h.inDomain && h.soa == nil {
 		zone := strings.TrimPrefix(h.Name, "*.")
 		h.soa = b.newSOA(zone, 1)
@@ -344,7 +345,7 @@ func (b *Builder) linkNames(h *Host) {
 		b.vips.reserve(h, +1)
 	}
 	b.addName(h.Name, h)
-	for _, alt := range h.AltNames {
+	for _, alt := range h.AltNames() {
 		b.addName(alt, h)
 	}
 }
@@ -360,7 +361,7 @@ func (b *Builder) unlink(h *Host) {
 		return
 	}
 	b.removeName(h.Name, h)
-	for _, alt := range h.AltNames {
+	for _, alt := range h.AltNames() {
 		b.removeName(alt, h)
 	}
 	if h.AutoVIP {
@@ -427,7 +428,7 @@ func (b *Builder) single(x string, h *Host) *Name {
 	if x == h.Name {
 		return &h.self
 	}
-	return &Name{Owner: x, Host: h}
+	return &Name{Host: h}
 }
 
 // merge computes the entry of a name with several contributors (see the
@@ -446,7 +447,7 @@ func (b *Builder) merge(x string, list []*Host) *Name {
 		// before one visible to all: a client of such a namespace gets the
 		// host exported to it (a ServiceEntry of its own namespace), every
 		// other client the next one it sees.
-		pn, qn := p.Visible == nil, q.Visible == nil
+		pn, qn := p.Visible() == nil, q.Visible() == nil
 		vis := 0
 		if pn != qn {
 			vis = 1
@@ -454,7 +455,7 @@ func (b *Builder) merge(x string, list []*Host) *Name {
 				vis = -1
 			}
 		}
-		return cmp.Or(cmp.Compare(b.prio[q.Source], b.prio[p.Source]), vis, cmp.Compare(p.Source, q.Source),
+		return cmp.Or(cmp.Compare(q.src.prio, p.src.prio), vis, cmp.Compare(p.src.name, q.src.name),
 			cmp.Compare(p.Name, q.Name), cmp.Compare(p.key, q.key))
 	})
 	win := sorted[0]
@@ -491,12 +492,12 @@ func (b *Builder) merge(x string, list []*Host) *Name {
 			}
 		}
 		if merged != nil {
-			merged.self = Name{Owner: x, Host: merged}
+			merged.self = Name{Host: merged}
 			win = merged
 		}
 	}
-	head := &Name{Owner: x, Host: win}
-	if win.Visible == nil {
+	head := &Name{Host: win}
+	if win.Visible() == nil {
 		if win.Name == x && win.self.Host == win {
 			return &win.self
 		}
@@ -504,17 +505,18 @@ func (b *Builder) merge(x string, list []*Host) *Name {
 	}
 	// Clients that do not see the winner get the next host they see.
 	tail := head
-	seen := [][]string{win.Visible}
+	seen := [][]string{win.Visible()}
 	for _, h := range rest {
-		if h.Visible != nil && slices.ContainsFunc(seen, func(v []string) bool { return slices.Equal(v, h.Visible) }) {
+		vis := h.Visible()
+		if vis != nil && slices.ContainsFunc(seen, func(v []string) bool { return slices.Equal(v, vis) }) {
 			continue
 		}
-		tail.next = &Name{Owner: x, Host: h}
+		tail.next = &Name{Host: h}
 		tail = tail.next
-		if h.Visible == nil {
+		if vis == nil {
 			break
 		}
-		seen = append(seen, h.Visible)
+		seen = append(seen, vis)
 	}
 	return head
 }
@@ -578,7 +580,8 @@ func (b *Builder) index(x string, h *Host, d int32) {
 	}
 }
 
-func (b *Builder) ptrAdd(a netip.Addr, x string) {
+func (b *Builder) ptrAdd(addr netip.Addr, x string) {
+	a := keyOf(addr)
 	cur, _ := b.w.ptr.get(a)
 	names := cur.list()
 	i, found := slices.BinarySearch(names, x)
@@ -588,7 +591,8 @@ func (b *Builder) ptrAdd(a netip.Addr, x string) {
 	b.w.ptr.set(a, newPtrNames(slices.Insert(slices.Clone(names), i, x)))
 }
 
-func (b *Builder) ptrDel(a netip.Addr, x string) {
+func (b *Builder) ptrDel(addr netip.Addr, x string) {
+	a := keyOf(addr)
 	cur, _ := b.w.ptr.get(a)
 	names := cur.list()
 	i, found := slices.BinarySearch(names, x)

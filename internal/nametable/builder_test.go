@@ -44,7 +44,7 @@ func set(t testing.TB, b *Builder, src, key string, hosts ...Host) {
 func dump(tb *Table) string {
 	var lines []string
 	host := func(h *Host) string {
-		return fmt.Sprintf("%s src=%s v4=%v v6=%v cname=%s ports=%v vis=%v auto=%v", h.Name, h.Source, h.V4, h.V6, h.CNAME, h.Ports, h.Visible, h.AutoVIP)
+		return fmt.Sprintf("%s src=%s v4=%v v6=%v cname=%s ports=%v vis=%v auto=%v", h.Name, h.Source(), h.V4, h.V6, h.CNAME(), h.Ports, h.Visible(), h.AutoVIP)
 	}
 	chain := func(e *Name) string {
 		var parts []string
@@ -56,8 +56,8 @@ func dump(tb *Table) string {
 	tb.names.each(func(k string, e *Name) bool { lines = append(lines, "name "+k+" -> "+chain(e)); return true })
 	tb.wildcards.each(func(k string, e *Name) bool { lines = append(lines, "wild "+k+" -> "+chain(e)); return true })
 	tb.bare.each(func(k string, e *Name) bool { lines = append(lines, "bare "+k+" -> "+chain(e)); return true })
-	tb.ptr.each(func(k netip.Addr, v ptrNames) bool {
-		lines = append(lines, fmt.Sprintf("ptr %s -> %v", k, v.list()))
+	tb.ptr.each(func(k addrKey, v ptrNames) bool {
+		lines = append(lines, fmt.Sprintf("ptr %s -> %v", netip.AddrFrom16(k).Unmap(), v.list()))
 		return true
 	})
 	tb.ents.each(func(k string, _ struct{}) bool { lines = append(lines, "ent "+k); return true })
@@ -109,23 +109,23 @@ func randHost(rng *rand.Rand) Host {
 	h := Host{Name: svc + "." + ns + ".svc.cluster.local", Kubernetes: true}
 	switch rng.IntN(6) {
 	case 0: // external
-		h = Host{Name: fmt.Sprintf("e%d.example.com", rng.IntN(5)), NeedVIP: rng.IntN(2) == 0}
+		h = Host{Name: fmt.Sprintf("e%d.example.com", rng.IntN(5)), NeedVIP: rng.IntN(2) == 0, Extra: &HostExtra{}}
 		if rng.IntN(3) == 0 {
-			h.Visible = []string{ns}
+			h.Extra.Visible = []string{ns}
 		}
 		if rng.IntN(3) == 0 {
-			h.AltNames = []string{fmt.Sprintf("alt%d.example.com", rng.IntN(3))}
+			h.Extra.AltNames = []string{fmt.Sprintf("alt%d.example.com", rng.IntN(3))}
 		}
 	case 1: // headless endpoint
 		h = Host{Name: fmt.Sprintf("db-%d.%s.%s.svc.cluster.local", rng.IntN(2), svc, ns), Merge: true}
 	case 2:
 		h.Merge = true
 	case 3:
-		h.CNAME = "target.example.org"
+		h.Extra = &HostExtra{CNAME: "target.example.org"}
 	case 4:
 		h = Host{Name: fmt.Sprintf("*.w%d.example.com", rng.IntN(2))}
 	}
-	if h.CNAME == "" && !h.NeedVIP {
+	if h.CNAME() == "" && !h.NeedVIP {
 		for range rng.IntN(3) {
 			h.V4 = append(h.V4, netip.AddrFrom4([4]byte{10, 0, byte(rng.IntN(3)), byte(rng.IntN(4))}))
 		}
@@ -295,14 +295,14 @@ func TestVisibility(t *testing.T) {
 	if err := b.SetClients("kubernetes", "ns2/pod", []netip.Addr{ip("10.244.0.6")}, "ns2"); err != nil {
 		t.Fatal(err)
 	}
-	set(t, b, "serviceentries", "ns1/a", Host{Name: "api.example.com", V4: []netip.Addr{ip("192.0.2.1")}, Visible: []string{"ns1"}})
-	set(t, b, "serviceentries", "ns2/a", Host{Name: "api.example.com", V4: []netip.Addr{ip("192.0.2.2")}, Visible: []string{"ns2"}})
-	set(t, b, "serviceentries", "ns3/a", Host{Name: "only.example.com", V4: []netip.Addr{ip("192.0.2.3")}, Visible: []string{"ns3"}})
+	set(t, b, "serviceentries", "ns1/a", Host{Name: "api.example.com", V4: []netip.Addr{ip("192.0.2.1")}, Extra: &HostExtra{Visible: []string{"ns1"}}})
+	set(t, b, "serviceentries", "ns2/a", Host{Name: "api.example.com", V4: []netip.Addr{ip("192.0.2.2")}, Extra: &HostExtra{Visible: []string{"ns2"}}})
+	set(t, b, "serviceentries", "ns3/a", Host{Name: "only.example.com", V4: []netip.Addr{ip("192.0.2.3")}, Extra: &HostExtra{Visible: []string{"ns3"}}})
 	set(t, b, "serviceentries", "ns3/b", Host{Name: "all.example.com", V4: []netip.Addr{ip("192.0.2.4")}})
 	// Exported to all from ns0 (sorts first) and to its own namespace from
 	// ns1: ns1's clients get their own, everyone else the exported one.
 	set(t, b, "serviceentries", "ns0/c", Host{Name: "both.example.com", V4: []netip.Addr{ip("192.0.2.5")}})
-	set(t, b, "serviceentries", "ns1/c", Host{Name: "both.example.com", V4: []netip.Addr{ip("192.0.2.6")}, Visible: []string{"ns1"}})
+	set(t, b, "serviceentries", "ns1/c", Host{Name: "both.example.com", V4: []netip.Addr{ip("192.0.2.6")}, Extra: &HostExtra{Visible: []string{"ns1"}}})
 	tb := publish(t, b)
 	for _, tt := range []struct {
 		client, name, want string
@@ -369,7 +369,7 @@ func TestBareNamesAndENTs(t *testing.T) {
 func TestVIPSticky(t *testing.T) {
 	hosts := make([]Host, 200)
 	for i := range hosts {
-		hosts[i] = Host{Name: fmt.Sprintf("h%d.example.com", i), NeedVIP: true, Order: fmt.Sprintf("%05d", i)}
+		hosts[i] = Host{Name: fmt.Sprintf("h%d.example.com", i), NeedVIP: true, Extra: &HostExtra{Order: fmt.Sprintf("%05d", i)}}
 	}
 	vipsOf := func(tb *Table) map[string]netip.Addr {
 		m := map[string]netip.Addr{}
@@ -436,13 +436,13 @@ func TestVIPSticky(t *testing.T) {
 
 func TestCNAMEHost(t *testing.T) {
 	b := newTestBuilder(t, "kubernetes")
-	set(t, b, "kubernetes", "ns/ext", Host{Name: "ext.ns.svc.cluster.local", Kubernetes: true, CNAME: "Backend.Example.Org"})
+	set(t, b, "kubernetes", "ns/ext", Host{Name: "ext.ns.svc.cluster.local", Kubernetes: true, Extra: &HostExtra{CNAME: "Backend.Example.Org"}})
 	tb := publish(t, b)
 	n, _ := tb.Find("ext.ns.", netip.Addr{})
-	if n == nil || n.Host.CNAME != "backend.example.org." {
+	if n == nil || n.Host.CNAME() != "backend.example.org." {
 		t.Fatalf("ExternalName host: %+v", n)
 	}
-	if err := b.Set("kubernetes", "bad", []Host{{Name: "x.example.com", CNAME: "y.example.com", V4: []netip.Addr{ip("10.0.0.1")}}}); err == nil {
+	if err := b.Set("kubernetes", "bad", []Host{{Name: "x.example.com", Extra: &HostExtra{CNAME: "y.example.com"}, V4: []netip.Addr{ip("10.0.0.1")}}}); err == nil {
 		t.Fatalf("a CNAME host with addresses is accepted")
 	}
 }

@@ -57,7 +57,7 @@ func (c *Change) Empty() bool { return len(c.Set) == 0 && len(c.Gone) == 0 && !c
 // stay untouched. All hosts are validated first; on error nothing changes.
 func (b *Builder) Load(source string, hosts map[string]Host, clients map[netip.Addr]string) error {
 	c := &Change{Clients: clients, ClientsChanged: true}
-	for key := range b.keys[source] {
+	for key := range b.keys[source].keys() {
 		if _, ok := hosts[key]; !ok {
 			c.Gone = append(c.Gone, key)
 		}
@@ -84,7 +84,7 @@ func (b *Builder) Apply(source string, c *Change) error {
 // clients. It changes nothing in the Builder, and a change that passed it
 // applies without an error.
 func (b *Builder) Check(source string, c *Change) error {
-	if _, ok := b.prio[source]; !ok {
+	if _, ok := b.sources[source]; !ok {
 		return fmt.Errorf("nametable: unknown source %q", source)
 	}
 	for _, e := range c.Set {
@@ -113,8 +113,8 @@ func (b *Builder) ApplySome(source string, c *Change, n int) bool {
 	if !c.checked {
 		panic("nametable: ApplySome of a change that was not checked")
 	}
-	if c.next == 0 && len(b.keys[source]) == 0 && len(c.Set) > 0 {
-		b.keys[source] = make(map[string][]*Host, len(c.Set)) // a first load: sized once
+	if c.next == 0 && b.keys[source].len() == 0 && len(c.Set) > 0 {
+		b.keys[source] = newObjects(len(c.Set)) // a first load: sized once
 	}
 	for ; n > 0 && c.next < len(c.Gone)+len(c.Set); n-- {
 		if c.next < len(c.Gone) {
@@ -140,8 +140,9 @@ func (b *Builder) ApplySome(source string, c *Change, n int) bool {
 // change).
 func (b *Builder) adopt(source, key string, h *Host) {
 	skeys := b.keys[source]
-	old := skeys[key]
-	h.Source, h.key = source, key
+	var buf [1]*Host
+	old := skeys.hosts(key, &buf)
+	h.src, h.key = b.sources[source], key
 	if len(old) == 1 && sameHost(old[0], h) {
 		return
 	}
@@ -150,10 +151,5 @@ func (b *Builder) adopt(source, key string, h *Host) {
 		b.unlink(o)
 	}
 	b.link(h)
-	if len(old) == 1 {
-		old[0] = h // the Builder's own slice: no table holds it
-		skeys[key] = old
-		return
-	}
-	skeys[key] = []*Host{h}
+	skeys.setOne(key, h)
 }

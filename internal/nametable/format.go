@@ -202,12 +202,16 @@ func (info *HostInfo) hostOf(k, name, svc string) (Host, error) {
 		}
 		alts, altField = info.AltHostsProto, "alt_hosts"
 	}
+	var altNames []string
 	for i, alt := range alts {
 		n, err := NormName(alt)
 		if err != nil {
 			return h, fmt.Errorf("table[%q].%s[%d]: %w", k, altField, i, err)
 		}
-		h.AltNames = append(h.AltNames, n)
+		altNames = append(altNames, n)
+	}
+	if altNames != nil {
+		h.Extra = &HostExtra{AltNames: altNames}
 	}
 	for i, port := range info.Ports {
 		hp, err := parsePort(port)

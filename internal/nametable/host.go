@@ -10,30 +10,30 @@ import (
 )
 
 // Host is one host as a source contributes it to a Builder and as a table
-// name resolves to it. A source fills the exported fields above the line;
-// the Builder copies and normalises the host and fills the rest. Once in a
+// name resolves to it. A source fills the exported fields; the Builder
+// copies and normalises the host and fills the unexported ones. Once in a
 // published Table a Host is immutable.
+//
+// A table holds one Host per host, so its size is the table's size: what
+// few hosts have lives in Extra, and the fields are ordered so that a Host
+// takes one 160-byte size class (TestHostSize).
 type Host struct {
 	// Name is the canonical FQDN (any case, trailing dot optional);
 	// "*.example.com" is a wildcard host.
 	Name string
 	// V4 and V6 are its addresses (v4-mapped v6 counts as v4).
 	V4, V6 []netip.Addr
-	// CNAME makes the host an alias (a Kubernetes ExternalName Service):
-	// it is answered with a CNAME to this FQDN and has no addresses.
-	CNAME string
 	// Ports are answered as SRV records.
 	Ports []HostPort
-	// AltNames are extra names that answer like the host.
-	AltNames []string
-	// Order sorts the hosts that get a VIP in the same batch (for example
-	// a creation timestamp and UID, so that every node allocates in the
-	// same order); ties and "" sort by name.
-	Order string
-	// Visible lists the client namespaces that see the host; nil means
-	// every client. A client whose namespace is unknown sees only hosts
-	// with a nil Visible.
-	Visible []string
+	// Extra holds what few hosts have (an alias, more names, an
+	// allocation order, a visibility); nil for none of it.
+	Extra *HostExtra
+
+	src  *sourceRec // the source that contributed the host (the winning one, for a merged host)
+	key  string     // the source's object key
+	soa  *dns.SOA   // of the host's zone, for a host outside the cluster domain
+	self Name       // the entry of the canonical name, when it wins alone
+
 	// Kubernetes marks a Kubernetes Service. A Kubernetes host named
 	// <short>.<ns>.svc.<domain> also answers <short>.<ns>. and
 	// <short>.<ns>.svc., and the bare <short>. (for clients of <ns>, or for
@@ -51,9 +51,7 @@ type Host struct {
 	// NoPTR leaves the host's addresses out of reverse lookups.
 	NoPTR bool
 
-	// Filled by the Builder. The flags sit next to the source's flags: a
-	// table holds a Host per name, and padding between the fields would
-	// cost a size class per Host.
+	// Filled by the Builder.
 
 	// Wildcard is true for a "*." host.
 	Wildcard bool
@@ -63,12 +61,73 @@ type Host struct {
 	linked   bool  // has names in the table (false: no data, left out)
 	shortLen uint8 // of a Kubernetes host named <short>.<ns>.svc.<domain>: len(<short>)
 	nsLen    uint8 // and len(<ns>)
-	// Source is the name of the source that contributed the host (of the
-	// winning one, for a merged host).
-	Source string
-	key    string // the source's object key
-	soa    *dns.SOA
-	self   Name // the entry of the canonical name, when it wins alone
+}
+
+// HostExtra is what few hosts have. The Builder copies it before it
+// normalises it: a source may share one HostExtra between hosts.
+type HostExtra struct {
+	// CNAME makes the host an alias (a Kubernetes ExternalName Service):
+	// it is answered with a CNAME to this FQDN and has no addresses.
+	CNAME string
+	// AltNames are extra names that answer like the host.
+	AltNames []string
+	// Order sorts the hosts that get a VIP in the same batch (for example
+	// a creation timestamp and UID, so that every node allocates in the
+	// same order); ties and "" sort by name.
+	Order string
+	// Visible lists the client namespaces that see the host; nil means
+	// every client. A client whose namespace is unknown sees only hosts
+	// with a nil Visible.
+	Visible []string
+}
+
+// CNAME is the host's alias target (Extra.CNAME), or "".
+func (h *Host) CNAME() string {
+	if h.Extra == nil {
+		return ""
+	}
+	return h.Extra.CNAME
+}
+
+// AltNames are the host's extra names (Extra.AltNames).
+func (h *Host) AltNames() []string {
+	if h.Extra == nil {
+		return nil
+	}
+	return h.Extra.AltNames
+}
+
+// Order is the host's VIP allocation order (Extra.Order), or "".
+func (h *Host) Order() string {
+	if h.Extra == nil {
+		return ""
+	}
+	return h.Extra.Order
+}
+
+// Visible lists the namespaces that see the host (Extra.Visible); nil is
+// every client.
+func (h *Host) Visible() []string {
+	if h.Extra == nil {
+		return nil
+	}
+	return h.Extra.Visible
+}
+
+// Source is the name of the source that contributed the host (of the
+// winning one, for a merged host); "" before a Builder took it.
+func (h *Host) Source() string {
+	if h.src == nil {
+		return ""
+	}
+	return h.src.name
+}
+
+// sourceRec is a source a Builder knows: hosts point to it instead of each
+// holding the name.
+type sourceRec struct {
+	name string
+	prio int
 }
 
 // HostPort is a named port, answered as SRV _<name>._<protocol>.<host>.
@@ -100,15 +159,16 @@ func (h *Host) shortLabel() string { return h.Name[:h.shortLen+1] }
 
 // HasData reports whether the host has anything to answer: addresses or a
 // CNAME.
-func (h *Host) HasData() bool { return len(h.V4)+len(h.V6) > 0 || h.CNAME != "" }
+func (h *Host) HasData() bool { return len(h.V4)+len(h.V6) > 0 || h.CNAME() != "" }
 
 // VisibleTo reports whether a client of namespace ns sees the host; known
 // is false when the client's namespace is unknown.
 func (h *Host) VisibleTo(ns string, known bool) bool {
-	if h.Visible == nil {
+	vis := h.Visible()
+	if vis == nil {
 		return true
 	}
-	return known && slices.Contains(h.Visible, ns)
+	return known && slices.Contains(vis, ns)
 }
 
 // SRVTarget is the target of port p: its Target, or the host's name.
@@ -245,16 +305,8 @@ func (b *Builder) normalize(h *Host) error {
 	if h.V4, h.V6, err = normAddrs(h.V4, h.V6); err != nil {
 		return err
 	}
-	if h.CNAME != "" {
-		if h.CNAME, err = NormName(h.CNAME); err != nil {
-			return fmt.Errorf("cname: %w", err)
-		}
-		if strings.HasPrefix(h.CNAME, "*.") {
-			return fmt.Errorf("cname %q: not a wildcard", h.CNAME)
-		}
-		if len(h.V4)+len(h.V6) > 0 {
-			return fmt.Errorf("a CNAME host has no addresses")
-		}
+	if err := normExtra(h); err != nil {
+		return err
 	}
 	h.AutoVIP = false
 	h.shortLen, h.nsLen = 0, 0
@@ -263,19 +315,6 @@ func (b *Builder) normalize(h *Host) error {
 		if i := strings.IndexByte(head, '.'); i > 0 && i < len(head)-1 && strings.IndexByte(head[i+1:], '.') < 0 {
 			h.shortLen, h.nsLen = uint8(i), uint8(len(head)-i-1)
 		}
-	}
-	if len(h.AltNames) > 0 {
-		alts := make([]string, 0, len(h.AltNames))
-		for i, a := range h.AltNames {
-			an, err := NormName(a)
-			if err != nil {
-				return fmt.Errorf("altNames[%d]: %w", i, err)
-			}
-			if an != n && !slices.Contains(alts, an) {
-				alts = append(alts, an)
-			}
-		}
-		h.AltNames = alts
 	}
 	if len(h.Ports) > 0 && !portsNormal(h.Ports) {
 		ports := make([]HostPort, len(h.Ports))
@@ -303,14 +342,57 @@ func (b *Builder) normalize(h *Host) error {
 		}
 		h.Ports = ports
 	}
-	if h.Visible != nil {
-		vis := slices.Clone(h.Visible)
+	return nil
+}
+
+// normExtra checks and normalises a copy of h.Extra (the source's stays as
+// it is); an Extra with nothing in it is dropped. h.Name is normal.
+func normExtra(h *Host) error {
+	if h.Extra == nil {
+		return nil
+	}
+	x := *h.Extra
+	if x.CNAME != "" {
+		var err error
+		if x.CNAME, err = NormName(x.CNAME); err != nil {
+			return fmt.Errorf("cname: %w", err)
+		}
+		if strings.HasPrefix(x.CNAME, "*.") {
+			return fmt.Errorf("cname %q: not a wildcard", x.CNAME)
+		}
+		if len(h.V4)+len(h.V6) > 0 {
+			return fmt.Errorf("a CNAME host has no addresses")
+		}
+	}
+	if len(x.AltNames) > 0 {
+		alts := make([]string, 0, len(x.AltNames))
+		for i, a := range x.AltNames {
+			an, err := NormName(a)
+			if err != nil {
+				return fmt.Errorf("altNames[%d]: %w", i, err)
+			}
+			if an != h.Name && !slices.Contains(alts, an) {
+				alts = append(alts, an)
+			}
+		}
+		x.AltNames = alts
+	}
+	if len(x.AltNames) == 0 {
+		x.AltNames = nil
+	}
+	if x.Visible != nil {
+		vis := slices.Clone(x.Visible)
 		for i := range vis {
 			vis[i] = strings.ToLower(vis[i])
 		}
 		slices.Sort(vis)
-		h.Visible = slices.Compact(vis)
+		x.Visible = slices.Compact(vis)
 	}
+	if x.CNAME == "" && x.AltNames == nil && x.Order == "" && x.Visible == nil {
+		h.Extra = nil
+		return nil
+	}
+	h.Extra = &x
 	return nil
 }
 
@@ -329,18 +411,24 @@ func portsNormal(ports []HostPort) bool {
 // sameHost reports whether two normalised hosts answer the same, so that an
 // update that does not change a host leaves the table alone.
 func sameHost(a, b *Host) bool {
-	return a.Name == b.Name && a.Kubernetes == b.Kubernetes && a.CNAME == b.CNAME &&
-		a.NeedVIP == b.NeedVIP && a.Order == b.Order && a.Merge == b.Merge && a.NoPTR == b.NoPTR &&
-		sameAddrs(a, b) && slices.Equal(a.Ports, b.Ports) &&
-		slices.Equal(a.AltNames, b.AltNames) && slices.Equal(a.Visible, b.Visible) &&
-		(a.Visible == nil) == (b.Visible == nil)
+	return a.Name == b.Name && a.Kubernetes == b.Kubernetes && a.NeedVIP == b.NeedVIP && a.Merge == b.Merge &&
+		a.NoPTR == b.NoPTR && sameAddrs(a, b) && slices.Equal(a.Ports, b.Ports) && sameExtra(a.Extra, b.Extra)
+}
+
+// sameExtra compares two normalised Extras (nil: none).
+func sameExtra(a, b *HostExtra) bool {
+	if a == nil || b == nil {
+		return a == b
+	}
+	return a.CNAME == b.CNAME && a.Order == b.Order && slices.Equal(a.AltNames, b.AltNames) &&
+		slices.Equal(a.Visible, b.Visible) && (a.Visible == nil) == (b.Visible == nil)
 }
 
 // sameAddrs compares the addresses of an old host a with a new host b; a
 // VIP a got from the table counts as equal to b asking for one.
 func sameAddrs(a, b *Host) bool {
 	if a.AutoVIP {
-		return b.NeedVIP && len(b.V4)+len(b.V6) == 0 && b.CNAME == ""
+		return b.NeedVIP && len(b.V4)+len(b.V6) == 0 && b.CNAME() == ""
 	}
 	return slices.Equal(a.V4, b.V4) && slices.Equal(a.V6, b.V6)
 }

@@ -48,8 +48,8 @@ func TestParseIstioNameTableBothFieldStyles(t *testing.T) {
 				t.Fatal(err)
 			}
 			api := hosts["api.payments.example.com"]
-			if !slices.Equal(api.AltNames, []string{"payments.internal."}) {
-				t.Errorf("alt names of api.payments.example.com = %v, want [payments.internal.]", api.AltNames)
+			if !slices.Equal(api.AltNames(), []string{"payments.internal."}) {
+				t.Errorf("alt names of api.payments.example.com = %v, want [payments.internal.]", api.AltNames())
 			}
 			if rv := hosts["reviews.bookinfo.svc.cluster.local"]; !rv.Kubernetes || len(rv.V4) != 1 {
 				t.Errorf("reviews = %+v, want a Kubernetes host with one address", rv)

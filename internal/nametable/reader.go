@@ -247,13 +247,26 @@ func (r *Reader) entry(s *scanner, rawKey []byte, start, end int, sum uint64, v 
 	if err != nil {
 		return err
 	}
-	if len(v.Set) == cap(v.Set) { // doubling: append grows large slices by a quarter
-		v.Set = slices.Grow(v.Set, len(v.Set)+16)
-		v.sums = slices.Grow(v.sums, len(v.Set)+16)
+	if len(v.Set) == cap(v.Set) {
+		more := r.growBy(v)
+		v.Set = slices.Grow(v.Set, more)
+		v.sums = slices.Grow(v.sums, more)
 	}
 	v.Set = append(v.Set, KeyHost{key, h})
 	v.sums = append(v.sums, sum)
 	return nil
+}
+
+// growBy is how many more changed entries v makes room for when it is full:
+// as many as it has (doubling: append grows large slices by a quarter), or,
+// once at least half of the entries read so far changed, the rest of the
+// applied version's entries, so that a rewrite of every entry grows v once
+// to about its final size rather than doubling past it.
+func (r *Reader) growBy(v *Version) int {
+	if v.Entries >= 1024 && 2*len(v.Set) >= v.Entries {
+		return max(len(r.keys)-v.Entries, 0) + 16
+	}
+	return len(v.Set) + 16
 }
 
 // checkNewKeys refuses a key given twice among the changed entries (only

@@ -204,3 +204,25 @@ func TestReaderMatchesParse(t *testing.T) {
 		t.Errorf("clients %v, Parse gives %v", c.Clients, clients)
 	}
 }
+
+// A version that changes every entry makes room for its changes about once,
+// sized by the applied version, not by doubling past it: the slices it hands
+// over are at most 5% larger than what changed (the allocator's rounding).
+func TestReaderSizesARewriteOnce(t *testing.T) {
+	const n = 10000
+	r := NewReader("")
+	v, err := r.Read(meshFile(n, 1, every))
+	if err != nil {
+		t.Fatal(err)
+	}
+	r.Applied(v)
+	if v, err = r.Read(meshFile(n, 2, every)); err != nil {
+		t.Fatal(err)
+	}
+	if len(v.Set) != n {
+		t.Fatalf("%d changed entries, want %d", len(v.Set), n)
+	}
+	if c := cap(v.Set); c > n+n/20 {
+		t.Errorf("room for %d changes made for a rewrite of %d entries, want at most %d", c, n, n+n/20)
+	}
+}

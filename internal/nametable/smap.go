@@ -25,8 +25,15 @@ var seed = maphash.MakeSeed()
 
 func hashString(s string) uint64 { return maphash.String(seed, s) }
 
-func hashAddr(a netip.Addr) uint64 {
-	b := a.As16()
+// addrKey is an address as a map key: its 16 bytes (an IPv4 address in its
+// v4-mapped form). Unlike netip.Addr (24 bytes, with a pointer for the
+// zone), it has no pointer, so the collector does not scan the reverse
+// index's keys, and a map slot is 8 bytes smaller.
+type addrKey [16]byte
+
+func keyOf(a netip.Addr) addrKey { return a.As16() }
+
+func hashAddr(b addrKey) uint64 {
 	x := binary.LittleEndian.Uint64(b[:8])*0x9e3779b97f4a7c15 ^ binary.LittleEndian.Uint64(b[8:])
 	x ^= x >> 29
 	x *= 0xbf58476d1ce4e5b9
@@ -36,12 +43,12 @@ func hashAddr(a netip.Addr) uint64 {
 // smap is an immutable sharded map: readers look up without locks; a writer
 // (see smapWriter) produces a new smap that shares every untouched shard
 // and group with the old one.
-type smap[K string | netip.Addr, V any] struct {
+type smap[K string | addrKey, V any] struct {
 	groups *[nTop]*[nLeaf]map[K]V
 	n      int
 }
 
-func newSmap[K string | netip.Addr, V any]() smap[K, V] {
+func newSmap[K string | addrKey, V any]() smap[K, V] {
 	var m smap[K, V]
 	m.groups = new([nTop]*[nLeaf]map[K]V)
 	for i := range m.groups {
@@ -57,7 +64,7 @@ func (m *smap[K, V]) shard(k K) int {
 	switch k := any(k).(type) {
 	case string:
 		h = hashString(k)
-	case netip.Addr:
+	case addrKey:
 		h = hashAddr(k)
 	}
 	return int(h >> (64 - topBits - leafBits))
@@ -90,7 +97,7 @@ func (m *smap[K, V]) each(fn func(K, V) bool) {
 // smapWriter changes a copy of an smap in place: the first write to a shard
 // copies that shard (and its group), later writes in the same batch reuse
 // the copies.
-type smapWriter[K string | netip.Addr, V any] struct {
+type smapWriter[K string | addrKey, V any] struct {
 	m          smap[K, V]
 	ownedGroup [nTop]bool
 	ownedShard [nShards]bool

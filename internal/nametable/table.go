@@ -35,9 +35,7 @@ func (o Options) withDefaults() Options {
 
 // Name is one queryable name's entry.
 type Name struct {
-	// Owner is the lower-case name this entry is stored under.
-	Owner string
-	Host  *Host
+	Host *Host
 	// next is the same name as another host sees it, for clients that do
 	// not see Host (see Host.Visible).
 	next *Name
@@ -49,11 +47,11 @@ type nsKey struct{ label, ns string }
 // are safe for concurrent use and take no locks.
 type Table struct {
 	names     smap[string, *Name]
-	wildcards smap[string, *Name]        // key: the parent of "*.", e.g. "example.com."
-	ptr       smap[netip.Addr, ptrNames] // address -> host names
-	bare      smap[string, *Name]        // unambiguous bare Kubernetes short names, key "reviews."
-	ents      smap[string, struct{}]     // empty non-terminals under the domain
-	clients   map[netip.Addr]string      // client IP -> namespace
+	wildcards smap[string, *Name]     // key: the parent of "*.", e.g. "example.com."
+	ptr       smap[addrKey, ptrNames] // address -> host names
+	bare      smap[string, *Name]     // unambiguous bare Kubernetes short names, key "reviews."
+	ents      smap[string, struct{}]  // empty non-terminals under the domain
+	clients   map[netip.Addr]string   // client IP -> namespace
 	hosts     int
 	skipped   int
 	domain    string // "cluster.local."
@@ -107,7 +105,7 @@ func (t *Table) PTR(name string) []string {
 	if !ok {
 		return nil
 	}
-	v, _ := t.ptr.get(a)
+	v, _ := t.ptr.get(keyOf(a))
 	return v.list()
 }
 
@@ -151,7 +149,7 @@ func (t *Table) ClientNamespace(ip netip.Addr) (string, bool) {
 // visible returns the first entry of the chain n the client sees.
 func (t *Table) visible(n *Name, client netip.Addr, ns string, known, looked bool) *Name {
 	for ; n != nil; n = n.next {
-		if n.Host.Visible == nil {
+		if n.Host.Visible() == nil {
 			return n
 		}
 		if !looked {
@@ -241,19 +239,19 @@ func (t *Table) kubeShort(head, ns string) *Name {
 }
 
 // Each calls fn for every entry of the table (every name and wildcard,
-// each visibility variant), until fn returns false. For listings, not for
-// the query path.
-func (t *Table) Each(fn func(n *Name) bool) {
+// each visibility variant) with the lower-case name it is stored under,
+// until fn returns false. For listings, not for the query path.
+func (t *Table) Each(fn func(owner string, n *Name) bool) {
 	cont := true
-	visit := func(_ string, e *Name) bool {
+	visit := func(owner string, e *Name) bool {
 		for ; e != nil && cont; e = e.next {
-			cont = fn(e)
+			cont = fn(owner, e)
 		}
 		return cont
 	}
 	t.names.each(visit)
 	if cont {
-		t.wildcards.each(visit)
+		t.wildcards.each(func(parent string, e *Name) bool { return visit("*."+parent, e) })
 	}
 }
 

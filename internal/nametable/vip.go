@@ -83,7 +83,7 @@ func (a *vipAllocator) lease(name string) (vipPair, bool) {
 // (linear probing, wrapping). Hosts of one name share a slot.
 func (a *vipAllocator) allocate(hosts []*Host) error {
 	slices.SortStableFunc(hosts, func(x, y *Host) int {
-		return cmp.Or(cmp.Compare(x.Order, y.Order), cmp.Compare(x.Name, y.Name))
+		return cmp.Or(cmp.Compare(x.Order(), y.Order()), cmp.Compare(x.Name, y.Name))
 	})
 	for _, h := range hosts {
 		if p, ok := a.lease(h.Name); ok {

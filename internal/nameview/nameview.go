@@ -69,17 +69,17 @@ func List(t *nametable.Table, f Filter) []Entry {
 	glob := strings.ContainsAny(name, "*?[")
 	var out []Entry
 	taken := "" // the name whose client view is already listed
-	t.Each(func(n *nametable.Name) bool {
+	t.Each(func(full string, n *nametable.Name) bool {
 		h := n.Host
 		if f.Client != "" {
 			// The client gets the first entry it sees, whatever the
 			// other filters say of it.
-			if n.Owner == taken || !h.VisibleTo(f.Client, true) {
+			if full == taken || !h.VisibleTo(f.Client, true) {
 				return true
 			}
-			taken = n.Owner
+			taken = full
 		}
-		owner := strings.TrimSuffix(n.Owner, ".")
+		owner := strings.TrimSuffix(full, ".")
 		switch {
 		case name == "":
 		case glob:
@@ -90,7 +90,7 @@ func List(t *nametable.Table, f Filter) []Entry {
 			return true
 		}
 		if f.Source != "" {
-			if ok, _ := path.Match(f.Source, h.Source); !ok {
+			if ok, _ := path.Match(f.Source, h.Source()); !ok {
 				return true
 			}
 		}
@@ -106,14 +106,14 @@ func List(t *nametable.Table, f Filter) []Entry {
 }
 
 func entryOf(owner string, h *nametable.Host, ns string) Entry {
-	e := Entry{Name: owner, Type: kind(h), Source: h.Source, Object: h.Key(), Namespace: ns, Addresses: addrs(h)}
-	if h.CNAME != "" {
-		e.CNAME = strings.TrimSuffix(h.CNAME, ".")
+	e := Entry{Name: owner, Type: kind(h), Source: h.Source(), Object: h.Key(), Namespace: ns, Addresses: addrs(h)}
+	if h.CNAME() != "" {
+		e.CNAME = strings.TrimSuffix(h.CNAME(), ".")
 	}
-	if h.Visible == nil {
+	if h.Visible() == nil {
 		e.VisibleTo = []string{"*"}
 	} else {
-		e.VisibleTo = slices.Clone(h.Visible)
+		e.VisibleTo = slices.Clone(h.Visible())
 	}
 	if hn := strings.TrimSuffix(h.Name, "."); hn != owner {
 		e.AliasOf = hn
@@ -130,7 +130,7 @@ func entryOf(owner string, h *nametable.Host, ns string) Entry {
 
 func kind(h *nametable.Host) string {
 	switch {
-	case h.CNAME != "":
+	case h.CNAME() != "":
 		return "cname"
 	case h.Kubernetes && h.Merge:
 		return "headless"
@@ -223,26 +223,26 @@ func NDS(t *nametable.Table, ns string) NameTable {
 		return out
 	}
 	taken := ""
-	t.Each(func(n *nametable.Name) bool {
+	t.Each(func(owner string, n *nametable.Name) bool {
 		h := n.Host
-		if n.Owner != h.Name || n.Owner == taken || !h.VisibleTo(ns, ns != "") {
+		if owner != h.Name || owner == taken || !h.VisibleTo(ns, ns != "") {
 			return true
 		}
-		taken = n.Owner
-		if !h.HasData() || h.CNAME != "" {
+		taken = owner
+		if !h.HasData() || h.CNAME() != "" {
 			return true // Istio's table has addresses only
 		}
 		info := NameInfo{IPs: addrs(h), Registry: "External"}
-		if h.Kubernetes || h.Source == "kubernetes" || strings.HasPrefix(h.Source, "cluster/") {
+		if src := h.Source(); h.Kubernetes || src == "kubernetes" || strings.HasPrefix(src, "cluster/") {
 			info.Registry = nametable.RegistryKubernetes
 		}
 		if h.Kubernetes {
 			info.Shortname, info.Namespace = h.Shortname(), h.Namespace()
 		}
-		for _, a := range h.AltNames {
+		for _, a := range h.AltNames() {
 			info.AltHosts = append(info.AltHosts, strings.TrimSuffix(a, "."))
 		}
-		out.Table[strings.TrimSuffix(n.Owner, ".")] = info
+		out.Table[strings.TrimSuffix(owner, ".")] = info
 		return true
 	})
 	return out

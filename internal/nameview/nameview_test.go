@@ -44,12 +44,12 @@ func testTable(t *testing.T) *nametable.Table {
 		nametable.Host{Name: "db.default.svc.cluster.local", Kubernetes: true, Merge: true, NoPTR: true, V4: ips("10.244.1.5"),
 			Ports: []nametable.HostPort{{Name: "sql", Protocol: "tcp", Port: 5432, Target: "db-0.db.default.svc.cluster.local"}}},
 		nametable.Host{Name: "db-0.db.default.svc.cluster.local", Merge: true, V4: ips("10.244.1.5")})
-	set("kubernetes", "default/ext", nametable.Host{Name: "ext.default.svc.cluster.local", Kubernetes: true, CNAME: "ext.example.org"})
+	set("kubernetes", "default/ext", nametable.Host{Name: "ext.default.svc.cluster.local", Kubernetes: true, Extra: &nametable.HostExtra{CNAME: "ext.example.org"}})
 	set("cluster/east", "shop/cart", nametable.Host{Name: "cart.shop.svc.cluster.local", Kubernetes: true, V4: ips("10.96.5.5")})
-	set("serviceentries", "apps/private", nametable.Host{Name: "api.example.com", V4: ips("192.0.2.1"), Visible: []string{"apps"}})
+	set("serviceentries", "apps/private", nametable.Host{Name: "api.example.com", V4: ips("192.0.2.1"), Extra: &nametable.HostExtra{Visible: []string{"apps"}}})
 	set("serviceentries", "infra/public", nametable.Host{Name: "api.example.com", V4: ips("192.0.2.2")})
 	set("serviceentries", "infra/wild", nametable.Host{Name: "*.wild.example.com", V4: ips("192.0.2.3")})
-	set("file", "vip.example.com", nametable.Host{Name: "vip.example.com", NeedVIP: true, AltNames: []string{"alias.example.com"}})
+	set("file", "vip.example.com", nametable.Host{Name: "vip.example.com", NeedVIP: true, Extra: &nametable.HostExtra{AltNames: []string{"alias.example.com"}}})
 	tab, err := b.Publish()
 	if err != nil {
 		t.Fatal(err)

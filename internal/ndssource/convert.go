@@ -70,14 +70,17 @@ func hostOf(name string, info *nds.NameTable_NameInfo, domain string) nametable.
 	}
 	short, ns := strings.ToLower(info.GetShortname()), strings.ToLower(info.GetNamespace())
 	lname := strings.ToLower(strings.TrimSuffix(name, "."))
+	var alts []string
 	if info.GetRegistry() == nametable.RegistryKubernetes && short != "" && ns != "" &&
 		lname == short+"."+ns+".svc."+domain {
 		if strings.Contains(short, ".") {
-			h.AltNames = append(h.AltNames, short+"."+ns, short+"."+ns+".svc")
+			alts = append(alts, short+"."+ns, short+"."+ns+".svc")
 		} else {
 			h.Kubernetes = true
 		}
 	}
-	h.AltNames = append(h.AltNames, info.GetAltHosts()...)
+	if alts = append(alts, info.GetAltHosts()...); len(alts) > 0 {
+		h.Extra = &nametable.HostExtra{AltNames: alts}
+	}
 	return h
 }

@@ -199,7 +199,12 @@ func (m *merger) setName(name string, views []string) {
 	for _, vr := range order {
 		h := vr.host
 		if len(vis[vr]) < len(views) {
-			h.Visible = vis[vr]
+			var x nametable.HostExtra // vr.host's Extra is shared: a copy
+			if h.Extra != nil {
+				x = *h.Extra
+			}
+			x.Visible = vis[vr]
+			h.Extra = &x
 		}
 		hosts = append(hosts, h)
 	}

@@ -55,8 +55,8 @@ func summary(r *recSink) map[string][]string {
 	for k, hs := range r.hosts {
 		for _, h := range hs {
 			vis := "*"
-			if h.Visible != nil {
-				vis = fmt.Sprint(h.Visible)
+			if h.Visible() != nil {
+				vis = fmt.Sprint(h.Visible())
 			}
 			out[k] = append(out[k], fmt.Sprintf("%s:%v%v", vis, h.V4, h.V6))
 		}
@@ -156,22 +156,22 @@ func TestMergeOrderIndependent(t *testing.T) {
 func TestHostOf(t *testing.T) {
 	svc := hostOf("web.apps.svc.cluster.local", &nds.NameTable_NameInfo{Ips: []string{"10.96.0.5", "fd00::5", "not-an-ip"},
 		Registry: "Kubernetes", Shortname: "web", Namespace: "apps"}, "cluster.local")
-	if !svc.Kubernetes || !slices.Equal(svc.V4, addrs("10.96.0.5")) || !slices.Equal(svc.V6, addrs("fd00::5")) || len(svc.AltNames) != 0 {
+	if !svc.Kubernetes || !slices.Equal(svc.V4, addrs("10.96.0.5")) || !slices.Equal(svc.V6, addrs("fd00::5")) || len(svc.AltNames()) != 0 {
 		t.Errorf("service: %+v", svc)
 	}
 	pod := hostOf("db-0.db.apps.svc.cluster.local", &nds.NameTable_NameInfo{Ips: []string{"10.244.1.10"},
 		Registry: "Kubernetes", Shortname: "db-0.db", Namespace: "apps"}, "cluster.local")
-	if pod.Kubernetes || !slices.Equal(pod.AltNames, []string{"db-0.db.apps", "db-0.db.apps.svc"}) {
+	if pod.Kubernetes || !slices.Equal(pod.AltNames(), []string{"db-0.db.apps", "db-0.db.apps.svc"}) {
 		t.Errorf("headless pod entry: %+v", pod)
 	}
 	se := hostOf("api.example.com", &nds.NameTable_NameInfo{Ips: []string{"240.240.0.1"}, Registry: "External", AltHosts: []string{"api.internal"}}, "cluster.local")
-	if se.Kubernetes || se.NeedVIP || !slices.Equal(se.AltNames, []string{"api.internal"}) {
+	if se.Kubernetes || se.NeedVIP || !slices.Equal(se.AltNames(), []string{"api.internal"}) {
 		t.Errorf("ServiceEntry: %+v", se)
 	}
 	// A Kubernetes entry whose shortname does not match its name gets no
 	// short names (a clusterset.local name, say).
 	mcs := hostOf("web.apps.svc.clusterset.local", &nds.NameTable_NameInfo{Ips: []string{"10.96.0.6"}, Registry: "Kubernetes", Shortname: "web", Namespace: "apps"}, "cluster.local")
-	if mcs.Kubernetes || len(mcs.AltNames) != 0 {
+	if mcs.Kubernetes || len(mcs.AltNames()) != 0 {
 		t.Errorf("clusterset name: %+v", mcs)
 	}
 }

@@ -191,7 +191,7 @@ func (s *Server) answerTable(t *nametable.Table, resp *dns.Msg, q *dns.Question,
 func (s *Server) answerName(t *nametable.Table, resp *dns.Msg, q *dns.Question, lname string, n *nametable.Name, wild bool, ri *reqInfo) (chase bool) {
 	resp.Authoritative = true
 	h := n.Host
-	if h.CNAME != "" {
+	if h.CNAME() != "" {
 		return s.answerAlias(t, resp, q, q.Name, h, ri)
 	}
 	switch q.Qtype {
@@ -221,24 +221,24 @@ func (s *Server) answerName(t *nametable.Table, resp *dns.Msg, q *dns.Question, 
 func (s *Server) answerAlias(t *nametable.Table, resp *dns.Msg, q *dns.Question, owner string, h *nametable.Host, ri *reqInfo) bool {
 	cname := &dns.CNAME{
 		Hdr:    dns.RR_Header{Name: owner, Rrtype: dns.TypeCNAME, Class: dns.ClassINET, Ttl: s.ttl},
-		Target: h.CNAME,
+		Target: h.CNAME(),
 	}
 	resp.Answer = append(resp.Answer, cname)
 	if q.Qtype == dns.TypeCNAME {
 		return false
 	}
-	target := h.CNAME
+	target := h.CNAME()
 	for range 8 { // follow aliases inside the table, bounded
 		tn, _ := t.Find(target, ri.client)
 		if tn == nil {
 			break
 		}
-		if tn.Host.CNAME != "" {
+		if tn.Host.CNAME() != "" {
 			resp.Answer = append(resp.Answer, &dns.CNAME{
 				Hdr:    dns.RR_Header{Name: target, Rrtype: dns.TypeCNAME, Class: dns.ClassINET, Ttl: s.ttl},
-				Target: tn.Host.CNAME,
+				Target: tn.Host.CNAME(),
 			})
-			target = tn.Host.CNAME
+			target = tn.Host.CNAME()
 			continue
 		}
 		switch q.Qtype {
@@ -426,7 +426,7 @@ func (s *Server) autopath(t *nametable.Table, resp *dns.Msg, q *dns.Question, ln
 		Hdr:    dns.RR_Header{Name: q.Name, Rrtype: dns.TypeCNAME, Class: dns.ClassINET, Ttl: s.ttl},
 		Target: target,
 	})
-	if h.CNAME != "" {
+	if h.CNAME() != "" {
 		// The search-path name stands for an alias: answer the rest as for
 		// the alias itself.
 		return true, s.answerAlias(t, resp, q, target, h, ri)

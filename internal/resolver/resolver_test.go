@@ -617,15 +617,15 @@ func TestKubernetesAnswers(t *testing.T) {
 	tb := buildTable(t, []nametable.Host{
 		{Name: "web.ns1.svc.cluster.local", Kubernetes: true, V4: a("10.96.0.10"), V6: a("fd00:10:96::10"),
 			Ports: []nametable.HostPort{{Name: "http", Protocol: "tcp", Port: 80}}},
-		{Name: "ext.ns1.svc.cluster.local", Kubernetes: true, CNAME: "ext.example.org"},
-		{Name: "alias.ns1.svc.cluster.local", Kubernetes: true, CNAME: "web.ns1.svc.cluster.local"},
-		{Name: "gone.ns1.svc.cluster.local", Kubernetes: true, CNAME: "nothing.ns9.svc.cluster.local"},
+		{Name: "ext.ns1.svc.cluster.local", Kubernetes: true, Extra: &nametable.HostExtra{CNAME: "ext.example.org"}},
+		{Name: "alias.ns1.svc.cluster.local", Kubernetes: true, Extra: &nametable.HostExtra{CNAME: "web.ns1.svc.cluster.local"}},
+		{Name: "gone.ns1.svc.cluster.local", Kubernetes: true, Extra: &nametable.HostExtra{CNAME: "nothing.ns9.svc.cluster.local"}},
 		{Name: "db.ns1.svc.cluster.local", Kubernetes: true, NoPTR: true, V4: a("10.244.1.5", "10.244.2.7"), Ports: []nametable.HostPort{
 			{Name: "sql", Protocol: "tcp", Port: 5432, Target: "db-0.db.ns1.svc.cluster.local"},
 			{Name: "sql", Protocol: "tcp", Port: 5432, Target: "10-244-2-7.db.ns1.svc.cluster.local"}}},
 		{Name: "db-0.db.ns1.svc.cluster.local", V4: a("10.244.1.5")},
 		{Name: "10-244-2-7.db.ns1.svc.cluster.local", V4: a("10.244.2.7")},
-		{Name: "api.example.com", V4: a("192.0.2.50"), Visible: []string{"ns1"}},
+		{Name: "api.example.com", V4: a("192.0.2.50"), Extra: &nametable.HostExtra{Visible: []string{"ns1"}}},
 	}, map[string]string{"127.0.0.3": "ns1"})
 	start := func() *testServer {
 		return startServerTable(t, tb, func(c *Config) { c.Authoritative = true; c.PodRecords = true })

@@ -63,7 +63,7 @@ func (w *worker) tableWire(r *request, out []byte) (b []byte, done bool) {
 	// its own strings; wildcard matches, whose target would be a substring, take the
 	// unpacked path).
 	n, wild := t.Find(lname, r.client.addr)
-	if wild || (n != nil && n.Host.CNAME != "") {
+	if wild || (n != nil && n.Host.CNAME() != "") {
 		return w.serveUnpacked(r, out), true // re-owned records or an alias
 	}
 	var target string
@@ -72,7 +72,7 @@ func (w *worker) tableWire(r *request, out []byte) (b []byte, done bool) {
 	if n == nil {
 		if s.autopathCandidate(lname) {
 			n, target, wild = s.autopathTarget(t, lname, r.client.addr)
-			if wild || (n != nil && n.Host.CNAME != "") {
+			if wild || (n != nil && n.Host.CNAME() != "") {
 				return w.serveUnpacked(r, out), true
 			}
 		}
