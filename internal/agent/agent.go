@@ -356,6 +356,7 @@ func (a *Agent) startResolver(ctx context.Context, reg *prometheus.Registry) (er
 		Registerer:    reg,
 		Logger:        a.log.With("component", "resolver"),
 		OnReaders:     func(blocking int) { tuneProcs(blocking, a.log) },
+		ReaderNice:    readerNice,
 	}
 	var flows *redirect.Flows
 	if a.dp != nil {

@@ -7,6 +7,7 @@ package agent
 import (
 	"fmt"
 	"log/slog"
+	"math"
 	"os"
 	"runtime"
 	"runtime/debug"
@@ -73,15 +74,57 @@ func tuneGC(c *Config, log *slog.Logger) {
 	}
 }
 
-// tuneProcs raises GOMAXPROCS to the resolver's blocking readers + 1 (see
-// resolver.Config.OnReaders), so that one scheduler slot stays free for
-// everything else. It never lowers it.
+// collectReplacedTable starts a collection at once: the name store calls it
+// after publishing a table that replaced much of the one before
+// (names.Config.Collect). Without it the old table would stay in the heap
+// until the heap grew by GOGC again, and the next large change would start
+// on top of it.
+func collectReplacedTable() { go runtime.GC() }
+
+// tuneProcs raises GOMAXPROCS to procsFor(blockingReaders) (see
+// resolver.Config.OnReaders). It never lowers it.
 func tuneProcs(blockingReaders int, log *slog.Logger) {
 	if blockingReaders == 0 {
 		return
 	}
-	if want := blockingReaders + 1; runtime.GOMAXPROCS(0) < want {
+	if want := procsFor(blockingReaders); runtime.GOMAXPROCS(0) < want {
 		runtime.GOMAXPROCS(want)
 		log.Debug("GOMAXPROCS raised for the resolver's blocking readers", "gomaxprocs", want)
 	}
 }
+
+// procsFor is the GOMAXPROCS for the resolver's blocking UDP readers: a
+// scheduler slot (P) per reader and one for everything else, rounded up to a
+// count for which the collector runs no fractional mark worker. Any P starts
+// a fractional worker when it next schedules while under its share, and a
+// reader's P schedules each time the runtime preempts the reader (every
+// 10 ms: a raw system call looks like running code): the reader then waited
+// for the worker's slice, milliseconds, all through a large table change's
+// collections (bench/RESULTS.md, "The tail during a rewrite of every
+// address"). A dedicated worker can still take a preempted reader's P at
+// the start of a cycle, once per cycle.
+func procsFor(blockingReaders int) int {
+	n := blockingReaders + 1
+	for fractionalMarkWorker(n) {
+		n++
+	}
+	return n
+}
+
+// fractionalMarkWorker reports whether the Go runtime's collector gives
+// procs Ps a fractional mark worker. Its pacer (runtime/mgcpacer.go,
+// startCycle) gives a quarter of the Ps to marking, rounded to whole
+// dedicated workers, and makes up a rounding error of more than 30% with a
+// fractional worker: with 1, 2, 3 and 6 Ps.
+func fractionalMarkWorker(procs int) bool {
+	share := 0.25 * float64(procs)
+	dedicated := math.Floor(share + 0.5)
+	return math.Abs(dedicated/share-1) > 0.3
+}
+
+// readerNice is the nice value of the resolver's UDP reader threads
+// (resolver.Config.ReaderNice): a query's wake-up preempts the agent's other
+// threads (the collector's workers, a reload, the Kubernetes watches)
+// where they share a CPU. The readers do a few microseconds of work per
+// query; the rest of the agent keeps the process's priority.
+const readerNice = -5

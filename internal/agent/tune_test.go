@@ -90,3 +90,21 @@ func TestTuneProcsRaisesNeverLowers(t *testing.T) {
 		t.Errorf("GOMAXPROCS %d after 1 blocking reader, want 4 (never lowered)", got)
 	}
 }
+
+// The resolver's readers get a scheduler slot each and one more, rounded up to
+// a count for which the collector's pacer runs whole dedicated mark workers and
+// no fractional one (which would take a preempted reader's slot).
+func TestProcsForLeavesNoFractionalMarkWorker(t *testing.T) {
+	for _, c := range []struct{ readers, procs int }{
+		{1, 4}, {2, 4}, {3, 4}, {4, 5}, {5, 7}, {6, 7}, {7, 8}, {15, 16}, {63, 64},
+	} {
+		if got := procsFor(c.readers); got != c.procs {
+			t.Errorf("procsFor(%d) = %d, want %d", c.readers, got, c.procs)
+		}
+	}
+	for procs, want := range map[int]bool{1: true, 2: true, 3: true, 4: false, 5: false, 6: true, 7: false, 8: false, 9: false, 10: false, 11: false} {
+		if got := fractionalMarkWorker(procs); got != want {
+			t.Errorf("fractionalMarkWorker(%d) = %v, want %v", procs, got, want)
+		}
+	}
+}

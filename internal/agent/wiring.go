@@ -176,6 +176,7 @@ func (c *Config) newNameStore(reg prometheus.Registerer, kubeRest *rest.Config, 
 		Table:   nametable.Options{ClusterDomain: c.ClusterDomain, TTL: c.TTL},
 		Logger:  log.With("component", "names"),
 		Metrics: m,
+		Collect: collectReplacedTable,
 	})
 	if err != nil {
 		return nil, nil, fmt.Errorf("name store: %w", err)

@@ -147,6 +147,15 @@ type Config struct {
 	Logger *slog.Logger
 	// Metrics, when set, receives the store's metrics (NewMetrics).
 	Metrics *Metrics
+	// Collect, when set, is called once a table is published that replaced
+	// at least a quarter of the hosts of the table before it, such as a
+	// first load or a file whose every address changed: the old table is
+	// garbage from then on, and the process may collect it at once, so that
+	// the next change starts from the live heap rather than from the heap
+	// the last one grew (the agent starts the collector:
+	// internal/agent/tune.go). It runs on the publishing goroutine and must
+	// not block.
+	Collect func()
 }
 
 // Clock is the time the store's coalescing window is measured in.
@@ -183,11 +192,12 @@ type Store struct {
 	cfg Config
 	log *slog.Logger
 
-	mu       sync.Mutex // guards b, srcs, ready, applying and the source states
+	mu       sync.Mutex // guards b, srcs, ready, applying, replaced and the source states
 	b        *nametable.Builder
 	srcs     map[string]*sourceState
 	ready    bool
 	applying int // changes being applied in steps: no publishing meanwhile
+	replaced int // hosts set or removed by Apply and Load since the last publish
 	pubErr   error
 	started  bool
 	ctx      context.Context
@@ -503,6 +513,12 @@ func (s *Store) publish() {
 	start := time.Now()
 	t, err := s.b.Publish()
 	s.pubErr = err
+	prev := 0 // hosts of the table before
+	if cur := s.cur.Load(); cur != nil {
+		prev = cur.Len()
+	}
+	collect := s.cfg.Collect != nil && s.replaced > 0 && 4*s.replaced >= prev
+	s.replaced = 0
 	s.mu.Unlock()
 	if err != nil {
 		s.log.Error("name table published with hosts left out", "err", err)
@@ -517,6 +533,9 @@ func (s *Store) publish() {
 		s.log.Info("name table ready", "hosts", t.Len(), "build", d)
 	} else {
 		s.log.Debug("name table published", "hosts", t.Len(), "serial", t.Serial(), "build", d)
+	}
+	if collect {
+		s.cfg.Collect()
 	}
 }
 
@@ -578,6 +597,7 @@ func (k *sink) Load(hosts map[string]nametable.Host, clients map[netip.Addr]stri
 	err := k.s.b.Load(k.name, hosts, clients)
 	if err == nil {
 		k.st.clients = len(clients)
+		k.s.replaced += len(hosts)
 	}
 	return k.changed(err)
 }
@@ -617,6 +637,7 @@ func (k *sink) Apply(c *nametable.Change) error {
 	if !k.live() {
 		return nil
 	}
+	s.replaced += len(c.Set) + len(c.Gone)
 	if c.ClientsChanged {
 		k.st.clients = len(c.Clients)
 	}

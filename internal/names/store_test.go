@@ -455,3 +455,64 @@ func TestApplyIsPublishedWhole(t *testing.T) {
 		t.Errorf("after a refused change, h0 = %s, want 192.0.2.2", got)
 	}
 }
+
+// Config.Collect runs after each publish of a table that replaced at least a
+// quarter of the previous table's hosts (the first load, a rewrite), and not
+// after smaller changes.
+func TestCollectAfterLargeChange(t *testing.T) {
+	collected := make(chan uint32, 4) // the serial of the table just published, in publish order
+	var s *Store
+	s, err := New(Config{Window: time.Millisecond, Logger: slog.New(slog.DiscardHandler),
+		Collect: func() { collected <- s.Table().Serial() }})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if err := s.Close(); err != nil {
+			t.Errorf("Close: %v", err)
+		}
+	})
+	file := newFake("file")
+	mustAdd(t, s, file, SourceOptions{Priority: PriorityFile})
+	if err := s.Start(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	fs := <-file.sink
+	change := func(from, to int, ip string) *nametable.Change {
+		c := &nametable.Change{}
+		for i := from; i < to; i++ {
+			h := host(fmt.Sprintf("h%d.example.com", i), ip)[0]
+			c.Set = append(c.Set, nametable.KeyHost{Key: h.Name, Host: &h})
+		}
+		return c
+	}
+	apply := func(what string, c *nametable.Change, last string, ip string) uint32 {
+		t.Helper()
+		if err := fs.Apply(c); err != nil {
+			t.Fatal(err)
+		}
+		return waitTable(t, s, what, func(tb *nametable.Table) bool { return addr(tb, last) == ip }).Serial()
+	}
+	if err := fs.Apply(change(0, 100, "192.0.2.1")); err != nil {
+		t.Fatal(err)
+	}
+	next := func() uint32 {
+		t.Helper()
+		select {
+		case serial := <-collected:
+			return serial
+		case <-time.After(5 * time.Second):
+			t.Fatal("no collection within 5s")
+			return 0
+		}
+	}
+	fs.Synced()
+	if got := next(); got != 1 {
+		t.Errorf("collected after table %d, want after the first load (table 1)", got)
+	}
+	small := apply("a change of 24 of 100 hosts", change(0, 24, "192.0.2.2"), "h23.example.com.", "192.0.2.2")
+	large := apply("a change of 25 of 100 hosts", change(50, 75, "192.0.2.3"), "h74.example.com.", "192.0.2.3")
+	if got := next(); got != large {
+		t.Errorf("collected after table %d, want after the large change's (%d) and not after the small one's (%d)", got, large, small)
+	}
+}

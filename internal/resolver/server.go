@@ -90,6 +90,13 @@ type Config struct {
 	// not set GOMAXPROCS itself: it is the process's setting (the agent's,
 	// internal/agent/tune.go).
 	OnReaders func(blocking int)
+	// ReaderNice, when not 0, is the nice value of the UDP readers' threads
+	// (Linux): each reader is locked to a thread of its own, which gets it,
+	// so that a query's wake-up preempts the process's other threads (the
+	// collector's workers, a reload) on a shared CPU. Raising a thread's
+	// priority takes CAP_SYS_NICE; without it the readers stay as they are.
+	// The agent sets it (internal/agent/tune.go).
+	ReaderNice int
 	// Senders tells who sent from a source address and port (the datapath's
 	// flow records, redirect.Flows); nil: senders are known by address only.
 	// It runs for every query and must neither block nor allocate.
@@ -134,9 +141,11 @@ type Server struct {
 	limits  *pendingLimits
 	outBufs bufPools
 
-	inherited map[string]InheritedListener // by listen address, until Start
-	onDequeue func(n int)
-	onReaders func(blocking int)
+	inherited  map[string]InheritedListener // by listen address, until Start
+	onDequeue  func(n int)
+	onReaders  func(blocking int)
+	readerNice int
+	niceFailed sync.Once
 
 	senders func(src netip.AddrPort, tcp bool) (uint64, uint32, bool)
 	talkers *talkers.Counter
@@ -187,6 +196,7 @@ func New(cfg Config) (*Server, error) {
 		inherited:     map[string]InheritedListener{},
 		onDequeue:     cfg.OnDequeue,
 		onReaders:     cfg.OnReaders,
+		readerNice:    cfg.ReaderNice,
 		senders:       cfg.Senders,
 		talkers:       cfg.Talkers,
 		tap:           cfg.Tap,
