@@ -228,7 +228,7 @@ func TestComponents(t *testing.T) {
 		if got := envValue(c, "MESHDNS_MODE"); got != "ebpf" {
 			t.Errorf("MESHDNS_MODE %q, want ebpf", got)
 		}
-		if want := []corev1.Capability{"BPF", "NET_ADMIN", "NET_BIND_SERVICE"}; !slices.Equal(c.SecurityContext.Capabilities.Add, want) {
+		if want := []corev1.Capability{"BPF", "NET_ADMIN", "NET_BIND_SERVICE", "SYS_NICE"}; !slices.Equal(c.SecurityContext.Capabilities.Add, want) {
 			t.Errorf("capabilities %v, want %v", c.SecurityContext.Capabilities.Add, want)
 		}
 		ds := find[*appsv1.DaemonSet](t, objs, "DaemonSet", "meshdns-ebpf")

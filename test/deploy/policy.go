@@ -19,8 +19,9 @@ var (
 	// resolv.conf file for setups that mount it instead of using dnsPolicy Default.
 	allowedHostPaths = []string{"/sys/fs/cgroup", "/sys/fs/cgroup/unified", "/sys/fs/bpf", "/run/meshdns", "/run/xtables.lock", "/etc/resolv.conf"}
 	// allowedCaps: the union of what eBPF mode (BPF, NET_ADMIN, NET_BIND_SERVICE)
-	// and iptables mode (NET_ADMIN, NET_RAW, NET_BIND_SERVICE) need.
-	allowedCaps = []corev1.Capability{"BPF", "NET_ADMIN", "NET_BIND_SERVICE", "NET_RAW"}
+	// and iptables mode (NET_ADMIN, NET_RAW, NET_BIND_SERVICE) need, and
+	// SYS_NICE for the resolver's reader threads' priority.
+	allowedCaps = []corev1.Capability{"BPF", "NET_ADMIN", "NET_BIND_SERVICE", "NET_RAW", "SYS_NICE"}
 	// The agent's memory must fit under the limit: its caches are sized for 256 MiB.
 	minMemoryLimit = resource.MustParse("256Mi")
 	readOnlyVerbs  = []string{"get", "list", "watch"}
