@@ -12,6 +12,7 @@ import (
 	"runtime"
 	"runtime/debug"
 	"strconv"
+	"sync"
 )
 
 // defaultGCPercent is the agent's GOGC when the environment sets none.
@@ -74,12 +75,49 @@ func tuneGC(c *Config, log *slog.Logger) {
 	}
 }
 
-// collectReplacedTable starts a collection at once: the name store calls it
-// after publishing a table that replaced much of the one before
-// (names.Config.Collect). Without it the old table would stay in the heap
-// until the heap grew by GOGC again, and the next large change would start
-// on top of it.
-func collectReplacedTable() { go runtime.GC() }
+// largeChangeGCPercent is GOGC while a large table change is applied: the
+// collector starts no cycle before the heap is three times what the last
+// one found live, so a change that allocates up to twice the table goes
+// through without one. A container's memory limit still starts cycles
+// (the Go memory limit, tuneGC).
+const largeChangeGCPercent = 200
+
+// gcHold holds the collector back while a large name table change is
+// applied and collects once the table with it is published
+// (names.Config.LargeChange). While such a change is applied, nearly all it
+// allocates stays (the new hosts and shards), so a cycle then frees little:
+// it only costs the resolver a wait for its scheduler slot (bench/RESULTS.md,
+// section 11). Once the change is published the old table is garbage, and
+// collecting it at once lets the next change start from the live heap, not
+// on top of the old table.
+type gcHold struct {
+	mu      sync.Mutex
+	fromEnv bool // GOGC is the environment's: leave it
+	held    bool
+	prev    int // GOGC before the hold
+}
+
+func newGCHold() *gcHold {
+	_, set := os.LookupEnv("GOGC")
+	return &gcHold{fromEnv: set}
+}
+
+// largeChange is names.Config.LargeChange.
+func (g *gcHold) largeChange(begins bool) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if begins {
+		if !g.held && !g.fromEnv {
+			g.prev, g.held = debug.SetGCPercent(largeChangeGCPercent), true
+		}
+		return
+	}
+	if g.held {
+		debug.SetGCPercent(g.prev)
+		g.held = false
+	}
+	go runtime.GC()
+}
 
 // tuneProcs raises GOMAXPROCS to procsFor(blockingReaders) (see
 // resolver.Config.OnReaders). It never lowers it.

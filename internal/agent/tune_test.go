@@ -7,6 +7,9 @@ import (
 	"runtime/debug"
 	"strings"
 	"testing"
+	"time"
+
+	"github.com/meshdns/meshdns-ebpf/internal/testenv"
 )
 
 // The Go memory limit follows the container's memory limit (the DaemonSet's
@@ -107,4 +110,48 @@ func TestProcsForLeavesNoFractionalMarkWorker(t *testing.T) {
 			t.Errorf("fractionalMarkWorker(%d) = %v, want %v", procs, got, want)
 		}
 	}
+}
+
+// gcPercent reads GOGC (debug.SetGCPercent sets it; set it back).
+func gcPercent() int {
+	v := debug.SetGCPercent(100)
+	debug.SetGCPercent(v)
+	return v
+}
+
+// numGC is how many collection cycles have completed.
+func numGC() uint32 {
+	var m runtime.MemStats
+	runtime.ReadMemStats(&m)
+	return m.NumGC
+}
+
+// While a large table change is applied the collector is held back (GOGC
+// raised, once, however many changes begin); at the end GOGC is what it
+// was and a collection runs. A GOGC from the environment is left alone.
+func TestGCHeldDuringALargeChange(t *testing.T) {
+	unsetEnv(t, "GOGC")
+	prev := debug.SetGCPercent(25)
+	t.Cleanup(func() { debug.SetGCPercent(prev) })
+	g := newGCHold()
+	g.largeChange(true)
+	g.largeChange(true) // a second source's change
+	if got := gcPercent(); got != largeChangeGCPercent {
+		t.Fatalf("GOGC %d while a large change is applied, want %d", got, largeChangeGCPercent)
+	}
+	before := numGC()
+	g.largeChange(false)
+	if got := gcPercent(); got != 25 {
+		t.Errorf("GOGC %d after the large change, want 25 as before", got)
+	}
+	testenv.Eventually(t, 5*time.Second, func() bool { return numGC() > before }, "no collection after the large change")
+
+	t.Setenv("GOGC", "40")
+	debug.SetGCPercent(40)
+	g = newGCHold()
+	g.largeChange(true)
+	if got := gcPercent(); got != 40 {
+		t.Errorf("GOGC %d while a large change is applied, want 40 (the environment's)", got)
+	}
+	g.largeChange(false)
 }

@@ -173,10 +173,10 @@ func (c *Config) newNameStore(reg prometheus.Registerer, kubeRest *rest.Config, 
 		return nil, nil, err
 	}
 	store, err = names.New(names.Config{
-		Table:   nametable.Options{ClusterDomain: c.ClusterDomain, TTL: c.TTL},
-		Logger:  log.With("component", "names"),
-		Metrics: m,
-		Collect: collectReplacedTable,
+		Table:       nametable.Options{ClusterDomain: c.ClusterDomain, TTL: c.TTL},
+		Logger:      log.With("component", "names"),
+		Metrics:     m,
+		LargeChange: newGCHold().largeChange,
 	})
 	if err != nil {
 		return nil, nil, fmt.Errorf("name store: %w", err)

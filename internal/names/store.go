@@ -147,15 +147,17 @@ type Config struct {
 	Logger *slog.Logger
 	// Metrics, when set, receives the store's metrics (NewMetrics).
 	Metrics *Metrics
-	// Collect, when set, is called once a table is published that replaced
-	// at least a quarter of the hosts of the table before it, such as a
-	// first load or a file whose every address changed: the old table is
-	// garbage from then on, and the process may collect it at once, so that
-	// the next change starts from the live heap rather than from the heap
-	// the last one grew (the agent starts the collector:
-	// internal/agent/tune.go). It runs on the publishing goroutine and must
-	// not block.
-	Collect func()
+	// LargeChange, when set, is told of changes that replace at least a
+	// quarter of the table's hosts, such as a file whose every address
+	// changed: LargeChange(true) before such a change is applied (when there
+	// is a table to replace), LargeChange(false) once a table with it is
+	// published (or it was dropped), and after a first load is published.
+	// While such a change is applied, the old table and the new hosts live
+	// side by side and almost everything allocated stays; once it is
+	// published, the old table is garbage. The agent holds the collector
+	// back meanwhile and collects once at the end (internal/agent/tune.go).
+	// It must not block: it may be called with the store's lock held.
+	LargeChange func(begins bool)
 }
 
 // Clock is the time the store's coalescing window is measured in.
@@ -192,12 +194,13 @@ type Store struct {
 	cfg Config
 	log *slog.Logger
 
-	mu       sync.Mutex // guards b, srcs, ready, applying, replaced and the source states
+	mu       sync.Mutex // guards b, srcs, ready, applying, replaced, large and the source states
 	b        *nametable.Builder
 	srcs     map[string]*sourceState
 	ready    bool
 	applying int // changes being applied in steps: no publishing meanwhile
 	replaced int // hosts set or removed by Apply and Load since the last publish
+	large    int // large changes begun (Config.LargeChange) and not ended
 	pubErr   error
 	started  bool
 	ctx      context.Context
@@ -517,8 +520,8 @@ func (s *Store) publish() {
 	if cur := s.cur.Load(); cur != nil {
 		prev = cur.Len()
 	}
-	collect := s.cfg.Collect != nil && s.replaced > 0 && 4*s.replaced >= prev
-	s.replaced = 0
+	ended := s.cfg.LargeChange != nil && (s.large > 0 || (s.replaced > 0 && 4*s.replaced >= prev))
+	s.large, s.replaced = 0, 0
 	s.mu.Unlock()
 	if err != nil {
 		s.log.Error("name table published with hosts left out", "err", err)
@@ -534,8 +537,28 @@ func (s *Store) publish() {
 	} else {
 		s.log.Debug("name table published", "hosts", t.Len(), "serial", t.Serial(), "build", d)
 	}
-	if collect {
-		s.cfg.Collect()
+	if ended {
+		s.cfg.LargeChange(false)
+	}
+}
+
+// beginLarge tells Config.LargeChange that a change of n keys begins, when
+// it replaces at least a quarter of the table's hosts. s.mu is held.
+func (s *Store) beginLarge(n int) bool {
+	cur := s.cur.Load()
+	if s.cfg.LargeChange == nil || cur == nil || cur.Len() == 0 || 4*n < cur.Len() {
+		return false
+	}
+	s.large++
+	s.cfg.LargeChange(true)
+	return true
+}
+
+// dropLarge ends a large change that was not applied (its source was
+// removed meanwhile). s.mu is held.
+func (s *Store) dropLarge() {
+	if s.large--; s.large == 0 {
+		s.cfg.LargeChange(false)
 	}
 }
 
@@ -619,6 +642,7 @@ func (k *sink) Apply(c *nametable.Change) error {
 		s.mu.Unlock()
 		return err
 	}
+	large := s.beginLarge(len(c.Set) + len(c.Gone))
 	s.applying++
 	for {
 		done := !k.live() || s.b.ApplySome(k.name, c, ApplyStep)
@@ -635,6 +659,9 @@ func (k *sink) Apply(c *nametable.Change) error {
 	s.applying--
 	defer s.mu.Unlock()
 	if !k.live() {
+		if large {
+			s.dropLarge()
+		}
 		return nil
 	}
 	s.replaced += len(c.Set) + len(c.Gone)

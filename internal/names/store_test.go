@@ -456,14 +456,23 @@ func TestApplyIsPublishedWhole(t *testing.T) {
 	}
 }
 
-// Config.Collect runs after each publish of a table that replaced at least a
-// quarter of the previous table's hosts (the first load, a rewrite), and not
-// after smaller changes.
-func TestCollectAfterLargeChange(t *testing.T) {
-	collected := make(chan uint32, 4) // the serial of the table just published, in publish order
+// Config.LargeChange hears of the changes that replace at least a quarter of
+// the table's hosts: it begins before such a change is applied (while the
+// previous table is current) and ends once the table with it is published; a
+// first load ends one without a beginning (there was nothing to replace), and
+// smaller changes are not told of.
+func TestLargeChangeIsToldItsBeginningAndEnd(t *testing.T) {
+	events := make(chan string, 8) // "begin <serial current>", "end <serial published>", in order
 	var s *Store
 	s, err := New(Config{Window: time.Millisecond, Logger: slog.New(slog.DiscardHandler),
-		Collect: func() { collected <- s.Table().Serial() }})
+		LargeChange: func(begins bool) {
+			tb := s.cur.Load() // the store's lock is held: not s.Table()
+			if begins {
+				events <- fmt.Sprintf("begin %d", tb.Serial())
+			} else {
+				events <- fmt.Sprintf("end %d", tb.Serial())
+			}
+		}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -486,33 +495,34 @@ func TestCollectAfterLargeChange(t *testing.T) {
 		}
 		return c
 	}
-	apply := func(what string, c *nametable.Change, last string, ip string) uint32 {
+	next := func() string {
 		t.Helper()
-		if err := fs.Apply(c); err != nil {
-			t.Fatal(err)
+		select {
+		case e := <-events:
+			return e
+		case <-time.After(5 * time.Second):
+			t.Fatal("no event within 5s")
+			return ""
 		}
-		return waitTable(t, s, what, func(tb *nametable.Table) bool { return addr(tb, last) == ip }).Serial()
 	}
 	if err := fs.Apply(change(0, 100, "192.0.2.1")); err != nil {
 		t.Fatal(err)
 	}
-	next := func() uint32 {
-		t.Helper()
-		select {
-		case serial := <-collected:
-			return serial
-		case <-time.After(5 * time.Second):
-			t.Fatal("no collection within 5s")
-			return 0
-		}
-	}
 	fs.Synced()
-	if got := next(); got != 1 {
-		t.Errorf("collected after table %d, want after the first load (table 1)", got)
+	if got := next(); got != "end 1" {
+		t.Errorf("after the first load: %q, want \"end 1\"", got)
 	}
-	small := apply("a change of 24 of 100 hosts", change(0, 24, "192.0.2.2"), "h23.example.com.", "192.0.2.2")
-	large := apply("a change of 25 of 100 hosts", change(50, 75, "192.0.2.3"), "h74.example.com.", "192.0.2.3")
-	if got := next(); got != large {
-		t.Errorf("collected after table %d, want after the large change's (%d) and not after the small one's (%d)", got, large, small)
+	if err := fs.Apply(change(0, 24, "192.0.2.2")); err != nil { // 24 of 100: small
+		t.Fatal(err)
+	}
+	small := waitTable(t, s, "the small change", func(tb *nametable.Table) bool { return addr(tb, "h23.example.com.") == "192.0.2.2" }).Serial()
+	if err := fs.Apply(change(50, 75, "192.0.2.3")); err != nil { // 25 of 100: large
+		t.Fatal(err)
+	}
+	large := waitTable(t, s, "the large change", func(tb *nametable.Table) bool { return addr(tb, "h74.example.com.") == "192.0.2.3" }).Serial()
+	for _, want := range []string{fmt.Sprintf("begin %d", small), fmt.Sprintf("end %d", large)} {
+		if got := next(); got != want {
+			t.Errorf("event %q, want %q (the small change's table is %d, the large one's %d)", got, want, small, large)
+		}
 	}
 }
