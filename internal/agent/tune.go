@@ -85,7 +85,8 @@ const largeChangeGCPercent = 200
 // gcHold holds the collector back while a large name table change is
 // applied and collects once the table with it is published
 // (names.Config.LargeChange). While such a change is applied, nearly all it
-// allocates stays (the new hosts and shards), so a cycle then frees little:
+// allocates stays (the copied shards that hold the new hosts, which the
+// source decoded before), so a cycle then frees little:
 // it only costs the resolver a wait for its scheduler slot (bench/RESULTS.md,
 // section 11). Once the change is published the old table is garbage, and
 // collecting it at once lets the next change start from the live heap, not
