@@ -75,27 +75,32 @@ func tuneGC(c *Config, log *slog.Logger) {
 	}
 }
 
-// largeChangeGCPercent is GOGC while a large table change is applied: the
-// collector starts no cycle before the heap is three times what the last
-// one found live, so a change that allocates up to twice the table goes
-// through without one. A container's memory limit still starts cycles
-// (the Go memory limit, tuneGC).
-const largeChangeGCPercent = 200
+// largeChangeGCPercent is GOGC while a large table change is made: the
+// collector starts no cycle before the heap is twice what the last one
+// found live, so a rewrite of every entry, which allocates about the
+// table's size again, goes through with at most one. 200 (none) made the
+// query tail shorter still but the peak memory higher (bench/RESULTS.md,
+// section 11). A container's memory limit still starts cycles (the Go
+// memory limit, tuneGC).
+const largeChangeGCPercent = 100
 
-// gcHold holds the collector back while a large name table change is
-// applied and collects once the table with it is published
-// (names.Config.LargeChange). While such a change is applied, nearly all it
-// allocates stays (the copied shards that hold the new hosts, which the
-// source decoded before), so a cycle then frees little:
-// it only costs the resolver a wait for its scheduler slot (bench/RESULTS.md,
-// section 11). Once the change is published the old table is garbage, and
-// collecting it at once lets the next change start from the live heap, not
-// on top of the old table.
+// gcHold holds the collector back while a large name table change is made
+// and collects once the table with it is published. Its largeChange is both
+// the file source's hook (the file's read, which decodes the changed
+// entries into new hosts: filesource.Options.LargeChange) and the name
+// store's (its apply, which copies the shards that hold them, and the
+// publish: names.Config.LargeChange); the hold lasts until every beginning
+// has had its end. While such a change is made, nearly all it allocates
+// stays, so a cycle then frees little: it only costs the resolver a wait for
+// its scheduler slot (bench/RESULTS.md, section 11). Once the change is
+// published the old table is garbage, and collecting it at once lets the
+// next change start from the live heap, not on top of the old table.
 type gcHold struct {
 	mu      sync.Mutex
 	fromEnv bool // GOGC is the environment's: leave it
-	held    bool
-	prev    int // GOGC before the hold
+	depth   int  // beginnings without their end
+	raised  bool // GOGC is largeChangeGCPercent, until collect restores it
+	prev    int  // GOGC before the hold
 }
 
 func newGCHold() *gcHold {
@@ -103,21 +108,37 @@ func newGCHold() *gcHold {
 	return &gcHold{fromEnv: set}
 }
 
-// largeChange is names.Config.LargeChange.
+// largeChange is names.Config.LargeChange and filesource.Options.LargeChange.
 func (g *gcHold) largeChange(begins bool) {
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	if begins {
-		if !g.held && !g.fromEnv {
-			g.prev, g.held = debug.SetGCPercent(largeChangeGCPercent), true
+		if g.depth == 0 && !g.raised && !g.fromEnv {
+			g.prev, g.raised = debug.SetGCPercent(largeChangeGCPercent), true
 		}
+		g.depth++
 		return
 	}
-	if g.held {
-		debug.SetGCPercent(g.prev)
-		g.held = false
+	if g.depth > 0 {
+		if g.depth--; g.depth > 0 {
+			return
+		}
 	}
-	go runtime.GC()
+	go g.collect()
+}
+
+// collect runs a collection, then puts GOGC back unless a new hold began
+// meanwhile. Collecting first, with GOGC still raised, is one cycle: GOGC
+// put back first would start one at once (the heap, the old table in it, is
+// over the goal), and the collection asked for would be a second.
+func (g *gcHold) collect() {
+	runtime.GC()
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if g.depth == 0 && g.raised {
+		debug.SetGCPercent(g.prev)
+		g.raised = false
+	}
 }
 
 // tuneProcs raises GOMAXPROCS to procsFor(blockingReaders) (see

@@ -172,17 +172,19 @@ func (c *Config) newNameStore(reg prometheus.Registerer, kubeRest *rest.Config, 
 	if err != nil {
 		return nil, nil, err
 	}
+	hold := newGCHold()
 	store, err = names.New(names.Config{
 		Table:       nametable.Options{ClusterDomain: c.ClusterDomain, TTL: c.TTL},
 		Logger:      log.With("component", "names"),
 		Metrics:     m,
-		LargeChange: newGCHold().largeChange,
+		LargeChange: hold.largeChange,
 	})
 	if err != nil {
 		return nil, nil, fmt.Errorf("name store: %w", err)
 	}
 	if c.NamesFile != "" {
-		f, err := filesource.NewFile(c.NamesFile, filesource.Options{Domain: store.Domain(), Logger: log.With("component", "names")})
+		f, err := filesource.NewFile(c.NamesFile, filesource.Options{Domain: store.Domain(), Logger: log.With("component", "names"),
+			LargeChange: hold.largeChange})
 		if err != nil {
 			return nil, nil, err
 		}

@@ -27,6 +27,12 @@ import (
 //
 // A Reader is not safe for concurrent use.
 type Reader struct {
+	// Rewrite, when set, is called once in a Read after a version was
+	// applied, on the reading goroutine, as soon as the new version reads
+	// as a rewrite of most of the file (see rewriting): its consumer may
+	// prepare for a large change before the changed entries are decoded.
+	Rewrite func()
+
 	domain  string
 	svc     string // ".svc.<domain>."
 	seed    maphash.Seed
@@ -60,8 +66,9 @@ type Version struct {
 	// Entries is the number of table entries of the version.
 	Entries int
 
-	gen  uint32
-	sums []uint64 // of Set's entries
+	gen       uint32
+	sums      []uint64 // of Set's entries
+	rewriting bool     // Reader.Rewrite was called
 }
 
 // yieldEvery is how many entries the reading goroutine reads between two
@@ -254,8 +261,16 @@ func (r *Reader) entry(s *scanner, rawKey []byte, start, end int, sum uint64, v 
 	}
 	v.Set = append(v.Set, KeyHost{key, h})
 	v.sums = append(v.sums, sum)
+	if !v.rewriting && r.Rewrite != nil && r.applied && rewriting(v) {
+		v.rewriting = true
+		r.Rewrite()
+	}
 	return nil
 }
+
+// rewriting reports whether v, as read so far, rewrites most of the file:
+// at least half of the first 1,024 or more entries read changed.
+func rewriting(v *Version) bool { return v.Entries >= 1024 && 2*len(v.Set) >= v.Entries }
 
 // growBy is how many more changed entries v makes room for when it is full:
 // as many as it has (doubling: append grows large slices by a quarter), or,
@@ -263,7 +278,7 @@ func (r *Reader) entry(s *scanner, rawKey []byte, start, end int, sum uint64, v 
 // applied version's entries, so that a rewrite of every entry grows v once
 // to about its final size rather than doubling past it.
 func (r *Reader) growBy(v *Version) int {
-	if v.Entries >= 1024 && 2*len(v.Set) >= v.Entries {
+	if rewriting(v) {
 		return max(len(r.keys)-v.Entries, 0) + 16
 	}
 	return len(v.Set) + 16

@@ -226,3 +226,30 @@ func TestReaderSizesARewriteOnce(t *testing.T) {
 		t.Errorf("room for %d changes made for a rewrite of %d entries, want at most %d", c, n, n+n/20)
 	}
 }
+
+// Reader.Rewrite is called once in a Read that rewrites most of the file,
+// while it reads it, and not in a Read that changes a few entries.
+func TestReaderToldOfARewriteWhileReading(t *testing.T) {
+	const n = 10000
+	r := NewReader("")
+	v, err := r.Read(meshFile(n, 1, every))
+	if err != nil {
+		t.Fatal(err)
+	}
+	r.Applied(v)
+	calls := 0
+	r.Rewrite = func() { calls++ }
+	if v, err = r.Read(meshFile(n, 2, onePercent)); err != nil {
+		t.Fatal(err)
+	}
+	if calls != 0 {
+		t.Fatalf("Rewrite called %d times for a version that changes 1%% of the entries", calls)
+	}
+	r.Applied(v)
+	if _, err = r.Read(meshFile(n, 3, every)); err != nil {
+		t.Fatal(err)
+	}
+	if calls != 1 {
+		t.Fatalf("Rewrite called %d times for a version that changes every entry, want once", calls)
+	}
+}

@@ -42,6 +42,12 @@ type Options struct {
 	// MaxSize caps the file size (default DefaultMaxSize).
 	MaxSize int64
 	Logger  *slog.Logger
+	// LargeChange, when set, is told when a reload turns out, while the
+	// file is read, to rewrite most of it (true), and once that reload was
+	// delivered or failed (false): the decoding of the changed entries comes
+	// before the store's part of the change (names.Config.LargeChange, which
+	// the agent wires to the same hook).
+	LargeChange func(begins bool)
 }
 
 // File is the source of a names file. A file that fails to load (bad
@@ -232,8 +238,16 @@ func (f *File) load(sink names.Sink, force bool) {
 	var c *nametable.Version
 	var err error
 	background(func() {
+		rewrite := false
+		if f.opts.LargeChange != nil {
+			f.reader.Rewrite = func() { rewrite = true; f.opts.LargeChange(true) }
+			defer func() { f.reader.Rewrite = nil }()
+		}
 		if c, err = f.read(); err == nil {
 			err = f.apply(sink, c)
+		}
+		if rewrite {
+			f.opts.LargeChange(false)
 		}
 	})
 	if err != nil {

@@ -364,3 +364,57 @@ func TestLimitReader(t *testing.T) {
 		}
 	}
 }
+
+// A reload that rewrites most of the file tells Options.LargeChange while
+// the file is read (before the sink gets the change) and once it was
+// delivered; a reload that changes a few entries tells nothing.
+func TestLargeReloadIsToldBeforeItIsRead(t *testing.T) {
+	dir := t.TempDir()
+	path := filepath.Join(dir, "t.json")
+	file := func(gen int, changed func(i int) bool) string {
+		var b strings.Builder
+		b.WriteString(`{"table": {`)
+		for i := range 2000 {
+			if i > 0 {
+				b.WriteString(",")
+			}
+			g := 1
+			if changed(i) {
+				g = gen
+			}
+			fmt.Fprintf(&b, "\n\"s%d.example.com\": {\"ips\": [\"10.%d.%d.%d\"]}", i, g, i/256, i%256)
+		}
+		return b.String() + "}}"
+	}
+	write := func(content string) {
+		t.Helper()
+		tmp := path + ".tmp"
+		if err := os.WriteFile(tmp, []byte(content), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.Rename(tmp, path); err != nil {
+			t.Fatal(err)
+		}
+	}
+	var events []string
+	sink := &applySink{}
+	f, err := NewFile(path, Options{Logger: quiet, LargeChange: func(begins bool) {
+		_, applies := sink.last()
+		events = append(events, fmt.Sprintf("%v after %d applies", begins, applies))
+	}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	write(file(1, func(int) bool { return false }))
+	f.load(sink, true)
+	write(file(2, func(i int) bool { return i%100 == 0 })) // 1%
+	f.load(sink, false)
+	if len(events) != 0 {
+		t.Fatalf("events %v for a first load and a reload of 1%%, want none", events)
+	}
+	write(file(3, func(int) bool { return true }))
+	f.load(sink, false)
+	if want := []string{"true after 2 applies", "false after 3 applies"}; !slices.Equal(events, want) {
+		t.Errorf("events %v for a rewrite of every entry, want %v", events, want)
+	}
+}
