@@ -210,13 +210,9 @@ func TestReaderMatchesParse(t *testing.T) {
 // over are at most 5% larger than what changed (the allocator's rounding).
 func TestReaderSizesARewriteOnce(t *testing.T) {
 	const n = 10000
-	r := NewReader("")
-	v, err := r.Read(meshFile(n, 1, every))
+	r := appliedReader(t, meshFile(n, 1, every))
+	v, err := r.Read(meshFile(n, 2, every))
 	if err != nil {
-		t.Fatal(err)
-	}
-	r.Applied(v)
-	if v, err = r.Read(meshFile(n, 2, every)); err != nil {
 		t.Fatal(err)
 	}
 	if len(v.Set) != n {
@@ -231,15 +227,11 @@ func TestReaderSizesARewriteOnce(t *testing.T) {
 // while it reads it, and not in a Read that changes a few entries.
 func TestReaderToldOfARewriteWhileReading(t *testing.T) {
 	const n = 10000
-	r := NewReader("")
-	v, err := r.Read(meshFile(n, 1, every))
-	if err != nil {
-		t.Fatal(err)
-	}
-	r.Applied(v)
+	r := appliedReader(t, meshFile(n, 1, every))
 	calls := 0
 	r.Rewrite = func() { calls++ }
-	if v, err = r.Read(meshFile(n, 2, onePercent)); err != nil {
+	v, err := r.Read(meshFile(n, 2, onePercent))
+	if err != nil {
 		t.Fatal(err)
 	}
 	if calls != 0 {

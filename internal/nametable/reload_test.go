@@ -55,6 +55,18 @@ func loadFile(tb testing.TB, r *Reader, b *Builder, data []byte) *Table {
 	return t
 }
 
+// appliedReader is a Reader that read data as its first version, applied.
+func appliedReader(tb testing.TB, data []byte) *Reader {
+	tb.Helper()
+	r := NewReader("")
+	v, err := r.Read(data)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	r.Applied(v)
+	return r
+}
+
 // allocated is the heap bytes fn allocates.
 func allocated(fn func()) uint64 {
 	var before, after runtime.MemStats
@@ -149,15 +161,10 @@ func BenchmarkReload100k(b *testing.B) {
 func BenchmarkReadUnchanged100k(b *testing.B) {
 	n, _ := reloadSizes()
 	v1 := meshFile(n, 1, nothingNew)
-	r := NewReader("")
-	v, err := r.Read(v1)
-	if err != nil {
-		b.Fatal(err)
-	}
-	r.Applied(v)
+	r := appliedReader(b, v1)
 	b.ReportAllocs()
 	for b.Loop() {
-		if v, err = r.Read(v1); err != nil || !v.Empty() {
+		if v, err := r.Read(v1); err != nil || !v.Empty() {
 			b.Fatal(err, v.Empty())
 		}
 	}

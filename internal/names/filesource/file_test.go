@@ -167,13 +167,7 @@ func TestFileAtomicRenameAndDelete(t *testing.T) {
 	e := start(t, path, false)
 	waitFor(t, e, "first load", func(tb *nametable.Table) bool { return hostIP(tb, "c.example.com.") == "192.0.2.4" })
 	// Atomic replace (write temp + rename), as a careful writer does.
-	tmp := filepath.Join(dir, ".tmp")
-	if err := os.WriteFile(tmp, []byte(`{"table": {"c.example.com": {"ips": ["192.0.2.5"]}}}`), 0o644); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.Rename(tmp, path); err != nil {
-		t.Fatal(err)
-	}
+	replaceFile(t, path, `{"table": {"c.example.com": {"ips": ["192.0.2.5"]}}}`)
 	waitFor(t, e, "c after rename", func(tb *nametable.Table) bool { return hostIP(tb, "c.example.com.") == "192.0.2.5" })
 
 	// A deleted file keeps the last good table and is an error, not an
@@ -268,6 +262,19 @@ func TestFileBecomesFIFO(t *testing.T) {
 	})
 }
 
+// replaceFile replaces path with content atomically (write a temporary file
+// beside it, rename it over path), as a careful writer does.
+func replaceFile(t *testing.T, path, content string) {
+	t.Helper()
+	tmp := path + ".tmp"
+	if err := os.WriteFile(tmp, []byte(content), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Rename(tmp, path); err != nil {
+		t.Fatal(err)
+	}
+}
+
 // applySink records each Apply's keys.
 type applySink struct {
 	names.Sink
@@ -300,16 +307,6 @@ func (a *applySink) last() ([]string, int) {
 func TestReloadDeliversOnlyChanges(t *testing.T) {
 	dir := t.TempDir()
 	path := filepath.Join(dir, "t.json")
-	write := func(content string) {
-		t.Helper()
-		tmp := path + ".tmp"
-		if err := os.WriteFile(tmp, []byte(content), 0o644); err != nil {
-			t.Fatal(err)
-		}
-		if err := os.Rename(tmp, path); err != nil {
-			t.Fatal(err)
-		}
-	}
 	var b strings.Builder
 	b.WriteString(`{"table": {`)
 	for i := range 1000 {
@@ -319,7 +316,7 @@ func TestReloadDeliversOnlyChanges(t *testing.T) {
 		fmt.Fprintf(&b, "\n\"s%d.example.com\": {\"ips\": [\"10.1.%d.%d\"]}", i, i/256, i%256)
 	}
 	v1 := b.String() + "}}"
-	write(v1)
+	replaceFile(t, path, v1)
 	f, err := NewFile(path, Options{Logger: quiet})
 	if err != nil {
 		t.Fatal(err)
@@ -334,13 +331,13 @@ func TestReloadDeliversOnlyChanges(t *testing.T) {
 	v2 = strings.Replace(v2, `"10.1.0.7"`, `"10.9.0.7"`, 1)
 	v2 = strings.Replace(v2, `"s8.example.com": {"ips": ["10.1.0.8"]},`, ``, 1)
 	v2 = strings.Replace(v2, `{"table": {`, `{"table": {"new.example.com": {"ips": ["10.2.0.1"]},`, 1)
-	write(v2)
+	replaceFile(t, path, v2)
 	f.load(sink, false)
 	keys, n := sink.last()
 	if want := []string{"-s8.example.com", "new.example.com", "s7.example.com"}; n != 2 || !slices.Equal(keys, want) {
 		t.Fatalf("reload: %d applies, the last %v; want a second one of %v", n, keys, want)
 	}
-	write(v2) // the same content, a new file: read, nothing to deliver
+	replaceFile(t, path, v2) // the same content, a new file: read, nothing to deliver
 	f.load(sink, false)
 	if _, n := sink.last(); n != 2 {
 		t.Errorf("a reload of the same content delivered something (%d applies)", n)
@@ -386,16 +383,6 @@ func TestLargeReloadIsToldBeforeItIsRead(t *testing.T) {
 		}
 		return b.String() + "}}"
 	}
-	write := func(content string) {
-		t.Helper()
-		tmp := path + ".tmp"
-		if err := os.WriteFile(tmp, []byte(content), 0o644); err != nil {
-			t.Fatal(err)
-		}
-		if err := os.Rename(tmp, path); err != nil {
-			t.Fatal(err)
-		}
-	}
 	var events []string
 	sink := &applySink{}
 	f, err := NewFile(path, Options{Logger: quiet, LargeChange: func(begins bool) {
@@ -405,14 +392,14 @@ func TestLargeReloadIsToldBeforeItIsRead(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	write(file(1, func(int) bool { return false }))
+	replaceFile(t, path, file(1, func(int) bool { return false }))
 	f.load(sink, true)
-	write(file(2, func(i int) bool { return i%100 == 0 })) // 1%
+	replaceFile(t, path, file(2, func(i int) bool { return i%100 == 0 })) // 1%
 	f.load(sink, false)
 	if len(events) != 0 {
 		t.Fatalf("events %v for a first load and a reload of 1%%, want none", events)
 	}
-	write(file(3, func(int) bool { return true }))
+	replaceFile(t, path, file(3, func(int) bool { return true }))
 	f.load(sink, false)
 	if want := []string{"true after 2 applies", "false after 3 applies"}; !slices.Equal(events, want) {
 		t.Errorf("events %v for a rewrite of every entry, want %v", events, want)
