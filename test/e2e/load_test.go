@@ -212,3 +212,38 @@ func (n *node) mapMiss() uint64 {
 	return hookCounter(n.t, n, "recvmsg4", "map_miss") + hookCounter(n.t, n, "recvmsg6", "map_miss") +
 		hookCounter(n.t, n, "getpeername4", "map_miss") + hookCounter(n.t, n, "getpeername6", "map_miss")
 }
+
+// TestLoadClientsNameEveryWrongAddress: the load clients print the address of
+// every wrong answer whole, however many threads report at once. The node and
+// rollout tests tell an answer of the original nameserver (allowed while no
+// agent runs) from a wrong one by that address.
+func TestLoadClientsNameEveryWrongAddress(t *testing.T) {
+	n := newNode(t)
+	pod := n.addLoadPod()
+	// No agent: the original nameserver answers fwdIP, which the target does not expect.
+	const want = 40_000 // wrong answers reported, all clients together
+	targets := []string{"q%d." + fwdZone + "=169.254.77.1"}
+	l := n.startLoadClients(pod, 8_000, []loadClientSpec{
+		{name: "glibc", bin: bins.loadGlibc, share: 0.5, targets: targets},
+		{name: "musl", bin: bins.loadMusl, share: 0.5, targets: targets},
+	})
+	testenv.Eventually(t, 2*time.Minute, func() bool {
+		reported := 0
+		for _, c := range l.clients {
+			reported += strings.Count(c.Log.String(), "\nFAIL ")
+		}
+		return reported >= want
+	}, "the load clients did not report %d wrong answers in 2 min", want)
+	res := l.stop()
+	var garbled []loadFail
+	for _, f := range res.fails {
+		if f.what != "wrong:"+fwdIP {
+			garbled = append(garbled, f)
+		}
+	}
+	t.Logf("%d lookups, %d reported wrong: %s", res.sent, len(res.fails), res.perClient)
+	if len(res.fails) != res.wrong || len(garbled) > 0 {
+		t.Errorf("%d of %d wrong answers were not reported as wrong:%s (summaries count %d):\n%s",
+			len(garbled), len(res.fails), fwdIP, res.wrong, describe(garbled, 0))
+	}
+}

@@ -71,7 +71,7 @@ static void *worker(void *arg)
 		int rc;
 
 		if (strstr(t->name, "%d"))
-			snprintf(name, sizeof(name), t->name, (int)(id * 100000000L + i));
+			snprintf(name, sizeof(name), t->name, (int)(id * 10000000L + i)); /* < 2^31 for 200 threads */
 		else
 			snprintf(name, sizeof(name), "%s", t->name);
 		i++;
@@ -93,8 +93,13 @@ static void *worker(void *arg)
 			if (sin->sin_addr.s_addr == t->want.s_addr) {
 				atomic_fetch_add(&ok, 1);
 			} else {
+				char addr[INET_ADDRSTRLEN];
+
+				/* inet_ntop, not inet_ntoa: musl's inet_ntoa writes one static
+				 * buffer that another thread may be clearing. */
+				inet_ntop(AF_INET, &sin->sin_addr, addr, sizeof(addr));
 				atomic_fetch_add(&wrong, 1);
-				snprintf(what, sizeof(what), "wrong:%s", inet_ntoa(sin->sin_addr));
+				snprintf(what, sizeof(what), "wrong:%s", addr);
 				report(start, end, name, what);
 			}
 			freeaddrinfo(res);
