@@ -76,13 +76,15 @@ func tuneGC(c *Config, log *slog.Logger) {
 }
 
 // largeChangeGCPercent is GOGC while a large table change is made: the
-// collector starts no cycle before the heap is twice what the last one
-// found live, so a rewrite of every entry, which allocates about the
-// table's size again, goes through with at most one. 200 (none) made the
-// query tail shorter still but the peak memory higher (bench/RESULTS.md,
-// section 11). A container's memory limit still starts cycles (the Go
-// memory limit, tuneGC).
-const largeChangeGCPercent = 100
+// collector starts no cycle before the heap is three times what the last one
+// found live. A rewrite of every entry needs about twice the live heap and a
+// quarter (the old table, a new one of its size, and the garbage
+// defaultGCPercent left before it), so it goes through with no cycle, and
+// the collection at its end is the only one. At 100 one or two cycles ran
+// during the rewrite, and the query tail with them (bench/RESULTS.md, section
+// 11). A container's memory limit still starts cycles (the Go memory limit,
+// tuneGC).
+const largeChangeGCPercent = 200
 
 // gcHold holds the collector back while a large name table change is made
 // and collects once the table with it is published. Its largeChange is both

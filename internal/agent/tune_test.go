@@ -9,6 +9,7 @@ import (
 	"strings"
 	"testing"
 	"time"
+	"unsafe"
 
 	"github.com/meshdns/meshdns-ebpf/internal/testenv"
 )
@@ -159,4 +160,52 @@ func TestGCHeldDuringALargeChange(t *testing.T) {
 		t.Errorf("GOGC %d while a large change is applied, want 40 (the environment's)", got)
 	}
 	g.largeChange(false)
+}
+
+// A change that rewrites the whole table allocates a second table of the
+// live heap's size while the first is still live, on top of the garbage the
+// steady state left (up to defaultGCPercent of the live heap). Held, it goes
+// through with no collection cycle, and the collection at its end is the
+// only one: each cycle makes the resolver's reader wait behind a mark
+// worker.
+func TestGCHoldLetsARewriteOfTheWholeHeapThroughWithoutACycle(t *testing.T) {
+	unsetEnv(t, "GOGC")
+	prev := debug.SetGCPercent(defaultGCPercent)
+	t.Cleanup(func() { debug.SetGCPercent(prev) })
+	const size = 32 << 20
+	old := allocateTable(size)
+	runtime.GC()
+	_ = allocateTable(size * defaultGCPercent / 100 / 2) // garbage, short of a cycle
+	before := numGC()
+
+	g := newGCHold()
+	g.largeChange(true)
+	next := allocateTable(size)
+	during := numGC() - before
+	runtime.KeepAlive(old) // the old table is live until the new one is published
+	g.largeChange(false)
+	testenv.Eventually(t, 5*time.Second, func() bool { return numGC() > before+during && gcPercent() == defaultGCPercent },
+		"after the change: want its collection and GOGC %d again", defaultGCPercent)
+	if during != 0 {
+		t.Errorf("%d collection cycles while a rewrite of the whole heap was made, want none", during)
+	}
+	runtime.KeepAlive(next)
+}
+
+// allocateTable allocates about size bytes as a table does: small objects
+// that point to each other.
+func allocateTable(size int) []*tableNode {
+	nodes := make([]*tableNode, 0, size/int(unsafe.Sizeof(tableNode{})))
+	var prev *tableNode
+	for range cap(nodes) {
+		n := &tableNode{next: prev}
+		nodes = append(nodes, n)
+		prev = n
+	}
+	return nodes
+}
+
+type tableNode struct {
+	next *tableNode
+	_    [120]byte
 }
