@@ -24,9 +24,10 @@ import (
 	"k8s.io/apimachinery/pkg/fields"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/types"
-	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/cache"
+
+	"github.com/meshdns/meshdns-ebpf/internal/kubeclient"
 )
 
 // Config says whose lifecycle to watch.
@@ -50,9 +51,9 @@ type Verdict struct {
 
 // Watch is the running watch of the agent's own objects.
 type Watch struct {
-	cfg Config
-	log *slog.Logger
-	cs  kubernetes.Interface
+	cfg    Config
+	log    *slog.Logger
+	client *kubeclient.Client
 
 	dsName string // the agent's DaemonSet ("" when its pod has none)
 	dsUID  types.UID
@@ -79,18 +80,18 @@ func New(cfg Config) (*Watch, error) {
 	if rc.UserAgent == "" {
 		rc.UserAgent = "meshdns-ebpf"
 	}
-	cs, err := kubernetes.NewForConfig(rc)
+	kc, err := kubeclient.New(rc)
 	if err != nil {
 		return nil, fmt.Errorf("kubelife: %w", err)
 	}
-	return &Watch{cfg: cfg, log: cfg.Logger, cs: cs, errs: map[string]error{}}, nil
+	return &Watch{cfg: cfg, log: cfg.Logger, client: kc, errs: map[string]error{}}, nil
 }
 
 // Start reads the agent's pod (its DaemonSet is its controller) and starts
 // the watches; ctx bounds the read. It does not wait for them to sync.
 func (w *Watch) Start(ctx context.Context) error {
 	self := w.cfg.Self
-	pod, err := w.cs.CoreV1().Pods(self.Namespace).Get(ctx, self.Pod, metav1.GetOptions{})
+	pod, err := w.client.Pods(self.Namespace).Get(ctx, self.Pod, metav1.GetOptions{})
 	if err != nil {
 		return fmt.Errorf("read the agent's pod %s/%s: %w", self.Namespace, self.Pod, err)
 	}
@@ -104,7 +105,7 @@ func (w *Watch) Start(ctx context.Context) error {
 			o.FieldSelector = fields.OneTermEqualSelector("metadata.name", name).String()
 		}
 	}
-	core, apps := w.cs.CoreV1().RESTClient(), w.cs.AppsV1().RESTClient()
+	core, apps := w.client.CoreV1(), w.client.AppsV1()
 	w.ns = w.informer("namespaces", core, "", &corev1.Namespace{}, byName(self.Namespace))
 	if w.dsName != "" {
 		w.ds = w.informer("daemonsets", apps, self.Namespace, &appsv1.DaemonSet{}, byName(w.dsName))

@@ -3,8 +3,11 @@
 // Pods of this node, each with a transform that keeps only what DNS needs,
 // turned into name table hosts (Kubernetes DNS specification) and client
 // namespaces for the name store. Kubernetes code (client-go) lives in this
-// package and the other Kubernetes packages (kubelife, meshsource, the
-// agent's wiring); the resolver and the table never import it.
+// package and the other Kubernetes packages (kubeclient, kubelife,
+// meshsource, the agent's wiring); the resolver and the table never import
+// it. They read the API server through internal/kubeclient, never through
+// client-go's clientset (k8s.io/client-go/kubernetes), whose scheme would
+// link every built-in API group into the agent.
 package kubesource
 
 import (
@@ -23,10 +26,10 @@ import (
 	"k8s.io/apimachinery/pkg/fields"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/watch"
-	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/cache"
 
+	"github.com/meshdns/meshdns-ebpf/internal/kubeclient"
 	"github.com/meshdns/meshdns-ebpf/internal/names"
 	"github.com/meshdns/meshdns-ebpf/internal/nametable"
 )
@@ -50,7 +53,7 @@ type Source struct {
 	cfg    Config
 	domain string // with the trailing dot
 	log    *slog.Logger
-	cs     kubernetes.Interface
+	client *kubeclient.Client
 	pods   podIndex
 }
 
@@ -76,11 +79,11 @@ func New(cfg Config) (*Source, error) {
 	if rc.UserAgent == "" {
 		rc.UserAgent = "meshdns-ebpf"
 	}
-	cs, err := kubernetes.NewForConfig(rc)
+	kc, err := kubeclient.New(rc)
 	if err != nil {
 		return nil, fmt.Errorf("kubernetes source %s: %w", cfg.Name, err)
 	}
-	return &Source{cfg: cfg, domain: domain + ".", log: cfg.Logger.With("source", cfg.Name), cs: cs}, nil
+	return &Source{cfg: cfg, domain: domain + ".", log: cfg.Logger.With("source", cfg.Name), client: kc}, nil
 }
 
 // Name implements names.Source.
@@ -93,17 +96,17 @@ func (s *Source) Run(ctx context.Context, sink names.Sink) error {
 	h := NewHealth(sink, s.log)
 	svcInf := s.informer(h, "services", &corev1.Service{}, transformService,
 		func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) {
-			return s.cs.CoreV1().Services("").List(ctx, o)
+			return s.client.Services("").List(ctx, o)
 		},
 		func(ctx context.Context, o metav1.ListOptions) (watch.Interface, error) {
-			return s.cs.CoreV1().Services("").Watch(ctx, o)
+			return s.client.Services("").Watch(ctx, o)
 		}, nil)
 	sliceInf := s.informer(h, "endpointslices", &discoveryv1.EndpointSlice{}, transformSlice,
 		func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) {
-			return s.cs.DiscoveryV1().EndpointSlices("").List(ctx, o)
+			return s.client.EndpointSlices("").List(ctx, o)
 		},
 		func(ctx context.Context, o metav1.ListOptions) (watch.Interface, error) {
-			return s.cs.DiscoveryV1().EndpointSlices("").Watch(ctx, o)
+			return s.client.EndpointSlices("").Watch(ctx, o)
 		}, nil)
 	informers := []cache.SharedIndexInformer{svcInf, sliceInf}
 	svcs := newServices(s.domain, svcInf.GetStore(), sink, s.log)
@@ -123,11 +126,11 @@ func (s *Source) Run(ctx context.Context, sink names.Sink) error {
 		podInf := s.informer(h, "pods", &corev1.Pod{}, transformPod,
 			func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) {
 				o.FieldSelector = sel
-				return s.cs.CoreV1().Pods("").List(ctx, o)
+				return s.client.Pods("").List(ctx, o)
 			},
 			func(ctx context.Context, o metav1.ListOptions) (watch.Interface, error) {
 				o.FieldSelector = sel
-				return s.cs.CoreV1().Pods("").Watch(ctx, o)
+				return s.client.Pods("").Watch(ctx, o)
 			}, nil)
 		setPod := func(obj any, gone bool) {
 			p, ok := unwrap(obj).(*pod)
@@ -208,11 +211,11 @@ func ClusterDNS(ctx context.Context, rc *rest.Config, service string) ([]netip.A
 	if !ok || ns == "" || name == "" {
 		return nil, fmt.Errorf("cluster DNS service %q: want namespace/name", service)
 	}
-	cs, err := kubernetes.NewForConfig(rc)
+	kc, err := kubeclient.New(rc)
 	if err != nil {
 		return nil, err
 	}
-	svc, err := cs.CoreV1().Services(ns).Get(ctx, name, metav1.GetOptions{})
+	svc, err := kc.Services(ns).Get(ctx, name, metav1.GetOptions{})
 	if err != nil {
 		return nil, fmt.Errorf("find the cluster DNS Service %s: %w", service, err)
 	}

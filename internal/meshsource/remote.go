@@ -19,10 +19,10 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/watch"
-	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/cache"
 
+	"github.com/meshdns/meshdns-ebpf/internal/kubeclient"
 	"github.com/meshdns/meshdns-ebpf/internal/kubesource"
 	"github.com/meshdns/meshdns-ebpf/internal/names"
 )
@@ -76,9 +76,9 @@ type ClustersConfig struct {
 // kubeconfig file that is also a remote secret's key is taken from the
 // file.
 type Clusters struct {
-	cfg ClustersConfig
-	cs  kubernetes.Interface // for the secrets; nil without
-	log *slog.Logger
+	cfg    ClustersConfig
+	client *kubeclient.Client // for the secrets; nil without
+	log    *slog.Logger
 }
 
 // NewClusters validates cfg. It contacts nothing.
@@ -103,11 +103,11 @@ func NewClusters(cfg ClustersConfig) (*Clusters, error) {
 		rc := rest.CopyConfig(cfg.Secrets)
 		rc.ContentType = "application/vnd.kubernetes.protobuf"
 		rc.AcceptContentTypes = "application/vnd.kubernetes.protobuf,application/json"
-		cs, err := kubernetes.NewForConfig(rc)
+		kc, err := kubeclient.New(rc)
 		if err != nil {
 			return nil, fmt.Errorf("remote clusters: %w", err)
 		}
-		m.cs = cs
+		m.client = kc
 	}
 	return m, nil
 }
@@ -133,7 +133,7 @@ func (m *Clusters) Run(ctx context.Context, sink names.Sink) error {
 
 	secretsSynced := func() bool { return true }
 	var secretStore cache.Store
-	if m.cs != nil {
+	if m.client != nil {
 		inf, synced, err := m.watchSecrets(ctx, h, poke, &wg)
 		if err != nil {
 			return err
@@ -183,7 +183,7 @@ func (m *Clusters) Run(ctx context.Context, sink names.Sink) error {
 // namespace; every change pokes.
 func (m *Clusters) watchSecrets(ctx context.Context, h *kubesource.Health, poke func(), wg *sync.WaitGroup) (cache.SharedIndexInformer, func() bool, error) {
 	sel := IstioMultiClusterLabel + "=true"
-	secrets := m.cs.CoreV1().Secrets(m.cfg.Namespace)
+	secrets := m.client.Secrets(m.cfg.Namespace)
 	inf := h.Informer(RemoteClustersName+" secrets", "secrets", &corev1.Secret{}, transformSecret,
 		func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) {
 			o.LabelSelector = sel

@@ -2,9 +2,11 @@
 // cluster: Istio ServiceEntries (networking.istio.io, watched only while
 // their CRD is installed) and remote clusters (kubeconfig files of a
 // directory and Istio remote secrets), each remote cluster a Kubernetes
-// source of its own. Like kubesource it imports client-go, keeps only what
-// DNS needs of each object (informer transforms) and feeds the name store
-// through names.Sink; the resolver and the table never import it.
+// source of its own. Like kubesource it imports client-go (its dynamic
+// client for ServiceEntries, internal/kubeclient for the secrets, never the
+// clientset), keeps only what DNS needs of each object (informer
+// transforms) and feeds the name store through names.Sink; the resolver and
+// the table never import it.
 package meshsource
 
 import (
