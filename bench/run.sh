@@ -119,13 +119,8 @@ if [ "${BENCH_KUBE:-1}" != 0 ] && [ -z "$skip" ]; then
 		go test -count=1 -timeout 120m -run TestKubernetesBench -v ./bench/kube/ >"$work/kube.log" 2>&1 ||
 		{ log "Kubernetes benchmark failed; see $work/kube.log"; tail -30 "$work/kube.log" >&2; exit 1; }
 	grep -E 'kube_test.go|mesh_test.go|istiod_test.go' "$work/kube.log" >&2 || true
-	marker='<!-- hand-written below: kept by benchrun across runs -->'
-	{
-		awk -v m="$marker" '$0 == m { exit } { print }' bench/RESULTS.md
-		cat "$kube_out"
-		echo
-		awk -v m="$marker" 'found { print } $0 == m { found = 1; print }' bench/RESULTS.md
-	} >"$work/RESULTS.md.new"
-	mv "$work/RESULTS.md.new" bench/RESULTS.md
-	log "Kubernetes results added to bench/RESULTS.md"
+	# In place of the Kubernetes section of an earlier run (BENCH_KUBE_ONLY=1
+	# keeps the rest of the file).
+	"$work/bin/benchrun" kube-section "$kube_out" bench/RESULTS.md
+	log "Kubernetes results put into bench/RESULTS.md"
 fi

@@ -264,6 +264,9 @@ func main() {
 	if len(os.Args) > 1 && os.Args[1] == "helper" {
 		os.Exit(runHelper(os.Args[2:]))
 	}
+	if len(os.Args) > 1 && os.Args[1] == "kube-section" {
+		os.Exit(runKubeSection(os.Args[2:]))
+	}
 	cfg, err := parseConfig()
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "benchrun:", err)
@@ -610,4 +613,48 @@ func keepManual(report, old string) string {
 		tail = old[i:]
 	}
 	return strings.TrimRight(report, "\n") + "\n\n" + tail
+}
+
+// kubeHeading starts bench/kube's section of RESULTS.md (its tables of the
+// node mode against CoreDNS's kubernetes plugin and of the mesh sources),
+// which run.sh puts right above the hand-written part.
+const kubeHeading = "## Kubernetes node mode vs CoreDNS's kubernetes plugin"
+
+// withKubeSection puts kube, bench/kube's section, into results right above
+// the hand-written part, in place of every Kubernetes section an earlier run
+// left there (from kubeHeading to the marker).
+func withKubeSection(results, kube string) string {
+	head, manual := results, ""
+	if i := strings.Index(results, manualMarker); i >= 0 {
+		head, manual = results[:i], results[i:]
+	}
+	if i := strings.Index(head, kubeHeading+"\n"); i >= 0 && (i == 0 || head[i-1] == '\n') {
+		head = head[:i]
+	}
+	return keepManual(strings.TrimRight(head, "\n")+"\n\n"+strings.TrimRight(kube, "\n")+"\n", manual)
+}
+
+// runKubeSection is `benchrun kube-section KUBE.md RESULTS.md`: run.sh's
+// step that puts bench/kube's output into RESULTS.md.
+func runKubeSection(args []string) int {
+	if len(args) != 2 {
+		fmt.Fprintln(os.Stderr, "usage: benchrun kube-section KUBE.md RESULTS.md")
+		return 2
+	}
+	kube, err := os.ReadFile(args[0])
+	if err == nil && !strings.HasPrefix(string(kube), kubeHeading) {
+		err = fmt.Errorf("%s does not start with %q", args[0], kubeHeading)
+	}
+	var results []byte
+	if err == nil {
+		results, err = os.ReadFile(args[1])
+	}
+	if err == nil {
+		err = os.WriteFile(args[1], []byte(withKubeSection(string(results), string(kube))), 0o644)
+	}
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "benchrun kube-section:", err)
+		return 1
+	}
+	return 0
 }

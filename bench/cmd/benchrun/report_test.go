@@ -271,3 +271,23 @@ func wantLines(t *testing.T, out string, wants ...string) {
 		}
 	}
 }
+
+// The Kubernetes section (bench/kube's output) goes right above the
+// hand-written part, in place of the one an earlier run put there: a run of
+// bench/kube alone (BENCH_KUBE_ONLY=1) replaces it, never adds a second.
+func TestWithKubeSection(t *testing.T) {
+	manual := manualMarker + "\n\n## What was tried\n\n- x\n"
+	kube := func(v string) string {
+		return kubeHeading + "\n\n| meshdns | " + v + " |\n\n## Mesh: ServiceEntries and two clusters\n\n| " + v + " |\n"
+	}
+	for _, tc := range []struct{ name, old, want string }{
+		{"none yet", "# gen\n\n## Scale\n\n" + manual, "# gen\n\n## Scale\n\n" + kube("new") + "\n" + manual},
+		{"replaced", "# gen\n\n## Scale\n\n" + kube("old") + "\n" + manual, "# gen\n\n## Scale\n\n" + kube("new") + "\n" + manual},
+		{"two from before", "# gen\n\n" + kube("old") + "\n" + kube("older") + "\n" + manual, "# gen\n\n" + kube("new") + "\n" + manual},
+		{"no hand-written part", "# gen\n", "# gen\n\n" + kube("new") + "\n" + manualMarker + "\n\n## What was tried (optimisation log)\n\n_Nothing yet._\n"},
+	} {
+		if got := withKubeSection(tc.old, kube("new")); got != tc.want {
+			t.Errorf("%s:\n%s\nwant\n%s", tc.name, got, tc.want)
+		}
+	}
+}
