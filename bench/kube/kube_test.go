@@ -672,7 +672,7 @@ func render(rs []result, s settings) string {
 			r.server, r.scale, r.ready.Round(time.Millisecond), r.rssSynced>>20, r.rssChurn>>20, r.hwmChurn>>20,
 			r.updP50, r.updP99, r.updMax, r.updates, r.updMissed, floats(r.calmP99), floats(r.churnP99), echo, r.calmLost, r.churnLost)
 	}
-	b.WriteString("\n### Targets: 100k Services\n\n")
+	b.WriteString("\n### Targets: the node mode against CoreDNS's kubernetes plugin\n\n")
 	for _, r := range rs {
 		if r.server != "meshdns" {
 			continue
