@@ -159,7 +159,11 @@ func TestGCHeldDuringALargeChange(t *testing.T) {
 	if got := gcPercent(); got != 40 {
 		t.Errorf("GOGC %d while a large change is applied, want 40 (the environment's)", got)
 	}
+	before = numGC()
 	g.largeChange(false)
+	// Its collection, before the next test counts cycles.
+	testenv.Eventually(t, 5*time.Second, func() bool { return numGC() > before && gcPercent() == 40 },
+		"after the large change: want a collection and GOGC 40 still")
 }
 
 // A change that rewrites the whole table allocates a second table of the
