@@ -1,13 +1,11 @@
 package kubeclient_test
 
 import (
-	"context"
 	"net/http"
 	"net/url"
 	"slices"
 	"sync"
 	"testing"
-	"time"
 
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
@@ -89,8 +87,7 @@ func startCluster(t *testing.T) *cluster {
 	cp.CreatePod(t, kubetest.Pod{Namespace: "kc", Name: "web-a", Node: "node-a", IPs: []string{"10.244.1.10"}, Ready: true})
 	cp.CreatePod(t, kubetest.Pod{Namespace: "kc", Name: "web-b", Node: "node-b", IPs: []string{"10.244.2.10"}, Ready: true})
 	cp.CreateDaemonSet(t, "kc", "agent")
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	defer cancel()
+	ctx := kubetest.OpContext(t)
 	admin := cp.AdminClient()
 	port, proto := int32(80), corev1.ProtocolTCP
 	if _, err := admin.DiscoveryV1().EndpointSlices("kc").Create(ctx, &discoveryv1.EndpointSlice{
@@ -125,12 +122,6 @@ func (c *cluster) client(t *testing.T, rec *recorder, contentType, accept, userA
 	return kc
 }
 
-func opCtx(t *testing.T) context.Context {
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	t.Cleanup(cancel)
-	return ctx
-}
-
 // What the Kubernetes sources ask of the API server, asked of a real one.
 func TestAgainstAPIServer(t *testing.T) {
 	c := startCluster(t)
@@ -140,7 +131,7 @@ func TestAgainstAPIServer(t *testing.T) {
 	t.Run("protobuf as the configuration asks", func(t *testing.T) {
 		var rec recorder
 		kc := c.client(t, &rec, protobuf, protobufJSON, "meshdns-ebpf")
-		list, err := kc.Services("").List(opCtx(t), metav1.ListOptions{})
+		list, err := kc.Services("").List(kubetest.OpContext(t), metav1.ListOptions{})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -152,7 +143,7 @@ func TestAgainstAPIServer(t *testing.T) {
 			t.Errorf("list sent Accept %q and User-Agent %q, got Content-Type %q; want %q, meshdns-ebpf, %q",
 				e.accept, e.userAgent, e.contentType, protobufJSON, protobuf)
 		}
-		if _, err := kc.Services("kc").Get(opCtx(t), "web", metav1.GetOptions{}); err != nil {
+		if _, err := kc.Services("kc").Get(kubetest.OpContext(t), "web", metav1.GetOptions{}); err != nil {
 			t.Fatal(err)
 		}
 		if e := rec.last(t, "/api/v1/namespaces/kc/services/web"); e.contentType != protobuf {
@@ -166,7 +157,7 @@ func TestAgainstAPIServer(t *testing.T) {
 	t.Run("protobuf by default", func(t *testing.T) {
 		var rec recorder
 		kc := c.client(t, &rec, "", "", "")
-		if _, err := kc.Pods("kc").Get(opCtx(t), "web-a", metav1.GetOptions{}); err != nil {
+		if _, err := kc.Pods("kc").Get(kubetest.OpContext(t), "web-a", metav1.GetOptions{}); err != nil {
 			t.Fatal(err)
 		}
 		e := rec.last(t, "/api/v1/namespaces/kc/pods/web-a")
@@ -180,7 +171,7 @@ func TestAgainstAPIServer(t *testing.T) {
 	t.Run("JSON when the configuration asks for it", func(t *testing.T) {
 		var rec recorder
 		kc := c.client(t, &rec, "application/json", "application/json", "")
-		list, err := kc.EndpointSlices("kc").List(opCtx(t), metav1.ListOptions{})
+		list, err := kc.EndpointSlices("kc").List(kubetest.OpContext(t), metav1.ListOptions{})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -196,7 +187,7 @@ func TestAgainstAPIServer(t *testing.T) {
 		var rec recorder
 		kc := c.client(t, &rec, protobuf, protobufJSON, "")
 		ten := int64(10)
-		pods, err := kc.Pods("").List(opCtx(t), metav1.ListOptions{
+		pods, err := kc.Pods("").List(kubetest.OpContext(t), metav1.ListOptions{
 			FieldSelector: fields.OneTermEqualSelector("spec.nodeName", "node-a").String(), TimeoutSeconds: &ten})
 		if err != nil {
 			t.Fatal(err)
@@ -208,7 +199,7 @@ func TestAgainstAPIServer(t *testing.T) {
 		if q.Get("fieldSelector") != "spec.nodeName=node-a" || q.Get("timeoutSeconds") != "10" || q.Get("timeout") != "10s" {
 			t.Errorf("list query %v", q)
 		}
-		secrets, err := kc.Secrets("kc").List(opCtx(t), metav1.ListOptions{LabelSelector: "istio/multiCluster=true"})
+		secrets, err := kc.Secrets("kc").List(kubetest.OpContext(t), metav1.ListOptions{LabelSelector: "istio/multiCluster=true"})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -220,7 +211,7 @@ func TestAgainstAPIServer(t *testing.T) {
 		if q := rec.last(t, "/api/v1/namespaces/kc/secrets").query; q.Has("timeout") || q.Has("timeoutSeconds") {
 			t.Errorf("list without TimeoutSeconds sent %v", q)
 		}
-		_, err = kc.Services("kc").Get(opCtx(t), "nothing", metav1.GetOptions{})
+		_, err = kc.Services("kc").Get(kubetest.OpContext(t), "nothing", metav1.GetOptions{})
 		if !apierrors.IsNotFound(err) {
 			t.Errorf("get of a missing Service: %v, want not found", err)
 		}
@@ -229,7 +220,7 @@ func TestAgainstAPIServer(t *testing.T) {
 	t.Run("watch", func(t *testing.T) {
 		var rec recorder
 		kc := c.client(t, &rec, protobuf, protobufJSON, "")
-		ctx := opCtx(t)
+		ctx := kubetest.OpContext(t)
 		list, err := kc.Services("kc").List(ctx, metav1.ListOptions{})
 		if err != nil {
 			t.Fatal(err)
@@ -264,14 +255,14 @@ func TestAgainstAPIServer(t *testing.T) {
 				o.FieldSelector = fields.OneTermEqualSelector("metadata.name", name).String()
 			}
 		}
-		nsList, err := cache.NewFilteredListWatchFromClient(kc.CoreV1(), "namespaces", "", byName("kc")).ListWithContext(opCtx(t), metav1.ListOptions{})
+		nsList, err := cache.NewFilteredListWatchFromClient(kc.CoreV1(), "namespaces", "", byName("kc")).ListWithContext(kubetest.OpContext(t), metav1.ListOptions{})
 		if err != nil {
 			t.Fatal(err)
 		}
 		if l, ok := nsList.(*corev1.NamespaceList); !ok || len(l.Items) != 1 || l.Items[0].Name != "kc" {
 			t.Errorf("namespaces named kc: %#v", nsList)
 		}
-		dsList, err := cache.NewFilteredListWatchFromClient(kc.AppsV1(), "daemonsets", "kc", byName("agent")).ListWithContext(opCtx(t), metav1.ListOptions{})
+		dsList, err := cache.NewFilteredListWatchFromClient(kc.AppsV1(), "daemonsets", "kc", byName("agent")).ListWithContext(kubetest.OpContext(t), metav1.ListOptions{})
 		if err != nil {
 			t.Fatal(err)
 		}

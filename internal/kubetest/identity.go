@@ -171,3 +171,11 @@ func fileSafe(s string) string {
 func opContext(t testing.TB) (context.Context, context.CancelFunc) {
 	return context.WithTimeout(t.Context(), 30*time.Second)
 }
+
+// OpContext is opContext for a test's own API calls: cancelled when the
+// test ends.
+func OpContext(t testing.TB) context.Context {
+	ctx, cancel := opContext(t)
+	t.Cleanup(cancel)
+	return ctx
+}
