@@ -336,3 +336,29 @@ func SOA(zone string, ttl uint32) *dns.SOA {
 		Ns:  "fake.test.", Mbox: "hostmaster.fake.test.", Serial: 1, Refresh: 60, Retry: 60, Expire: 60, Minttl: ttl,
 	}
 }
+
+// RateLimited wraps fn as an upstream that throttles: each answer waits latency, and
+// at most perSecond queries a second are answered (a token bucket holding one tenth
+// of a second's worth); the rest are dropped without a reply, as cloud resolvers do
+// over their limit. Health probes (the root name) count like any query.
+func RateLimited(fn Respond, perSecond int, latency time.Duration) Respond {
+	var mu sync.Mutex
+	burst := max(float64(perSecond)/10, 1)
+	tokens, last := burst, time.Now()
+	return func(proto string, req *dns.Msg) []*dns.Msg {
+		mu.Lock()
+		now := time.Now()
+		tokens = min(burst, tokens+now.Sub(last).Seconds()*float64(perSecond))
+		last = now
+		ok := tokens >= 1
+		if ok {
+			tokens--
+		}
+		mu.Unlock()
+		if !ok {
+			return nil
+		}
+		time.Sleep(latency)
+		return fn(proto, req)
+	}
+}

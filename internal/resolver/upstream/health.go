@@ -1,7 +1,9 @@
 package upstream
 
 import (
+	"context"
 	"errors"
+	"log/slog"
 	"net/netip"
 	"sync"
 	"time"
@@ -59,14 +61,23 @@ func (f *Forwarder) anyUnhealthy() bool {
 
 // markFailed records a failed attempt (a timeout or a socket error). MaxFails of them
 // in a row take the upstream out of rotation; it is then probed in the background until
-// it answers. One lost reply therefore never marks an upstream down.
+// it answers. One lost reply therefore never marks an upstream down, and neither do
+// many while the upstream answers other queries: a timeout then is a drop (rate
+// limiting or loss, reason="dropped"), not an outage, until the upstream has answered
+// nothing for DownAfter.
 func (f *Forwarder) markFailed(s *server, err error) {
 	reason := reasonNetwork
 	var ae *attemptError
 	if errors.As(err, &ae) {
 		reason = ae.reason
 	}
+	if reason == reasonTimeout && s.answeredWithin(f.cfg.DownAfter) {
+		reason = reasonDropped
+	}
 	s.m.failures[reason].Inc()
+	if reason == reasonDropped {
+		return
+	}
 	n := s.fails.Add(1)
 	s.mu.Lock()
 	s.lastErr = err.Error()
@@ -76,8 +87,9 @@ func (f *Forwarder) markFailed(s *server, err error) {
 	}
 	s.mu.Unlock()
 	if down {
+		s.m.transitions.Inc()
 		s.m.healthy.Set(0)
-		f.log.Warn("upstream unhealthy, probing it in the background", "upstream", s.name,
+		f.logTransition(s, slog.LevelWarn, "upstream unhealthy, probing it in the background",
 			"consecutive_failures", n, "reason", reason, "err", err)
 		select {
 		case f.wake <- struct{}{}:
@@ -86,8 +98,9 @@ func (f *Forwarder) markFailed(s *server, err error) {
 	}
 }
 
-// markHealthy records an answer from s.
+// markHealthy records a reply from s (any DNS message that matches the query).
 func (f *Forwarder) markHealthy(s *server) {
+	s.lastReply.Store(monoNow())
 	if s.fails.Load() != 0 {
 		s.fails.Store(0)
 	}
@@ -101,9 +114,36 @@ func (f *Forwarder) markHealthy(s *server) {
 	}
 	s.mu.Unlock()
 	if up {
+		s.m.transitions.Inc()
 		s.m.healthy.Set(1)
-		f.log.Info("upstream healthy again", "upstream", s.name)
+		f.logTransition(s, slog.LevelInfo, "upstream healthy again")
 	}
+}
+
+// transitionLogEvery is the least time between two logged health changes of one
+// upstream; the changes in between are counted (meshdns_upstream_health_transitions_total)
+// and summed up in the next line.
+const transitionLogEvery = 10 * time.Second
+
+// logTransition logs a change of s's health, unless one was logged less than
+// transitionLogEvery ago.
+func (f *Forwarder) logTransition(s *server, level slog.Level, msg string, args ...any) {
+	s.mu.Lock()
+	now := time.Now()
+	if !s.lastLog.IsZero() && now.Sub(s.lastLog) < transitionLogEvery {
+		s.unlogged++
+		s.mu.Unlock()
+		return
+	}
+	s.lastLog = now
+	skipped := s.unlogged
+	s.unlogged = 0
+	s.mu.Unlock()
+	args = append([]any{"upstream", s.name}, args...)
+	if skipped > 0 {
+		args = append(args, "unlogged_transitions", skipped)
+	}
+	f.log.Log(context.Background(), level, msg, args...)
 }
 
 // healthLoop probes unhealthy upstreams every HealthInterval with ". IN NS"; any DNS

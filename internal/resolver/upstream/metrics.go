@@ -9,7 +9,8 @@ import (
 
 // Failure reasons of meshdns_upstream_failures_total.
 const (
-	reasonTimeout   = "timeout"   // no (valid) answer within the attempt deadline
+	reasonTimeout   = "timeout"   // no (valid) answer within the attempt deadline, from an upstream silent for DownAfter
+	reasonDropped   = "dropped"   // no answer to this query from an upstream that answers others (rate limiting, loss)
 	reasonRefused   = "refused"   // connection refused (ICMP port unreachable, TCP RST)
 	reasonNetwork   = "network"   // any other socket error
 	reasonServfail  = "servfail"  // the upstream answered SERVFAIL
@@ -19,7 +20,7 @@ const (
 	reasonOverload  = "overload"  // the in-flight cap was reached (label upstream="")
 )
 
-var failureReasons = []string{reasonTimeout, reasonRefused, reasonNetwork, reasonServfail, reasonRcode, reasonTruncated, reasonMismatch}
+var failureReasons = []string{reasonTimeout, reasonDropped, reasonRefused, reasonNetwork, reasonServfail, reasonRcode, reasonTruncated, reasonMismatch}
 
 // metrics holds the collectors and the pre-resolved children used on the query path.
 type metrics struct {
@@ -35,6 +36,7 @@ type serverMetrics struct {
 	reqUDP, reqTCP prometheus.Counter
 	failures       map[string]prometheus.Counter
 	healthy        prometheus.Gauge
+	transitions    prometheus.Counter
 	duration       prometheus.Observer
 }
 
@@ -42,7 +44,7 @@ func newMetrics(reg prometheus.Registerer, c *cache, servers []*server) (*metric
 	cm := newCacheMetrics(c)
 	um := newUpstreamVecs()
 	m := &metrics{
-		collectors: append(cm.collectors, um.requests, um.failures, um.healthy, um.duration),
+		collectors: append(cm.collectors, um.requests, um.failures, um.transitions, um.healthy, um.duration),
 		hitSuccess: cm.hits.WithLabelValues("success"),
 		hitDenial:  cm.hits.WithLabelValues("denial"),
 		hitStale:   cm.hits.WithLabelValues("stale"),
@@ -124,9 +126,9 @@ func newCacheMetrics(c *cache) cacheMetrics {
 
 // upstreamVecs are the per-upstream metrics, labelled by upstream.
 type upstreamVecs struct {
-	requests, failures *prometheus.CounterVec
-	healthy            *prometheus.GaugeVec
-	duration           *prometheus.HistogramVec
+	requests, failures, transitions *prometheus.CounterVec
+	healthy                         *prometheus.GaugeVec
+	duration                        *prometheus.HistogramVec
 }
 
 func newUpstreamVecs() upstreamVecs {
@@ -138,6 +140,10 @@ func newUpstreamVecs() upstreamVecs {
 		Name: "meshdns_upstream_failures_total",
 		Help: "Failed upstream attempts, by upstream and reason.",
 	}, []string{"upstream", "reason"})
+	transitions := prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "meshdns_upstream_health_transitions_total",
+		Help: "Changes of an upstream's health (into and out of rotation), by upstream.",
+	}, []string{"upstream"})
 	healthy := prometheus.NewGaugeVec(prometheus.GaugeOpts{
 		Name: "meshdns_upstream_healthy",
 		Help: "1 while the upstream is considered healthy, 0 while it is skipped and probed.",
@@ -148,17 +154,18 @@ func newUpstreamVecs() upstreamVecs {
 		Buckets: prometheus.ExponentialBuckets(0.00025, 2, 14), // 250us .. ~2s
 	}, []string{"upstream"})
 
-	return upstreamVecs{requests: requests, failures: failures, healthy: healthy, duration: duration}
+	return upstreamVecs{requests: requests, failures: failures, transitions: transitions, healthy: healthy, duration: duration}
 }
 
 // forServer is one upstream's metrics; it starts healthy.
 func (v upstreamVecs) forServer(name string) *serverMetrics {
 	sm := &serverMetrics{
-		reqUDP:   v.requests.WithLabelValues(name, "udp"),
-		reqTCP:   v.requests.WithLabelValues(name, "tcp"),
-		failures: make(map[string]prometheus.Counter, len(failureReasons)),
-		healthy:  v.healthy.WithLabelValues(name),
-		duration: v.duration.WithLabelValues(name),
+		reqUDP:      v.requests.WithLabelValues(name, "udp"),
+		reqTCP:      v.requests.WithLabelValues(name, "tcp"),
+		failures:    make(map[string]prometheus.Counter, len(failureReasons)),
+		healthy:     v.healthy.WithLabelValues(name),
+		transitions: v.transitions.WithLabelValues(name),
+		duration:    v.duration.WithLabelValues(name),
 	}
 	for _, r := range failureReasons {
 		sm.failures[r] = v.failures.WithLabelValues(name, r)

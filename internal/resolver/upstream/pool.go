@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"net/netip"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -19,14 +20,28 @@ type server struct {
 	name    string // metric label
 	m       *serverMetrics
 
-	healthy atomic.Bool
-	fails   atomic.Uint32 // consecutive failed attempts
-	mu      sync.Mutex    // guards the fields below
-	lastErr string
-	since   time.Time
-	srtt    time.Duration // smoothed RTT, 0 = no sample yet
-	rttvar  time.Duration
-	rto     time.Duration // current attempt timeout (backed off after timeouts)
+	healthy   atomic.Bool
+	fails     atomic.Uint32 // consecutive failed attempts
+	lastReply atomic.Int64  // monoNow of the last reply to anything, 0 = none yet
+	mu        sync.Mutex    // guards the fields below
+	lastErr   string
+	since     time.Time
+	lastLog   time.Time     // of the last logged health change
+	unlogged  int           // health changes since then, not logged
+	srtt      time.Duration // smoothed RTT, 0 = no sample yet
+	rttvar    time.Duration
+	rto       time.Duration // current attempt timeout (backed off after timeouts)
+}
+
+// monoBase anchors monoNow: nanoseconds on the monotonic clock, never 0 after start.
+var monoBase = time.Now().Add(-time.Nanosecond)
+
+func monoNow() int64 { return int64(time.Since(monoBase)) }
+
+// answeredWithin reports whether s replied to anything in the last d.
+func (s *server) answeredWithin(d time.Duration) bool {
+	last := s.lastReply.Load()
+	return last != 0 && monoNow()-last < int64(d)
 }
 
 // attemptTimeout returns how long to wait for this upstream's answer to one attempt.
@@ -62,20 +77,25 @@ func (s *server) backoff(maxRTO time.Duration) {
 }
 
 // order returns the upstreams to try: healthy ones from a random start, then the rest.
+// Each server's health is read once (another query may flip it meanwhile), so every
+// server is in the list exactly once.
 func (f *Forwarder) order() []*server {
 	n := len(f.servers)
-	out := make([]*server, 0, n)
+	out := make([]*server, n)
 	start := rand.IntN(n)
+	head, tail := 0, n
 	for i := range n {
-		if s := f.servers[(start+i)%n]; s.healthy.Load() {
-			out = append(out, s)
+		s := f.servers[(start+i)%n]
+		if s.healthy.Load() {
+			out[head] = s
+			head++
+		} else {
+			tail--
+			out[tail] = s
 		}
 	}
-	for i := range n {
-		if s := f.servers[(start+i)%n]; !s.healthy.Load() {
-			out = append(out, s)
-		}
-	}
+	// The unhealthy ones were filled in from the end: put them back in turn order.
+	slices.Reverse(out[head:])
 	return out
 }
 
