@@ -20,6 +20,7 @@ import (
 	"github.com/meshdns/meshdns-ebpf/internal/kubelife"
 	"github.com/meshdns/meshdns-ebpf/internal/kubesource"
 	"github.com/meshdns/meshdns-ebpf/internal/names"
+	"github.com/meshdns/meshdns-ebpf/internal/panicguard"
 	"github.com/meshdns/meshdns-ebpf/internal/redirect"
 	"github.com/meshdns/meshdns-ebpf/internal/resolver"
 	"github.com/meshdns/meshdns-ebpf/internal/resolver/upstream"
@@ -60,6 +61,7 @@ type Agent struct {
 	work      *workloads
 	fwd       *upstream.Forwarder
 	srv       *resolver.Server
+	panics    *panicguard.Counter // panics recovered on the query path (resolver and upstream)
 	dp        *redirect.Datapath
 	rules     *ctzone.Rules
 	live      *liveness    // the resolver's liveness (/healthz)
@@ -261,6 +263,8 @@ func (a *Agent) newRegistry() *prometheus.Registry {
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	reg.MustRegister(newBuildInfo())
 	reg.MustRegister(a.newStateMetrics(a.plan.mode)...)
+	a.panics, _ = panicguard.New(nil, a.log.With("component", "resolver")) // no registerer: no error
+	reg.MustRegister(a.panics)
 	return reg
 }
 
@@ -307,6 +311,7 @@ func (a *Agent) startUpstream(ctx context.Context, reg *prometheus.Registry) (er
 	ucfg.CacheBytes = a.cfg.CacheBytes
 	ucfg.Registerer = reg
 	ucfg.Logger = a.log.With("component", "upstream")
+	ucfg.Panics = a.panics
 	if a.plan.mode == ModeOff {
 		// Nothing is captured, so nothing needs to recognise our upstream sockets,
 		// and the resolver may run unprivileged.
@@ -357,6 +362,7 @@ func (a *Agent) startResolver(ctx context.Context, reg *prometheus.Registry) (er
 		Logger:        a.log.With("component", "resolver"),
 		OnReaders:     func(blocking int) { tuneProcs(blocking, a.log) },
 		ReaderNice:    readerNice,
+		Panics:        a.panics,
 	}
 	var flows *redirect.Flows
 	if a.dp != nil {

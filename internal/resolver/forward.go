@@ -1,6 +1,7 @@
 package resolver
 
 import (
+	"encoding/binary"
 	"hash/maphash"
 	"net/netip"
 	"strings"
@@ -86,6 +87,8 @@ type pending struct {
 	msg    *dns.Msg // the unpacked request, on the unpacked path
 	opt    *dns.OPT
 	prefix []dns.RR // unpacked path: records before the forwarded answer
+
+	claimed atomic.Bool // the answer is being given (claim)
 }
 
 func unixTime(ns int64) time.Time { return time.Unix(0, ns) }
@@ -169,11 +172,12 @@ func (s *Server) newPending(r *request) *pending {
 		return nil
 	}
 	s.pending.Add(1)
-	r.pending = true
-	return &pending{
+	p := &pending{
 		s: s, reply: r.client.reply, proto: r.proto, client: r.client.addr, port: r.client.port, who: r.client.who, start: r.start.UnixNano(),
 		qtype: r.qtype, edns: r.edns, do: r.do, limit: r.limit,
 	}
+	r.pending, r.p = true, p
+	return p
 }
 
 // overload answers a query that is over a pending bound: SERVFAIL when the server as a
@@ -209,11 +213,15 @@ func (w *worker) overload(r *request, out []byte) []byte {
 	return b
 }
 
-// done is the Forwarder's callback: encode the answer and send it to the client.
+// done is the Forwarder's callback: encode the answer and send it to the client. A
+// panic while doing so is answered SERVFAIL (recoverAnswer).
 func (p *pending) done(a upstream.Answer, err error) {
+	if !p.claim() {
+		return // serve's recovery from a panic answered it
+	}
 	s := p.s
-	defer s.pending.Done()
-	defer s.limits.release(p.client)
+	defer p.release()
+	defer p.recoverAnswer()
 	src := sourceOf(a.Source)
 	if err != nil {
 		s.log.Debug("forward failed", "err", err)
@@ -290,11 +298,57 @@ func encodeWire(out, echo []byte, edns, do bool, limit int, ttl uint32, cname st
 		b = appendRRHeader(b, 0xc000|12, dns.TypeCNAME, ttl, uint16(len(cname)+1))
 		b = appendName(b, cname)
 	}
+	recStart := len(b)
 	b = append(b, recs...)
+	if cname == "" {
+		echoOwnerCase(b, echo[12:len(echo)-4], recStart, int(an))
+	}
 	if edns {
 		b = appendOPT(b, do, rc)
 	}
 	return b
+}
+
+// echoOwnerCase gives the client's spelling back: in the n uncompressed records that
+// start at b[off:], each owner name that is the question's name qname (wire form) but
+// for case is overwritten with qname. Cached and upstream records carry the lower-cased
+// name the upstream was asked.
+func echoOwnerCase(b, qname []byte, off, n int) {
+	for ; n > 0; n-- {
+		end := off
+		for end < len(b) && b[end] != 0 && b[end] < 64 {
+			end += 1 + int(b[end])
+		}
+		if end >= len(b) || b[end] != 0 {
+			return // compressed or malformed: leave the rest as it is
+		}
+		end++
+		if end+10 > len(b) {
+			return
+		}
+		if name := b[off:end]; len(name) == len(qname) && equalFoldWire(name, qname) {
+			copy(name, qname)
+		}
+		off = end + 10 + int(binary.BigEndian.Uint16(b[end+8:]))
+	}
+}
+
+// equalFoldWire compares two wire names ASCII case-insensitively (length bytes are
+// below 64, so folding letters never touches them).
+func equalFoldWire(a, b []byte) bool {
+	for i := range a {
+		x, y := a[i], b[i]
+		if 'A' <= x && x <= 'Z' {
+			x += 'a' - 'A'
+		}
+		if 'A' <= y && y <= 'Z' {
+			y += 'a' - 'A'
+		}
+		if x != y {
+			return false
+		}
+	}
+	return true
 }
 
 // questionMsg unpacks the echoed header and question of a wire-decoded query.
@@ -355,6 +409,13 @@ func (s *Server) answerMsg(req *dns.Msg, opt *dns.OPT, limit int, prefix []dns.R
 		} else {
 			if prefix != nil {
 				an = append(prefix[:len(prefix):len(prefix)], an...)
+			} else if len(req.Question) == 1 {
+				qname := req.Question[0].Name
+				for _, rr := range an {
+					if h := rr.Header(); strings.EqualFold(h.Name, qname) {
+						h.Name = qname // the client's case (DNS 0x20)
+					}
+				}
 			}
 			out.Answer, out.Ns, out.Extra = nilIfEmpty(an), nilIfEmpty(ns), nilIfEmpty(ex)
 		}

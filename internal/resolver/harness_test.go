@@ -45,6 +45,10 @@ func upstreamAnswer(t testing.TB) dnsfake.Respond {
 		switch {
 		case name == "ext.example.org." && q.Qtype == dns.TypeA:
 			m.Answer = []dns.RR{mustRR(t, "ext.example.org. 300 IN A 192.0.2.80")}
+		case name == "star*.example.org." && q.Qtype == dns.TypeA:
+			m.Answer = []dns.RR{mustRR(t, "star*.example.org. 300 IN A 192.0.2.82")}
+		case name == "case.example.org." && q.Qtype == dns.TypeA:
+			m.Answer = []dns.RR{mustRR(t, "case.example.org. 300 IN CNAME edge.example.net."), mustRR(t, "edge.example.net. 300 IN A 192.0.2.81")}
 		case name == "www.example.com." && q.Qtype == dns.TypeA:
 			m.Answer = []dns.RR{mustRR(t, "www.example.com. 300 IN CNAME edge.example.net."), mustRR(t, "edge.example.net. 300 IN A 192.0.2.81")}
 		case name == "many.example.org." && q.Qtype == dns.TypeA:

@@ -47,6 +47,7 @@ type request struct {
 	opt           *dns.OPT // the client's OPT on the unpacked path
 	overRcode     int      // set by newPending when over a bound
 	pending       bool     // the answer comes later, through client.reply
+	p             *pending // the pending query, when pending
 	prefix        []dns.RR // unpacked path: records before the forwarded answer (an alias chase)
 }
 
@@ -68,8 +69,19 @@ func newWorker(s *Server) *worker { return &worker{s: s} }
 
 // serve answers one received message. It returns the response written into out (which
 // must hold maxUDPResponse bytes for UDP, 65535 for TCP), or nil when there is nothing
-// to send now: the message is dropped, or its answer comes later through c.
-func (w *worker) serve(pkt, out []byte, c *client, start time.Time) []byte {
+// to send now: the message is dropped, or its answer comes later through c. A panic
+// while serving it is answered SERVFAIL (see panicked).
+func (w *worker) serve(pkt, out []byte, c *client, start time.Time) (resp []byte) {
+	defer func() {
+		if v := recover(); v != nil {
+			resp = w.panicked(v, out)
+		}
+	}()
+	return w.serveQuery(pkt, out, c, start)
+}
+
+// serveQuery is serve's work: decode, answer from the table or the cache, or forward.
+func (w *worker) serveQuery(pkt, out []byte, c *client, start time.Time) []byte {
 	s := w.s
 	r := &w.req
 	*r = request{pkt: pkt, proto: c.proto, client: c, start: start}

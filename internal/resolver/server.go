@@ -27,6 +27,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/meshdns/meshdns-ebpf/internal/nametable"
+	"github.com/meshdns/meshdns-ebpf/internal/panicguard"
 	"github.com/meshdns/meshdns-ebpf/internal/resolver/upstream"
 	"github.com/meshdns/meshdns-ebpf/internal/talkers"
 	"github.com/meshdns/meshdns-ebpf/internal/tap"
@@ -104,7 +105,10 @@ type Config struct {
 	// Talkers counts every answered query per sender; nil: no counting.
 	Talkers *talkers.Counter
 	// Tap gets every answered query while someone subscribes; nil: none.
-	Tap        *tap.Hub
+	Tap *tap.Hub
+	// Panics counts the panics recovered on the query path (each answered
+	// SERVFAIL); nil: they are only logged.
+	Panics     *panicguard.Counter
 	Registerer prometheus.Registerer
 	Logger     *slog.Logger
 }
@@ -148,6 +152,7 @@ type Server struct {
 	niceFailed sync.Once
 
 	senders func(src netip.AddrPort, tcp bool) (uint64, uint32, bool)
+	panics  *panicguard.Counter
 	talkers *talkers.Counter
 	tap     *tap.Hub
 
@@ -198,6 +203,7 @@ func New(cfg Config) (*Server, error) {
 		onReaders:     cfg.OnReaders,
 		readerNice:    cfg.ReaderNice,
 		senders:       cfg.Senders,
+		panics:        cfg.Panics,
 		talkers:       cfg.Talkers,
 		tap:           cfg.Tap,
 	}
@@ -514,9 +520,20 @@ func (c *client) setSender(s *Server, src netip.AddrPort) {
 	c.addr, c.port = src.Addr().Unmap(), src.Port()
 	c.who = workload.Key{Addr: c.addr}
 	if s.senders != nil {
-		if cg, pid, ok := s.senders(netip.AddrPortFrom(c.addr, c.port), c.proto == protoTCP); ok {
-			c.who.Cgroup, c.who.PID = cg, pid
+		c.lookupSender(s)
+	}
+}
+
+// lookupSender names the sender from the datapath's flow records. A panic there
+// leaves the sender known by address only: the query is still answered.
+func (c *client) lookupSender(s *Server) {
+	defer func() {
+		if v := recover(); v != nil {
+			s.panics.Recovered(panicguard.StageAttribution, v, "client", c.addr)
 		}
+	}()
+	if cg, pid, ok := s.senders(netip.AddrPortFrom(c.addr, c.port), c.proto == protoTCP); ok {
+		c.who.Cgroup, c.who.PID = cg, pid
 	}
 }
 

@@ -8,6 +8,8 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/meshdns/meshdns-ebpf/internal/panicguard"
 )
 
 // Defaults applied by NewConfig and by New to zero-valued fields.
@@ -90,6 +92,9 @@ type Config struct {
 	Registerer prometheus.Registerer
 	// Logger receives state changes (upstream down/up); nil discards.
 	Logger *slog.Logger
+	// Panics counts panics recovered in upstream resolutions (their waiters get
+	// ErrPanic); nil: they are only logged.
+	Panics *panicguard.Counter
 }
 
 // NewConfig returns a Config for servers with every default set, prefetch included.

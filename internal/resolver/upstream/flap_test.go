@@ -1,6 +1,7 @@
 package upstream
 
 import (
+	"errors"
 	"fmt"
 	"net/netip"
 	"sync"
@@ -9,9 +10,11 @@ import (
 	"time"
 
 	"github.com/miekg/dns"
+	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/meshdns/meshdns-ebpf/internal/dnsfake"
 	"github.com/meshdns/meshdns-ebpf/internal/metrictest"
+	"github.com/meshdns/meshdns-ebpf/internal/panicguard"
 )
 
 // flipHealth toggles the health flag of every server of f as fast as it can until
@@ -185,5 +188,37 @@ func TestSilentUpstreamGoesDown(t *testing.T) {
 	}
 	if got := metrictest.Value(t, reg, "meshdns_upstream_health_transitions_total", "upstream", up.addr.String()); got != 1 {
 		t.Errorf("meshdns_upstream_health_transitions_total = %v, want 1", got)
+	}
+}
+
+// TestPanicInAResolutionFailsItsWaiters: a panic in the goroutine of an upstream
+// resolution is recovered and counted; every query waiting on it gets an error
+// (the resolver answers SERVFAIL) and the forwarder keeps working.
+func TestPanicInAResolutionFailsItsWaiters(t *testing.T) {
+	reg := prometheus.NewRegistry()
+	panics, err := panicguard.New(reg, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg := NewConfig(startFake(t, answerA(0)).addr)
+	cfg.Panics = panics
+	cfg.Registerer = reg
+	f, err := New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	f.servers = nil // order() then panics: a stand-in for any bug in a resolution
+	if err := f.Start(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { f.Close() })
+	for i := range 2 {
+		_, _, err := forwardMsg(t, t.Context(), f, query(fmt.Sprintf("p%d.example.", i), dns.TypeA, 1))
+		if !errors.Is(err, ErrPanic) {
+			t.Fatalf("query %d: err = %v, want ErrPanic", i, err)
+		}
+		if got := metrictest.Value(t, reg, "meshdns_panics_total", "stage", panicguard.StageUpstream); got != float64(i+1) {
+			t.Errorf("meshdns_panics_total{stage=upstream} = %v, want %d", got, i+1)
+		}
 	}
 }

@@ -28,6 +28,8 @@ import (
 	"time"
 
 	"github.com/miekg/dns"
+
+	"github.com/meshdns/meshdns-ebpf/internal/panicguard"
 )
 
 var (
@@ -37,6 +39,9 @@ var (
 	ErrAllFailed = errors.New("all upstreams failed")
 	// ErrClosed is returned after Close.
 	ErrClosed = errors.New("forwarder closed")
+	// ErrPanic is returned to the waiters of a resolution that panicked (recovered
+	// and counted in Config.Panics).
+	ErrPanic = errors.New("upstream resolution panicked")
 )
 
 // Forwarder answers queries from its cache or its upstreams. It is safe for concurrent
@@ -335,7 +340,7 @@ func (f *Forwarder) resolve(key cacheKey, h uint64, clientID uint16, w waiter) e
 	f.wg.Add(1) // under flightMu, checked f.ctx above: see goBackground
 	go func() {
 		defer f.wg.Done()
-		e, err := f.run(key, h, clientID)
+		e, err := f.runGuarded(key, h, clientID)
 		f.inflight.Add(-1)
 		f.flightMu.Lock()
 		delete(f.flights, key)
@@ -347,6 +352,17 @@ func (f *Forwarder) resolve(key cacheKey, h uint64, clientID uint16, w waiter) e
 		}
 	}()
 	return nil
+}
+
+// runGuarded is run, with a panic turned into ErrPanic for the waiters.
+func (f *Forwarder) runGuarded(key cacheKey, h uint64, clientID uint16) (e *entry, err error) {
+	defer func() {
+		if v := recover(); v != nil {
+			f.cfg.Panics.Recovered(panicguard.StageUpstream, v, "qname", key.name, "qtype", key.qtype)
+			e, err = nil, fmt.Errorf("%w: %v", ErrPanic, v)
+		}
+	}()
+	return f.run(key, h, clientID)
 }
 
 // run performs one upstream resolution and caches a cacheable answer.
