@@ -118,10 +118,12 @@ bench: build
 # `make soak` (not part of `make test`): SOAK (10 minutes) of mixed load through
 # the eBPF datapath while the agent is upgraded and restarted every 30 s, the name
 # table is rewritten and the upstream fails; 0 lost queries, RSS printed
-# (test/e2e TestSoak).
+# (test/e2e TestSoak). Then SOAK of a noisy workload behind an upstream that
+# rate-limits (test/overload): no health flapping, no panic, the agent stays up.
 SOAK ?= 10m
 soak: test-deps
 	MESHDNS_SOAK=$(SOAK) CI=true $(GO) test -count=1 -timeout 60m -v -run '^TestSoak$$' ./test/e2e
+	MESHDNS_FLAP_SOAK=$(SOAK) CI=true $(GO) test -count=1 -timeout 60m -v -run '^TestNoisyWorkloadBehindARateLimitingUpstream$$' ./test/overload
 
 image:
 	@cd tools/image && CGO_ENABLED=0 $(GO) build -trimpath -o $(IMAGE_TOOL) .

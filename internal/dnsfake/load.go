@@ -19,7 +19,8 @@ import (
 // Probe is the outcome of Prober: latencies of the answered queries, and the lost ones.
 type Probe struct {
 	Latencies []time.Duration
-	Lost      int
+	Lost      int // no answer within the timeout
+	Failed    int // answered SERVFAIL or REFUSED (MixProber)
 }
 
 // Percentile returns the q-quantile (0..1) of the answered queries' latency.
@@ -35,7 +36,21 @@ func (p *Probe) Percentile(q float64) time.Duration {
 // Prober asks server for name (type A) over UDP, one query at a time with the given
 // timeout and a pause between them, until stop is closed, and returns what it saw.
 func Prober(server, name string, timeout, pause time.Duration, stop <-chan struct{}) (*Probe, error) {
-	c, err := net.Dial("udp", server)
+	return MixProber(server, netip.Addr{}, []string{name}, timeout, pause, stop)
+}
+
+// MixProber is Prober over several names, asked in turn, from the local address local
+// (any when invalid). A SERVFAIL or REFUSED answer counts in Failed, not in Latencies.
+func MixProber(server string, local netip.Addr, names []string, timeout, pause time.Duration, stop <-chan struct{}) (*Probe, error) {
+	var laddr *net.UDPAddr
+	if local.IsValid() {
+		laddr = &net.UDPAddr{IP: local.AsSlice()}
+	}
+	raddr, err := net.ResolveUDPAddr("udp", server)
+	if err != nil {
+		return nil, err
+	}
+	c, err := net.DialUDP("udp", laddr, raddr)
 	if err != nil {
 		return nil, err
 	}
@@ -49,7 +64,7 @@ func Prober(server, name string, timeout, pause time.Duration, stop <-chan struc
 		default:
 		}
 		m := new(dns.Msg)
-		m.SetQuestion(name, dns.TypeA)
+		m.SetQuestion(names[i%len(names)], dns.TypeA)
 		m.Id = uint16(i)
 		pkt, _ := m.Pack()
 		start := time.Now()
@@ -63,13 +78,75 @@ func Prober(server, name string, timeout, pause time.Duration, stop <-chan struc
 				p.Lost++
 				break
 			}
-			if n >= 2 && binary.BigEndian.Uint16(buf) == uint16(i) {
-				p.Latencies = append(p.Latencies, time.Since(start))
+			if n >= 4 && binary.BigEndian.Uint16(buf) == uint16(i) {
+				if rc := buf[3] & 0xf; rc == dns.RcodeServerFailure || rc == dns.RcodeRefused {
+					p.Failed++
+				} else {
+					p.Latencies = append(p.Latencies, time.Since(start))
+				}
 				break
 			}
 		}
 		time.Sleep(pause)
 	}
+}
+
+// Paced is the outcome of PacedUDP.
+type Paced struct {
+	Sent    int64
+	Answers map[string]int64 // by rcode
+}
+
+// PacedUDP sends qps A queries a second (names from name(i)) from one UDP socket bound
+// to local, without waiting for their answers (an open loop, as a busy workload's many
+// threads send), until stop is closed, and counts the answers by rcode. It sends in
+// batches every millisecond, catching up when it falls behind.
+func PacedUDP(server netip.AddrPort, local netip.Addr, qps int, name func(i int) string, stop <-chan struct{}) (*Paced, error) {
+	c, err := net.DialUDP("udp", &net.UDPAddr{IP: local.AsSlice()}, net.UDPAddrFromAddrPort(server))
+	if err != nil {
+		return nil, err
+	}
+	defer c.Close()
+	_ = c.SetReadBuffer(4 << 20)
+	p := &Paced{Answers: map[string]int64{}}
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		buf := make([]byte, 4096)
+		for {
+			n, err := c.Read(buf)
+			if err != nil {
+				return // closed
+			}
+			if n >= 4 {
+				p.Answers[dns.RcodeToString[int(buf[3]&0xf)]]++
+			}
+		}
+	}()
+	start := time.Now()
+	tick := time.NewTicker(time.Millisecond)
+	defer tick.Stop()
+	i := 0
+	m := new(dns.Msg)
+	for running := true; running; {
+		select {
+		case <-stop:
+			running = false
+		case <-tick.C:
+			due := int(time.Since(start).Seconds() * float64(qps))
+			for ; i < due; i++ {
+				m.SetQuestion(name(i), dns.TypeA)
+				m.Id = uint16(i)
+				pkt, _ := m.Pack()
+				if _, err := c.Write(pkt); err == nil {
+					p.Sent++
+				}
+			}
+		}
+	}
+	_ = c.SetReadDeadline(time.Now().Add(3 * time.Second)) // the last answers
+	<-done
+	return p, nil
 }
 
 // Flood is the outcome of FloodUDP.

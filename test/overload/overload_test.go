@@ -88,11 +88,17 @@ func upstreamAnswers(proto string, req *dns.Msg) []*dns.Msg {
 }
 
 func startAgent(t *testing.T) *agent {
+	return startAgentWith(t, upstreamAnswers, "--authoritative=true", "--log-level", "warn")
+}
+
+// startAgentWith starts the agent (resolver only, --mode off) in its memory group with
+// an upstream that answers with respond, and the extra flags.
+func startAgentWith(t *testing.T, respond dnsfake.Respond, flags ...string) *agent {
 	t.Helper()
 	testenv.RequirePrivileged(t)
 	cg := testenv.NewMemCgroup(t, limit)
 	bin := agentBinary(t)
-	up, err := dnsfake.Listen(dnsfake.Config{Addr: "127.0.0.1:0", Respond: upstreamAnswers, NoRecord: true})
+	up, err := dnsfake.Listen(dnsfake.Config{Addr: "127.0.0.1:0", Respond: respond, NoRecord: true})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -105,8 +111,8 @@ func startAgent(t *testing.T) *agent {
 	a := &agent{t: t, cg: cg, up: up}
 	a.dnsAddr = fmt.Sprintf("127.0.0.1:%d", testenv.FreePort(t))
 	a.admin = fmt.Sprintf("127.0.0.1:%d", testenv.FreePort(t))
-	argv := cg.JoinCommand(bin, "run", "--mode", "off", "--listen", a.dnsAddr, "--upstream", up.Addr.String(),
-		"--names", names, "--admin", a.admin, "--authoritative=true", "--state-dir", dir, "--log-level", "warn")
+	argv := cg.JoinCommand(append([]string{bin, "run", "--mode", "off", "--listen", a.dnsAddr, "--upstream", up.Addr.String(),
+		"--names", names, "--admin", a.admin, "--state-dir", dir}, flags...)...)
 	a.proc = agenttest.Start(t, agenttest.Command(argv[0], argv[1:]...), agenttest.Options{Log: &agenttest.Log{Max: 1 << 20}})
 	testenv.Eventually(t, 20*time.Second, func() bool {
 		a.proc.MustRun(t)
@@ -130,6 +136,23 @@ func (a *agent) get(path string, timeout time.Duration) (int, error) {
 
 // metrics returns the named metrics' values from /metrics, as "name=value ...".
 func (a *agent) metrics(names ...string) (string, error) {
+	b, err := a.metricsText()
+	if err != nil {
+		return "", err
+	}
+	var out []string
+	for _, line := range strings.Split(b, "\n") {
+		for _, n := range names {
+			if strings.HasPrefix(line, n+" ") || strings.HasPrefix(line, n+"{") {
+				out = append(out, strings.Replace(line, " ", "=", 1))
+			}
+		}
+	}
+	return strings.Join(out, " "), nil
+}
+
+// metricsText is the agent's /metrics page.
+func (a *agent) metricsText() (string, error) {
 	c := http.Client{Timeout: 3 * time.Second}
 	resp, err := c.Get("http://" + a.admin + "/metrics")
 	if err != nil {
@@ -137,18 +160,7 @@ func (a *agent) metrics(names ...string) (string, error) {
 	}
 	defer resp.Body.Close()
 	b, err := io.ReadAll(resp.Body)
-	if err != nil {
-		return "", err
-	}
-	var out []string
-	for _, line := range strings.Split(string(b), "\n") {
-		for _, n := range names {
-			if strings.HasPrefix(line, n+" ") {
-				out = append(out, strings.Replace(line, " ", "=", 1))
-			}
-		}
-	}
-	return strings.Join(out, " "), nil
+	return string(b), err
 }
 
 // probe sends in-table queries (one at a time, 2 s timeout) and scrapes /metrics until

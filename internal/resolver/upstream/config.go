@@ -28,7 +28,6 @@ const (
 	DefaultMaxNegTTL      = 30 * time.Minute
 	DefaultStaleTTL       = time.Hour
 	DefaultHealthInterval = 500 * time.Millisecond
-	DefaultDownAfter      = time.Second
 
 	// StaleAnswerTTL is the TTL (seconds) of every record in a stale answer, as RFC 8767
 	// recommends.
@@ -63,12 +62,11 @@ type Config struct {
 	AttemptTimeout    time.Duration
 	MinAttemptTimeout time.Duration
 	// MaxFails consecutive failed attempts (timeouts or socket errors) mark an
-	// upstream unhealthy, but a timeout counts only once the upstream has answered
-	// nothing at all for DownAfter: an upstream that answers some queries and drops
-	// others (rate limiting, loss) is alive, and its drops are counted as
-	// reason="dropped". Any answer resets the count.
-	MaxFails  int
-	DownAfter time.Duration
+	// upstream unhealthy; any answer resets the count. A timeout counts only when the
+	// upstream replied to nothing at all since the query's resolution began: one that
+	// answers some queries and drops others (rate limiting, loss) is alive, and its
+	// drops are counted as reason="dropped".
+	MaxFails int
 	// MaxInFlight caps concurrent upstream queries; beyond it Forward fails fast with
 	// ErrOverloaded (or serves a stale answer when it has one).
 	MaxInFlight int
@@ -141,9 +139,6 @@ func (c *Config) setDefaults() {
 	if c.HealthInterval == 0 {
 		c.HealthInterval = DefaultHealthInterval
 	}
-	if c.DownAfter == 0 {
-		c.DownAfter = DefaultDownAfter
-	}
 	if c.Logger == nil {
 		c.Logger = slog.New(slog.DiscardHandler)
 	}
@@ -164,7 +159,7 @@ func (c *Config) validate() error {
 		seen[s] = true
 	}
 	switch {
-	case c.Timeout < 0, c.AttemptTimeout < 0, c.MinAttemptTimeout < 0, c.MaxFails < 0, c.CacheBytes < 0, c.MinTTL < 0, c.MaxTTL < 0, c.MaxNegTTL < 0, c.HealthInterval < 0, c.DownAfter < 0:
+	case c.Timeout < 0, c.AttemptTimeout < 0, c.MinAttemptTimeout < 0, c.MaxFails < 0, c.CacheBytes < 0, c.MinTTL < 0, c.MaxTTL < 0, c.MaxNegTTL < 0, c.HealthInterval < 0:
 		return errors.New("negative timeout, TTL, interval, size or count")
 	case c.MaxInFlight < 0:
 		return fmt.Errorf("max in-flight %d is negative", c.MaxInFlight)

@@ -61,23 +61,14 @@ func (f *Forwarder) anyUnhealthy() bool {
 
 // markFailed records a failed attempt (a timeout or a socket error). MaxFails of them
 // in a row take the upstream out of rotation; it is then probed in the background until
-// it answers. One lost reply therefore never marks an upstream down, and neither do
-// many while the upstream answers other queries: a timeout then is a drop (rate
-// limiting or loss, reason="dropped"), not an outage, until the upstream has answered
-// nothing for DownAfter.
+// it answers. One lost reply therefore never marks an upstream down.
 func (f *Forwarder) markFailed(s *server, err error) {
 	reason := reasonNetwork
 	var ae *attemptError
 	if errors.As(err, &ae) {
 		reason = ae.reason
 	}
-	if reason == reasonTimeout && s.answeredWithin(f.cfg.DownAfter) {
-		reason = reasonDropped
-	}
 	s.m.failures[reason].Inc()
-	if reason == reasonDropped {
-		return
-	}
 	n := s.fails.Add(1)
 	s.mu.Lock()
 	s.lastErr = err.Error()
@@ -96,6 +87,21 @@ func (f *Forwarder) markFailed(s *server, err error) {
 		default:
 		}
 	}
+}
+
+// markAttemptFailed records a failed attempt of a resolution begun at began (monoNow).
+// A timeout while the upstream replied to anything since then is a drop: the upstream
+// is alive and dropped this query (rate limiting, loss). It is counted as
+// reason="dropped" and never takes the upstream out of rotation. Anything else is a
+// failure (markFailed).
+func (f *Forwarder) markAttemptFailed(s *server, err error, began int64) {
+	var ae *attemptError
+	isTimeout := errors.As(err, &ae) && ae.reason == reasonTimeout || netReason(err) == reasonTimeout
+	if isTimeout && s.lastReply.Load() >= began {
+		s.m.failures[reasonDropped].Inc()
+		return
+	}
+	f.markFailed(s, err)
 }
 
 // markHealthy records a reply from s (any DNS message that matches the query).

@@ -9,8 +9,8 @@ import (
 
 // Failure reasons of meshdns_upstream_failures_total.
 const (
-	reasonTimeout   = "timeout"   // no (valid) answer within the attempt deadline, from an upstream silent for DownAfter
-	reasonDropped   = "dropped"   // no answer to this query from an upstream that answers others (rate limiting, loss)
+	reasonTimeout   = "timeout"   // no (valid) answer within the attempt deadline, and none to anything else meanwhile
+	reasonDropped   = "dropped"   // no answer to this query from an upstream that answered others meanwhile (rate limiting, loss)
 	reasonRefused   = "refused"   // connection refused (ICMP port unreachable, TCP RST)
 	reasonNetwork   = "network"   // any other socket error
 	reasonServfail  = "servfail"  // the upstream answered SERVFAIL

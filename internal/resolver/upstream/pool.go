@@ -38,12 +38,6 @@ var monoBase = time.Now().Add(-time.Nanosecond)
 
 func monoNow() int64 { return int64(time.Since(monoBase)) }
 
-// answeredWithin reports whether s replied to anything in the last d.
-func (s *server) answeredWithin(d time.Duration) bool {
-	last := s.lastReply.Load()
-	return last != 0 && monoNow()-last < int64(d)
-}
-
 // attemptTimeout returns how long to wait for this upstream's answer to one attempt.
 func (s *server) attemptTimeout() time.Duration {
 	s.mu.Lock()
@@ -169,6 +163,7 @@ type resolution struct {
 	f        *Forwarder
 	q        *dns.Msg
 	clientID uint16
+	began    int64 // monoNow at the start
 	deadline time.Time
 	order    []*server
 	maxSends int
@@ -187,7 +182,7 @@ func (f *Forwarder) newResolution(q *dns.Msg, clientID uint16) resolution {
 	order := f.order()
 	maxSends := max(3, 2*len(order))
 	return resolution{
-		f: f, q: q, clientID: clientID, deadline: time.Now().Add(f.cfg.Timeout),
+		f: f, q: q, clientID: clientID, began: monoNow(), deadline: time.Now().Add(f.cfg.Timeout),
 		order: order, maxSends: maxSends, replies: make(chan reply, 2*maxSends),
 		attempts: make(map[*server]*udpAttempt, len(order)),
 	}
@@ -248,7 +243,7 @@ func (r *resolution) received(rep reply) (answer *dns.Msg, from netip.AddrPort, 
 	f, s := r.f, rep.a.s
 	if rep.err != nil {
 		r.settle(rep.a)
-		f.markFailed(s, rep.err)
+		f.markAttemptFailed(s, rep.err, r.began)
 		r.lastErr = rep.err
 		return nil, netip.AddrPort{}, false
 	}
@@ -283,7 +278,7 @@ func (r *resolution) timedOut(cur *udpAttempt, wait time.Duration) {
 	s := cur.s
 	s.backoff(r.f.cfg.Timeout)
 	r.lastErr = failed(reasonTimeout, fmt.Errorf("no answer from %s within %s", s.addrStr, wait.Round(time.Millisecond)))
-	r.f.markFailed(s, r.lastErr)
+	r.f.markAttemptFailed(s, r.lastErr, r.began)
 }
 
 // result is the fallback answer, or the last error.
