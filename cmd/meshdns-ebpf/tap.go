@@ -22,9 +22,9 @@ func runTap(ctx context.Context, args []string, stdout, stderr io.Writer) error 
 	fs.StringVar(&f.Suffix, "suffix", "", "query names equal to this name or under it (svc.cluster.local)")
 	fs.StringVar(&qtypes, "qtype", "", "query types, comma-separated (A,AAAA)")
 	fs.StringVar(&rcodes, "rcode", "", "response codes, comma-separated (NXDOMAIN,SERVFAIL)")
-	fs.StringVar(&answers, "answer", "", "where the answer came from, comma-separated: table, autopath, cache, upstream, fallback (stale), shed (refused), failed (timeout), error")
+	fs.StringVar(&answers, "answer", "", "where the answer came from, comma-separated: table, autopath, cache, upstream, fallback (stale), shed (refused), failed (timeout), error, throttled (over the workload's budget)")
 	fs.DurationVar(&f.MinLatency, "min-latency", 0, "answers that took at least this long (50ms)")
-	fs.BoolVar(&f.Unanswered, "unanswered", false, "queries that got no answer in time: upstream timeouts and failures, shed load")
+	fs.BoolVar(&f.Unanswered, "unanswered", false, "queries that got no answer in time: upstream timeouts and failures, shed load, throttled workloads")
 	limit := fs.Int("n", 0, "stop after this many records (0: until interrupted)")
 	out := outputFlag(fs)
 	if err := parse(fs, args); err != nil {

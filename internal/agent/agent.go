@@ -349,20 +349,21 @@ func (a *Agent) startDatapath(ctx context.Context, reg *prometheus.Registry) (er
 func (a *Agent) startResolver(ctx context.Context, reg *prometheus.Registry) (err error) {
 	cfg := &a.cfg
 	rc := resolver.Config{
-		Listen:        a.plan.listenAddrs,
-		Table:         a.store,
-		Forwarder:     cfg.forwarder(a.fwd),
-		PodRecords:    cfg.PodRecords,
-		TTL:           cfg.TTL,
-		ClusterDomain: cfg.ClusterDomain,
-		Authoritative: cfg.Authoritative,
-		MaxPending:    cfg.MaxPending,
-		MaxTCPConns:   cfg.MaxTCPConns,
-		Registerer:    reg,
-		Logger:        a.log.With("component", "resolver"),
-		OnReaders:     func(blocking int) { tuneProcs(blocking, a.log) },
-		ReaderNice:    readerNice,
-		Panics:        a.panics,
+		Listen:         a.plan.listenAddrs,
+		Table:          a.store,
+		Forwarder:      cfg.forwarder(a.fwd),
+		PodRecords:     cfg.PodRecords,
+		TTL:            cfg.TTL,
+		ClusterDomain:  cfg.ClusterDomain,
+		Authoritative:  cfg.Authoritative,
+		MaxPending:     cfg.MaxPending,
+		WorkloadBudget: cfg.WorkloadBudget,
+		MaxTCPConns:    cfg.MaxTCPConns,
+		Registerer:     reg,
+		Logger:         a.log.With("component", "resolver"),
+		OnReaders:      func(blocking int) { tuneProcs(blocking, a.log) },
+		ReaderNice:     readerNice,
+		Panics:         a.panics,
 	}
 	var flows *redirect.Flows
 	if a.dp != nil {

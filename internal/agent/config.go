@@ -72,6 +72,9 @@ type Config struct {
 	LogFormat        string
 	CacheBytes       int // upstream cache memory cap
 	MaxPending       int // queries waiting for the upstream, in total
+	// Each workload's budget of queries that go upstream (--workload-qps,
+	// --workload-burst, --workload-max-pending).
+	WorkloadBudget resolver.BudgetLimits
 	MaxTCPConns      int
 
 	// The container's memory limit in bytes (0: none) and the share of it
@@ -200,6 +203,9 @@ func (c *Config) registerResolverFlags(fs *flag.FlagSet) {
 	c.PodRecords = true
 	fs.IntVar(&c.CacheBytes, "cache-bytes", upstream.DefaultCacheBytes, "memory cap of the upstream answer cache, in bytes")
 	fs.IntVar(&c.MaxPending, "max-pending", resolver.DefaultMaxPending, "queries waiting for the upstream at once; over it: SERVFAIL at once")
+	fs.Float64Var(&c.WorkloadBudget.QPS, "workload-qps", 0, "queries a second each workload (pod, or cgroup) may send upstream; over it REFUSED at once (0: no limit)")
+	fs.IntVar(&c.WorkloadBudget.Burst, "workload-burst", 0, "upstream queries a workload may send at once within --workload-qps (default: one second's worth)")
+	fs.IntVar(&c.WorkloadBudget.InFlight, "workload-max-pending", 0, "queries each workload may have waiting for the upstream; over it REFUSED at once (0: no limit)")
 	fs.IntVar(&c.MaxTCPConns, "max-tcp-conns", resolver.DefaultMaxTCPConns, "open TCP client connections; at the bound the longest idle one is closed")
 }
 
@@ -260,6 +266,9 @@ func (c *Config) Validate() error {
 	}
 	if c.CacheBytes < 0 || c.MaxPending < 0 || c.MaxTCPConns < 0 {
 		return fmt.Errorf("--cache-bytes, --max-pending and --max-tcp-conns must not be negative")
+	}
+	if b := c.WorkloadBudget; b.QPS < 0 || b.Burst < 0 || b.InFlight < 0 {
+		return fmt.Errorf("--workload-qps, --workload-burst and --workload-max-pending must not be negative")
 	}
 	lim, err := parseMemoryLimit(c.memoryLimit)
 	if err != nil {

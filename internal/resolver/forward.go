@@ -167,7 +167,12 @@ func (r *request) id() uint16 { return uint16(r.pkt[0])<<8 | uint16(r.pkt[1]) }
 // newPending reserves a pending slot for r, or returns nil when over a bound (then
 // r.overRcode says which answer to give).
 func (s *Server) newPending(r *request) *pending {
+	if !s.budgets.acquire(r.client.who) {
+		r.overRcode, r.throttled = dns.RcodeRefused, true
+		return nil
+	}
 	if rc := s.limits.acquire(r.client.addr); rc != 0 {
+		s.budgets.release(r.client.who)
 		r.overRcode = rc
 		return nil
 	}
@@ -180,14 +185,19 @@ func (s *Server) newPending(r *request) *pending {
 	return p
 }
 
-// overload answers a query that is over a pending bound: SERVFAIL when the server as a
-// whole is, REFUSED when only this client is.
+// overload answers a query that is over a pending bound or its workload's budget:
+// SERVFAIL when the server as a whole is over, REFUSED when only this client or
+// workload is.
 func (w *worker) overload(r *request, out []byte) []byte {
 	s := w.s
-	rc := r.overRcode
-	if rc == dns.RcodeServerFailure {
+	rc, kind := r.overRcode, tap.Shed
+	switch {
+	case r.throttled:
+		s.m.overload[2].Inc()
+		kind = tap.Throttled
+	case rc == dns.RcodeServerFailure:
 		s.m.overload[0].Inc()
-	} else {
+	default:
 		s.m.overload[1].Inc()
 	}
 	var b []byte
@@ -209,7 +219,7 @@ func (w *worker) overload(r *request, out []byte) []byte {
 	if r.msg != nil {
 		name = question(r.msg)
 	}
-	s.observeReq(r, name, r.qtype, rc, tap.Shed, len(b))
+	s.observeReq(r, name, r.qtype, rc, kind, len(b))
 	return b
 }
 

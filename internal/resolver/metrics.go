@@ -87,7 +87,7 @@ type metrics struct {
 	responses [nRcodes][nSources]prometheus.Counter
 	duration  [nSources]prometheus.Observer
 	dropped   prometheus.Counter
-	overload  [2]prometheus.Counter // total, client
+	overload  [3]prometheus.Counter // total, client, workload
 
 	tcpEvicted, tcpRefused prometheus.Counter
 }
@@ -112,7 +112,7 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 	})
 	over := prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "meshdns_dns_overload_total",
-		Help: "Queries answered at once because too many upstream queries were pending: in total (SERVFAIL) or from this client (REFUSED).",
+		Help: "Queries answered at once instead of going upstream: too many pending in total (SERVFAIL) or from this client (REFUSED), or over the sending workload's budget (REFUSED).",
 	}, []string{"limit"})
 	tcpClosed := prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "meshdns_dns_tcp_connections_limited_total",
@@ -125,7 +125,7 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 			}
 		}
 	}
-	m := &metrics{dropped: dropped, overload: [2]prometheus.Counter{over.WithLabelValues("total"), over.WithLabelValues("client")},
+	m := &metrics{dropped: dropped, overload: [3]prometheus.Counter{over.WithLabelValues("total"), over.WithLabelValues("client"), over.WithLabelValues("workload")},
 		tcpEvicted: tcpClosed.WithLabelValues("evicted"), tcpRefused: tcpClosed.WithLabelValues("refused")}
 	for p := range nProtos {
 		for q := range nQtypes {

@@ -70,8 +70,9 @@ func servfailWire(r *request, out []byte) []byte {
 // claim takes the right to answer p: true for exactly one caller.
 func (p *pending) claim() bool { return p.claimed.CompareAndSwap(false, true) }
 
-// release frees p's share of the pending bounds.
+// release frees p's share of the pending bounds and of its workload's budget.
 func (p *pending) release() {
+	p.s.budgets.release(p.who)
 	p.s.limits.release(p.client)
 	p.s.pending.Done()
 }

@@ -46,6 +46,7 @@ type request struct {
 	msg           *dns.Msg // non-nil on the unpacked path
 	opt           *dns.OPT // the client's OPT on the unpacked path
 	overRcode     int      // set by newPending when over a bound
+	throttled     bool     // ... the bound being the workload's budget
 	pending       bool     // the answer comes later, through client.reply
 	p             *pending // the pending query, when pending
 	prefix        []dns.RR // unpacked path: records before the forwarded answer (an alias chase)

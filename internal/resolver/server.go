@@ -73,6 +73,9 @@ type Config struct {
 	// SERVFAIL at once); MaxPendingPerClient bounds them per client address (default
 	// 256; over it: REFUSED at once).
 	MaxPending, MaxPendingPerClient int
+	// WorkloadBudget is each workload's budget of queries that go upstream (rate
+	// and in flight; zero: none). Over it a miss is answered REFUSED at once.
+	WorkloadBudget BudgetLimits
 	// MaxTCPConns bounds open TCP connections (default 1024): at the bound the
 	// connection idle the longest is closed for a new one.
 	MaxTCPConns int
@@ -143,6 +146,7 @@ type Server struct {
 	maxConns      int
 
 	limits  *pendingLimits
+	budgets *budgets // nil: no per-workload budgets
 	outBufs bufPools
 
 	inherited  map[string]InheritedListener // by listen address, until Start
@@ -204,6 +208,7 @@ func New(cfg Config) (*Server, error) {
 		readerNice:    cfg.ReaderNice,
 		senders:       cfg.Senders,
 		panics:        cfg.Panics,
+		budgets:       newBudgets(cfg.WorkloadBudget),
 		talkers:       cfg.Talkers,
 		tap:           cfg.Tap,
 	}

@@ -16,22 +16,24 @@ import (
 // Answer says where an answer came from.
 type Answer uint8
 
-// Answers. Shed and Failed are the unanswered ones: the client got no answer
-// to its question in time (REFUSED/SERVFAIL at once over a pending bound, or
-// SERVFAIL after the upstreams failed or timed out).
+// Answers. Shed, Failed and Throttled are the unanswered ones: the client got
+// no answer to its question in time (REFUSED/SERVFAIL at once over a pending
+// bound or its workload's budget, or SERVFAIL after the upstreams failed or
+// timed out).
 const (
-	Table    Answer = iota // the name table (or an authoritative NXDOMAIN under the cluster domain)
-	Autopath               // a search-path expansion answered in one response (CNAME to the real name)
-	Cache                  // the upstream answer cache
-	Upstream               // forwarded to an upstream
-	Fallback               // an expired cache entry, served because the upstreams failed
-	Shed                   // refused or failed at once: too many queries waiting for the upstream
-	Failed                 // no upstream answered in time: SERVFAIL
-	Error                  // a malformed or unsupported query: FORMERR, NOTIMP, REFUSED
+	Table     Answer = iota // the name table (or an authoritative NXDOMAIN under the cluster domain)
+	Autopath                // a search-path expansion answered in one response (CNAME to the real name)
+	Cache                   // the upstream answer cache
+	Upstream                // forwarded to an upstream
+	Fallback                // an expired cache entry, served because the upstreams failed
+	Shed                    // refused or failed at once: too many queries waiting for the upstream
+	Failed                  // no upstream answered in time: SERVFAIL
+	Error                   // a malformed or unsupported query: FORMERR, NOTIMP, REFUSED
+	Throttled               // refused at once: its workload is over its upstream budget
 	numAnswers
 )
 
-var answerNames = [numAnswers]string{"table", "autopath", "cache", "upstream", "fallback", "shed", "failed", "error"}
+var answerNames = [numAnswers]string{"table", "autopath", "cache", "upstream", "fallback", "shed", "failed", "error", "throttled"}
 
 func (a Answer) String() string {
 	if a < numAnswers {
@@ -41,7 +43,7 @@ func (a Answer) String() string {
 }
 
 // Unanswered reports whether the client got no answer to its question in time.
-func (a Answer) Unanswered() bool { return a == Shed || a == Failed }
+func (a Answer) Unanswered() bool { return a == Shed || a == Failed || a == Throttled }
 
 // ParseAnswer parses an answer name; "refused" is Shed, "stale" Fallback and
 // "servfail"/"timeout" Failed.
