@@ -105,8 +105,12 @@ vet:
 	@out=$$(gofmt -l $$(git ls-files '*.go' 2>/dev/null || find . -name '*.go')); \
 	  if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
 
+# The tests of concurrent state on the query path, under the race detector.
+RACE_TESTS := HealthFlips|RateLimitingUpstream|SilentUpstream|PanicInAResolution|PanicOnTheQueryPath|WorkloadBudgets|RecoveredCounts
+
 test: test-deps check-generate vet
 	@rm -f out/image-test.txt out/node-e2e.txt
+	CGO_ENABLED=1 $(GO) test -race -count=1 -run '$(RACE_TESTS)' ./internal/resolver/... ./internal/panicguard
 	$(GO) test $(TEST_FLAGS) ./...
 	cd tools/image && $(GO) test -count=1 ./...
 	@cat out/image-test.txt 2>/dev/null || true
