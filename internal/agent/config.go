@@ -75,7 +75,7 @@ type Config struct {
 	// Each workload's budget of queries that go upstream (--workload-qps,
 	// --workload-burst, --workload-max-pending).
 	WorkloadBudget resolver.BudgetLimits
-	MaxTCPConns      int
+	MaxTCPConns    int
 
 	// The container's memory limit in bytes (0: none) and the share of it
 	// the Go runtime's soft memory limit is set to (gc.go).

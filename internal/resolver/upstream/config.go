@@ -29,6 +29,10 @@ const (
 	DefaultStaleTTL       = time.Hour
 	DefaultHealthInterval = 500 * time.Millisecond
 
+	// SilenceForDown is how long an upstream that answered before must have answered
+	// nothing at all before its timeouts count as failures (MaxFails).
+	SilenceForDown = time.Second
+
 	// StaleAnswerTTL is the TTL (seconds) of every record in a stale answer, as RFC 8767
 	// recommends.
 	StaleAnswerTTL = 30
@@ -63,9 +67,9 @@ type Config struct {
 	MinAttemptTimeout time.Duration
 	// MaxFails consecutive failed attempts (timeouts or socket errors) mark an
 	// upstream unhealthy; any answer resets the count. A timeout counts only when the
-	// upstream replied to nothing at all since the query's resolution began: one that
-	// answers some queries and drops others (rate limiting, loss) is alive, and its
-	// drops are counted as reason="dropped".
+	// upstream replied to nothing at all since the query's resolution began, nor for
+	// SilenceForDown: one that answers some queries and drops others (rate limiting,
+	// loss) is alive, and its drops are counted as reason="dropped".
 	MaxFails int
 	// MaxInFlight caps concurrent upstream queries; beyond it Forward fails fast with
 	// ErrOverloaded (or serves a stale answer when it has one).

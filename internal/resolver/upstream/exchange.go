@@ -144,6 +144,7 @@ func (a *udpAttempt) read(f *Forwarder, q *dns.Msg, replies chan<- reply) {
 			f.log.Debug("dropped upstream reply", "upstream", a.s.name, "err", err)
 			continue
 		}
+		a.s.lastReply.Store(monoNow()) // when it came, not when the resolution reads it
 		select {
 		case replies <- reply{a: a, resp: resp, at: at}:
 		default: // the resolution already has more replies than it will read

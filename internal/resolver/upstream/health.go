@@ -90,14 +90,15 @@ func (f *Forwarder) markFailed(s *server, err error) {
 }
 
 // markAttemptFailed records a failed attempt of a resolution begun at began (monoNow).
-// A timeout while the upstream replied to anything since then is a drop: the upstream
-// is alive and dropped this query (rate limiting, loss). It is counted as
-// reason="dropped" and never takes the upstream out of rotation. Anything else is a
-// failure (markFailed).
+// A timeout is an outage only when the upstream has replied to nothing at all since
+// the resolution began and for at least SilenceForDown (or never did): otherwise it is alive
+// and dropped this query (rate limiting, loss, or replies still queued on a busy
+// machine). A drop is counted as reason="dropped" and never takes the upstream out of
+// rotation. Anything else is a failure (markFailed).
 func (f *Forwarder) markAttemptFailed(s *server, err error, began int64) {
 	var ae *attemptError
 	isTimeout := errors.As(err, &ae) && ae.reason == reasonTimeout || netReason(err) == reasonTimeout
-	if isTimeout && s.lastReply.Load() >= began {
+	if last := s.lastReply.Load(); isTimeout && last != 0 && (last >= began || monoNow()-last < int64(SilenceForDown)) {
 		s.m.failures[reasonDropped].Inc()
 		return
 	}
