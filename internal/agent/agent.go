@@ -16,6 +16,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 
+	"github.com/meshdns/meshdns-ebpf/internal/agentstate"
 	"github.com/meshdns/meshdns-ebpf/internal/ctzone"
 	"github.com/meshdns/meshdns-ebpf/internal/kubelife"
 	"github.com/meshdns/meshdns-ebpf/internal/kubesource"
@@ -51,9 +52,9 @@ type Agent struct {
 
 	// Set by Start, released by shutdown.
 	plan      *startPlan // resolved first; read-only after
-	lock      *stateLock
+	lock      *agentstate.Lock
 	inherit   *inheritance
-	st        *State
+	st        *agentstate.State
 	nodes     *nodeAddrs
 	store     *names.Store
 	pods      *kubesource.Source // the Kubernetes source: this node's Pods (nil without)
@@ -183,7 +184,7 @@ func (a *Agent) prepareHost() error {
 // lock among them), removes what a crashed agent left that this one does not
 // adopt, and writes the state file before anything is installed. It returns
 // the previous agent's state (nil: none).
-func (a *Agent) acquireState(ctx context.Context) (prev *State, err error) {
+func (a *Agent) acquireState(ctx context.Context) (prev *agentstate.State, err error) {
 	if a.plan.mode != ModeOff {
 		if prev, err = a.acquirePrevious(ctx); err != nil {
 			return nil, err
@@ -205,11 +206,11 @@ func (a *Agent) acquireState(ctx context.Context) (prev *State, err error) {
 }
 
 // newState is the state file's content at start.
-func (a *Agent) newState() *State {
+func (a *Agent) newState() *agentstate.State {
 	cfg, p := &a.cfg, a.plan
-	st := &State{
+	st := &agentstate.State{
 		PID: os.Getpid(), Mode: p.mode, ModeReason: p.reason, CaptureAll: cfg.CaptureAll,
-		Admin: cfg.Admin, Persist: cfg.Persist, Started: time.Now().UTC(), Netns: currentNetns(),
+		Admin: cfg.Admin, Persist: cfg.Persist, Started: time.Now().UTC(), Netns: agentstate.Netns(),
 		Listen: p.listenAddrs,
 	}
 	if p.mode != ModeOff {
@@ -232,7 +233,7 @@ func (a *Agent) newState() *State {
 
 // startNodeAddrs puts the resolver's node-local addresses in place (adopting
 // those a previous agent in this network namespace added).
-func (a *Agent) startNodeAddrs(ctx context.Context, prev *State) error {
+func (a *Agent) startNodeAddrs(ctx context.Context, prev *agentstate.State) error {
 	if a.plan.mode == ModeOff {
 		return nil
 	}
@@ -240,15 +241,15 @@ func (a *Agent) startNodeAddrs(ctx context.Context, prev *State) error {
 	for _, l := range a.cfg.Listen {
 		want = append(want, l.Addr())
 	}
-	var adopt []NodeAddr
-	if prev != nil && prev.Netns == currentNetns() {
+	var adopt []agentstate.NodeAddr
+	if prev != nil && prev.Netns == agentstate.Netns() {
 		adopt = prev.NodeAddrs
 	}
 	a.nodes = newNodeAddrs(want, a.cfg.LinkName, adopt, a.log)
 	if err := a.nodes.Start(ctx); err != nil {
 		return err
 	}
-	a.st.NodeAddrs = a.nodes.added
+	a.st.NodeAddrs = a.nodes.records()
 	if a.inherit == nil {
 		return a.save()
 	}
@@ -497,7 +498,7 @@ func (a *Agent) save() error {
 	if a.st == nil {
 		return nil
 	}
-	return writeState(a.cfg.StateDir, a.st)
+	return agentstate.Write(a.cfg.StateDir, a.st)
 }
 
 // followReadiness registers the resolver's sockets with the datapath while the
@@ -656,7 +657,7 @@ func (a *Agent) stopBackground(handoff bool, add func(string, error)) {
 	if a.hl != nil {
 		a.hl.Close()
 		if !handoff {
-			_ = os.Remove(handoverPath(a.cfg.StateDir))
+			_ = os.Remove(agentstate.HandoverPath(a.cfg.StateDir))
 		}
 	}
 	close(a.stopLoops)
@@ -715,13 +716,13 @@ func (a *Agent) release(handoff bool, add func(string, error)) {
 		add("local admin socket", removeFile(a.local.addr))
 	}
 	if a.st != nil && !handoff {
-		add("state file", removeState(a.cfg.StateDir))
+		add("state file", agentstate.Remove(a.cfg.StateDir))
 	}
 	add("lifecycle watch", a.life.Close())
 	if a.uninstall && !handoff {
 		add("state dir", removeStateDir(a.cfg.StateDir))
 	}
-	add("state lock", a.lock.release())
+	add("state lock", a.lock.Release())
 }
 
 // isNilHandoff reports whether h holds a nil pointer (an unused part).

@@ -32,6 +32,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/meshdns/meshdns-ebpf/internal/agentstate"
 	"github.com/meshdns/meshdns-ebpf/internal/resolver"
 )
 
@@ -45,7 +46,7 @@ type handoverMsg struct {
 	Op        string             `json:"op"` // hello, offer, serving, error
 	PID       int                `json:"pid,omitempty"`
 	Error     string             `json:"error,omitempty"`
-	State     *State             `json:"state,omitempty"`
+	State     *agentstate.State  `json:"state,omitempty"`
 	Listeners []handoverListener `json:"listeners,omitempty"`
 	Admin     bool               `json:"admin,omitempty"` // the admin listener follows the lock
 	Local     bool               `json:"local,omitempty"` // the local admin socket's listener is the last descriptor
@@ -60,8 +61,8 @@ type handoverListener struct {
 // inheritance is what a successor received.
 type inheritance struct {
 	from      int // the predecessor's pid
-	state     *State
-	lock      *stateLock
+	state     *agentstate.State
+	lock      *agentstate.Lock
 	admin     *os.File
 	local     *os.File
 	listeners []resolver.InheritedListener
@@ -169,9 +170,9 @@ func parseRights(oob []byte) ([]*os.File, error) {
 // starting, stopping) or is gone.
 func requestHandover(ctx context.Context, stateDir string) (*inheritance, error) {
 	d := net.Dialer{}
-	c, err := d.DialContext(ctx, "unixpacket", handoverPath(stateDir))
+	c, err := d.DialContext(ctx, "unixpacket", agentstate.HandoverPath(stateDir))
 	if err != nil {
-		return nil, fmt.Errorf("%w: connect %s: %v", errRetry, handoverPath(stateDir), err)
+		return nil, fmt.Errorf("%w: connect %s: %v", errRetry, agentstate.HandoverPath(stateDir), err)
 	}
 	uc := c.(*net.UnixConn)
 	ok := false
@@ -228,7 +229,7 @@ func unpackOffer(offer handoverMsg, files []*os.File) (*inheritance, error) {
 	if len(files) != offer.FDs || offer.State == nil || len(files) == 0 {
 		return nil, fmt.Errorf("handover offer: %d descriptors, %d announced", len(files), offer.FDs)
 	}
-	in := &inheritance{from: offer.PID, state: offer.State, lock: adoptLock(files[0])}
+	in := &inheritance{from: offer.PID, state: offer.State, lock: agentstate.Adopt(files[0])}
 	files = files[1:]
 	if offer.Local && len(files) > 0 {
 		in.local, files = files[len(files)-1], files[:len(files)-1]
@@ -256,7 +257,7 @@ func (in *inheritance) serving() error {
 
 // offer is what the running agent hands over; files are closed by the caller.
 type offer struct {
-	state     *State
+	state     *agentstate.State
 	lock      *os.File
 	admin     *os.File
 	local     *os.File
@@ -343,7 +344,7 @@ func rawFD(f *os.File) (int, error) {
 // listenHandover binds the handover socket, replacing a stale one (ours to
 // replace: we hold the lock).
 func listenHandover(stateDir string) (*net.UnixListener, error) {
-	p := handoverPath(stateDir)
+	p := agentstate.HandoverPath(stateDir)
 	if err := os.Remove(p); err != nil && !errors.Is(err, os.ErrNotExist) {
 		return nil, fmt.Errorf("replace %s: %w", p, err)
 	}

@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/meshdns/meshdns-ebpf/internal/agentstate"
 	"github.com/meshdns/meshdns-ebpf/internal/resolver"
 )
 
@@ -56,12 +57,12 @@ type offerFiles struct {
 
 func newOfferFiles(t *testing.T, dir string, udp int) *offerFiles {
 	t.Helper()
-	lock, err := tryLock(dir)
+	lock, err := agentstate.TryLock(dir)
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { lock.release() })
-	of := &offerFiles{o: offer{lock: lock.f, state: &State{PID: os.Getpid(), Mode: ModeEBPF, Listen: []string{"127.0.0.1:53"}}}}
+	t.Cleanup(func() { lock.Release() })
+	of := &offerFiles{o: offer{lock: lock.File(), state: &agentstate.State{PID: os.Getpid(), Mode: ModeEBPF, Listen: []string{"127.0.0.1:53"}}}}
 	file := func(f interface{ File() (*os.File, error) }) *os.File {
 		t.Helper()
 		fl, err := f.File()
@@ -152,7 +153,7 @@ func TestHandoverExchange(t *testing.T) {
 				t.Fatalf("requestHandover: %v", err)
 			}
 			defer in.closeUnused()
-			defer in.lock.release()
+			defer in.lock.Release()
 			if in.from != os.Getpid() || in.state == nil || in.state.Mode != ModeEBPF || in.state.Listen[0] != "127.0.0.1:53" {
 				t.Errorf("inherited from pid %d state %+v, want pid %d and the offered state", in.from, in.state, os.Getpid())
 			}
@@ -189,8 +190,8 @@ func TestHandoverExchange(t *testing.T) {
 				l.Close()
 			}
 			// The lock descriptor is the predecessor's open lock file: it is held.
-			if _, err := tryLock(dir); !errors.Is(err, errLocked) {
-				t.Errorf("tryLock while both hold the lock: %v, want errLocked", err)
+			if _, err := agentstate.TryLock(dir); !errors.Is(err, agentstate.ErrLocked) {
+				t.Errorf("tryLock while both hold the lock: %v, want agentstate.ErrLocked", err)
 			}
 			if err := in.serving(); err != nil {
 				t.Fatalf("serving: %v", err)
@@ -302,7 +303,7 @@ func TestHandoverSuccessorFails(t *testing.T) {
 				t.Fatalf("requestHandover: %v", err)
 			}
 			in.closeUnused()
-			in.lock.release()
+			in.lock.Release()
 			if err := tc.reply(in); err != nil {
 				t.Fatal(err)
 			}
@@ -323,9 +324,9 @@ func TestUnpackOfferRefusesMissingDescriptors(t *testing.T) {
 	}
 	defer f.Close()
 	for _, m := range []handoverMsg{
-		{Op: "offer", State: &State{}, FDs: 2},
+		{Op: "offer", State: &agentstate.State{}, FDs: 2},
 		{Op: "offer", FDs: 1},
-		{Op: "offer", State: &State{}, FDs: 1, Listeners: []handoverListener{{Addr: "127.0.0.1:53", UDP: 1}}},
+		{Op: "offer", State: &agentstate.State{}, FDs: 1, Listeners: []handoverListener{{Addr: "127.0.0.1:53", UDP: 1}}},
 	} {
 		if _, err := unpackOffer(m, []*os.File{f}); err == nil {
 			t.Errorf("unpackOffer(%+v) with one descriptor succeeded", m)

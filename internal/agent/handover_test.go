@@ -12,6 +12,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/meshdns/meshdns-ebpf/internal/agentstate"
 )
 
 // A listener handed to a successor keeps serving here until the drain, and
@@ -63,7 +65,7 @@ func TestOfferLeavesSharedListenersNonBlocking(t *testing.T) {
 		}
 		_ = writeMsg(there, handoverMsg{Op: "serving", PID: 2}, nil)
 	}()
-	if _, err := sendOffer(here, offer{state: &State{}, lock: lock, local: f}); err != nil {
+	if _, err := sendOffer(here, offer{state: &agentstate.State{}, lock: lock, local: f}); err != nil {
 		t.Fatal(err)
 	}
 

@@ -14,6 +14,7 @@ import (
 	"slices"
 	"time"
 
+	"github.com/meshdns/meshdns-ebpf/internal/agentstate"
 	"github.com/meshdns/meshdns-ebpf/internal/ctzone"
 	"github.com/meshdns/meshdns-ebpf/internal/redirect"
 )
@@ -21,14 +22,14 @@ import (
 // acquirePrevious takes the state lock, or the running agent's descriptors,
 // and returns the previous agent's state (nil: none). After a crash it
 // removes what the crashed agent left that this one does not adopt.
-func (a *Agent) acquirePrevious(ctx context.Context) (*State, error) {
+func (a *Agent) acquirePrevious(ctx context.Context) (*agentstate.State, error) {
 	if err := a.acquire(ctx); err != nil {
 		return nil, err
 	}
 	if a.inherit != nil {
 		return a.inherit.state, nil
 	}
-	prev, err := ReadState(a.cfg.StateDir)
+	prev, err := agentstate.Read(a.cfg.StateDir)
 	switch {
 	case err == nil:
 		// A clean stop removes the state file: its owner crashed.
@@ -59,12 +60,12 @@ func (a *Agent) acquire(ctx context.Context) error {
 	}
 	var last error
 	for {
-		l, err := tryLock(dir)
+		l, err := agentstate.TryLock(dir)
 		if err == nil {
 			a.lock = l
 			return nil
 		}
-		if !errors.Is(err, errLocked) {
+		if !errors.Is(err, agentstate.ErrLocked) {
 			return err
 		}
 		hctx, cancel := context.WithDeadline(ctx, deadline)
@@ -73,7 +74,7 @@ func (a *Agent) acquire(ctx context.Context) error {
 		if err == nil {
 			if err := a.compatible(in.state); err != nil {
 				in.closeUnused()
-				in.lock.release()
+				in.lock.Release()
 				in.conn.Close()
 				return err
 			}
@@ -88,7 +89,7 @@ func (a *Agent) acquire(ctx context.Context) error {
 		last = err
 		if time.Now().After(deadline) {
 			return fmt.Errorf("another meshdns-ebpf agent holds %s and did not hand over within %v (last: %v); stop it first",
-				lockPath(dir), handoverTimeout, last)
+				agentstate.LockPath(dir), handoverTimeout, last)
 		}
 		select {
 		case <-ctx.Done():
@@ -99,14 +100,14 @@ func (a *Agent) acquire(ctx context.Context) error {
 }
 
 // compatible says whether we can take over from an agent in state st.
-func (a *Agent) compatible(st *State) error {
+func (a *Agent) compatible(st *agentstate.State) error {
 	switch {
 	case st.Mode != a.plan.mode:
 		return fmt.Errorf("the running agent (pid %d) captures in %s mode and this one would in %s mode: stop it first", st.PID, st.Mode, a.plan.mode)
 	case a.plan.mode == ModeEBPF && (st.BPFFS != a.cfg.BPFFS || st.Cgroup != a.plan.cgroup):
 		return fmt.Errorf("the running agent (pid %d) attaches to %s with pins in %s, this one to %s with pins in %s: stop it first",
 			st.PID, st.Cgroup, st.BPFFS, a.plan.cgroup, a.cfg.BPFFS)
-	case st.Netns != currentNetns():
+	case st.Netns != agentstate.Netns():
 		return fmt.Errorf("the running agent (pid %d) runs in another network namespace: stop it first", st.PID)
 	}
 	return nil
@@ -115,7 +116,7 @@ func (a *Agent) compatible(st *State) error {
 // takeOverLeftovers removes what a crashed agent left that this one does not
 // adopt: another mode's capture, another pin directory's programs. (Pinned
 // links and node addresses we use are adopted.)
-func (a *Agent) takeOverLeftovers(prev *State) {
+func (a *Agent) takeOverLeftovers(prev *agentstate.State) {
 	var removed []string
 	var errs []error
 	if prev.Mode == ModeIptables && a.plan.mode != ModeIptables {
@@ -126,7 +127,7 @@ func (a *Agent) takeOverLeftovers(prev *State) {
 		r, err := redirect.Cleanup(prev.BPFFS)
 		removed, errs = append(removed, r...), append(errs, err)
 	}
-	if prev.Netns == currentNetns() {
+	if prev.Netns == agentstate.Netns() {
 		removed = append(removed, a.removeUnwantedAddrs(prev)...)
 	}
 	if err := errors.Join(errs...); err != nil {
@@ -136,8 +137,8 @@ func (a *Agent) takeOverLeftovers(prev *State) {
 }
 
 // removeUnwantedAddrs removes the addresses prev added that we do not listen on.
-func (a *Agent) removeUnwantedAddrs(prev *State) []string {
-	var drop []NodeAddr
+func (a *Agent) removeUnwantedAddrs(prev *agentstate.State) []string {
+	var drop []agentstate.NodeAddr
 	for _, na := range prev.NodeAddrs {
 		if na.Addr == "" {
 			continue
@@ -248,7 +249,7 @@ func (a *Agent) beginHandover() (done chan struct{}, refuse string) {
 // the admin listeners and the resolver's sockets. release closes this
 // process's duplicates of them once sent.
 func (a *Agent) makeOffer() (o offer, release func(), err error) {
-	o = offer{lock: a.lock.f, dieAfterSend: a.cfg.handoverFault == "predecessor"}
+	o = offer{lock: a.lock.File(), dieAfterSend: a.cfg.handoverFault == "predecessor"}
 	stCopy := *a.st
 	o.state = &stCopy
 	var opened []*os.File
@@ -302,7 +303,7 @@ func (a *Agent) reassert() {
 
 // serveSuccessors ends a takeover (the predecessor learns that we serve)
 // and opens the handover socket for this agent's own successor.
-func (a *Agent) serveSuccessors(prev *State) (err error) {
+func (a *Agent) serveSuccessors(prev *agentstate.State) (err error) {
 	if a.inherit != nil {
 		a.finishTakeover(prev)
 		return nil
@@ -318,7 +319,7 @@ func (a *Agent) serveSuccessors(prev *State) (err error) {
 
 // finishTakeover tells the predecessor that we serve. Nothing of the node's
 // state is touched before: if we die before, it serves on as it was.
-func (a *Agent) finishTakeover(prev *State) {
+func (a *Agent) finishTakeover(prev *agentstate.State) {
 	in, log := a.inherit, a.log
 	in.closeUnused()
 	if a.cfg.handoverFault == "successor" {
