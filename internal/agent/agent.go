@@ -21,6 +21,7 @@ import (
 	"github.com/meshdns/meshdns-ebpf/internal/kubelife"
 	"github.com/meshdns/meshdns-ebpf/internal/kubesource"
 	"github.com/meshdns/meshdns-ebpf/internal/names"
+	"github.com/meshdns/meshdns-ebpf/internal/nodeaddr"
 	"github.com/meshdns/meshdns-ebpf/internal/redirect"
 	"github.com/meshdns/meshdns-ebpf/internal/resolver"
 	"github.com/meshdns/meshdns-ebpf/internal/resolver/upstream"
@@ -55,7 +56,7 @@ type Agent struct {
 	lock      *agentstate.Lock
 	inherit   *inheritance
 	st        *agentstate.State
-	nodes     *nodeAddrs
+	nodes     *nodeaddr.Set
 	store     *names.Store
 	pods      *kubesource.Source // the Kubernetes source: this node's Pods (nil without)
 	work      *workloads
@@ -245,11 +246,11 @@ func (a *Agent) startNodeAddrs(ctx context.Context, prev *agentstate.State) erro
 	if prev != nil && prev.Netns == agentstate.Netns() {
 		adopt = prev.NodeAddrs
 	}
-	a.nodes = newNodeAddrs(want, a.cfg.LinkName, adopt, a.log)
+	a.nodes = nodeaddr.New(want, a.cfg.LinkName, adopt, a.log)
 	if err := a.nodes.Start(ctx); err != nil {
 		return err
 	}
-	a.st.NodeAddrs = a.nodes.records()
+	a.st.NodeAddrs = a.nodes.Records()
 	if a.inherit == nil {
 		return a.save()
 	}
@@ -732,7 +733,7 @@ func isNilHandoff(h interface{ Handoff() }) bool {
 		return p == nil
 	case *ctzone.Rules:
 		return p == nil
-	case *nodeAddrs:
+	case *nodeaddr.Set:
 		return p == nil
 	}
 	return false
@@ -750,7 +751,7 @@ func (a *Agent) abort() {
 			a.rules.Handoff()
 		}
 		if a.nodes != nil {
-			_ = a.nodes.abandon()
+			_ = a.nodes.Abandon()
 			a.nodes = nil
 		}
 		a.st = nil // the predecessor's state file stays

@@ -16,6 +16,7 @@ import (
 	"time"
 
 	"github.com/meshdns/meshdns-ebpf/internal/agentstate"
+	"github.com/meshdns/meshdns-ebpf/internal/nodeaddr"
 	"github.com/meshdns/meshdns-ebpf/internal/resolver"
 	"github.com/meshdns/meshdns-ebpf/internal/resolver/upstream"
 )
@@ -160,7 +161,7 @@ func (c *Config) registerCaptureFlags(fs *flag.FlagSet) {
 		return nil
 	})
 	c.UpstreamMark = 0x3f53
-	fs.StringVar(&c.LinkName, "link", DefaultLinkName, "dummy link that carries the node-local listen address")
+	fs.StringVar(&c.LinkName, "link", nodeaddr.DefaultLinkName, "dummy link that carries the node-local listen address")
 }
 
 // registerResolverFlags defines the resolver's: its names, upstreams and answers.

@@ -8,6 +8,7 @@ import (
 
 	"github.com/meshdns/meshdns-ebpf/internal/agentstate"
 	"github.com/meshdns/meshdns-ebpf/internal/ctzone"
+	"github.com/meshdns/meshdns-ebpf/internal/nodeaddr"
 	"github.com/meshdns/meshdns-ebpf/internal/redirect"
 )
 
@@ -50,7 +51,7 @@ func Cleanup(stateDir, pinDir string, log *slog.Logger) ([]string, error) {
 		return removed, errors.Join(errs...)
 	}
 	if st != nil {
-		if err := removeNodeAddrs(st.NodeAddrs, log); err != nil {
+		if err := nodeaddr.Remove(st.NodeAddrs, log); err != nil {
 			errs = append(errs, err)
 		} else {
 			for _, na := range st.NodeAddrs {

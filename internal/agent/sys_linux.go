@@ -6,9 +6,6 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// ifaNoDAD: an IPv6 address usable at once (no duplicate address detection).
-const ifaNoDAD = unix.IFA_F_NODAD
-
 func effectiveCaps() (capSet, error) {
 	hdr := unix.CapUserHeader{Version: unix.LINUX_CAPABILITY_VERSION_3}
 	var data [2]unix.CapUserData

@@ -16,6 +16,7 @@ import (
 
 	"github.com/meshdns/meshdns-ebpf/internal/agentstate"
 	"github.com/meshdns/meshdns-ebpf/internal/ctzone"
+	"github.com/meshdns/meshdns-ebpf/internal/nodeaddr"
 	"github.com/meshdns/meshdns-ebpf/internal/redirect"
 )
 
@@ -152,7 +153,7 @@ func (a *Agent) removeUnwantedAddrs(prev *agentstate.State) []string {
 	if len(drop) == 0 {
 		return nil
 	}
-	if err := removeNodeAddrs(drop, a.log); err != nil {
+	if err := nodeaddr.Remove(drop, a.log); err != nil {
 		a.log.Warn("remove a previous agent's address", "err", err)
 	}
 	var out []string

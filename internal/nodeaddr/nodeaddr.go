@@ -1,4 +1,8 @@
-package agent
+// Package nodeaddr puts the resolver's node-local listen addresses in place
+// over netlink (on a dummy link it creates, or on lo where the kernel has no
+// dummy link type), adopts the ones a previous agent recorded, and removes
+// exactly what it added or adopted, unless a successor took them over.
+package nodeaddr
 
 import (
 	"context"
@@ -54,9 +58,9 @@ func adoptedRecords(recs []agentstate.NodeAddr, a netip.Addr) []owned {
 	return out
 }
 
-// nodeAddrs is the agent's part that puts the node-local listen addresses in
+// Set is the agent's part that puts the node-local listen addresses in
 // place and removes what it added on Close.
-type nodeAddrs struct {
+type Set struct {
 	want    []netip.Addr
 	link    string
 	log     *slog.Logger
@@ -65,39 +69,42 @@ type nodeAddrs struct {
 	handoff bool
 }
 
-func newNodeAddrs(want []netip.Addr, link string, adopt []agentstate.NodeAddr, log *slog.Logger) *nodeAddrs {
-	return &nodeAddrs{want: want, link: link, adopt: adopt, log: log}
+// New is the set of addresses want on link (created when missing), adopting
+// the records adopt of a predecessor in this network namespace. It touches
+// nothing.
+func New(want []netip.Addr, link string, adopt []agentstate.NodeAddr, log *slog.Logger) *Set {
+	return &Set{want: want, link: link, adopt: adopt, log: log}
 }
 
 // Start makes every non-loopback wanted address local to this namespace: a
 // predecessor's record of it is adopted (so it is removed when we stop), other
 // addresses already present are left alone (and not recorded), missing ones
 // are added (see ensureNodeAddrs).
-func (n *nodeAddrs) Start(context.Context) error {
+func (n *Set) Start(context.Context) error {
 	added, err := ensureNodeAddrs(n.want, n.link, n.adopt, n.log)
 	n.added = added
 	return err
 }
 
 // Handoff leaves the addresses to a successor.
-func (n *nodeAddrs) Handoff() { n.handoff = true }
+func (n *Set) Handoff() { n.handoff = true }
 
 // Close removes what Start added or adopted, unless handed off.
-func (n *nodeAddrs) Close() error {
+func (n *Set) Close() error {
 	if n.handoff {
 		return nil
 	}
-	err := removeNodeAddrs(records(n.added), n.log)
+	err := Remove(records(n.added), n.log)
 	n.added = nil
 	return err
 }
 
-// records are the state file's records of what the agent owns.
-func (n *nodeAddrs) records() []agentstate.NodeAddr { return records(n.added) }
+// Records are the state file's records of what the agent owns.
+func (n *Set) Records() []agentstate.NodeAddr { return records(n.added) }
 
-// abandon removes only what this agent added itself, leaving what it adopted
+// Abandon removes only what this agent added itself, leaving what it adopted
 // to the predecessor it failed to take over from.
-func (n *nodeAddrs) abandon() error {
+func (n *Set) Abandon() error {
 	var mine []agentstate.NodeAddr
 	for _, na := range n.added {
 		if !na.adopted {
@@ -105,7 +112,7 @@ func (n *nodeAddrs) abandon() error {
 		}
 	}
 	n.added = nil
-	return removeNodeAddrs(mine, n.log)
+	return Remove(mine, n.log)
 }
 
 // ensureNodeAddrs makes every non-loopback listen address local to this namespace.
@@ -122,7 +129,7 @@ func ensureNodeAddrs(addrs []netip.Addr, linkName string, adopt []agentstate.Nod
 				mine = append(mine, na.NodeAddr)
 			}
 		}
-		removeNodeAddrs(mine, log)
+		Remove(mine, log)
 	}
 	for _, a := range addrs {
 		if a.IsLoopback() || a.IsUnspecified() {
@@ -212,7 +219,7 @@ func resolverLink(name string, log *slog.Logger) (netlink.Link, bool, error) {
 }
 
 // removeNodeAddrs removes what ensureNodeAddrs added, in reverse order.
-func removeNodeAddrs(added []agentstate.NodeAddr, log *slog.Logger) error {
+func Remove(added []agentstate.NodeAddr, log *slog.Logger) error {
 	var errs []error
 	for i := len(added) - 1; i >= 0; i-- {
 		na := added[i]
