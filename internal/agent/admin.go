@@ -198,7 +198,7 @@ func (a *Agent) startAdmin(ctx context.Context, reg *prometheus.Registry) error 
 		if loopbackAdmin(a.cfg.Admin) {
 			dbg = debug
 		}
-		a.admin = newAdminServer("tcp", a.cfg.Admin, adminMux(reg, a, dbg), a.inherit.takeAdmin(), log)
+		a.admin = newAdminServer("tcp", a.cfg.Admin, adminMux(reg, a, dbg), a.inherit.TakeAdmin(), log)
 		if err := a.admin.Start(ctx); err != nil {
 			return err
 		}
@@ -206,7 +206,7 @@ func (a *Agent) startAdmin(ctx context.Context, reg *prometheus.Registry) error 
 	if a.plan.mode == ModeOff {
 		return nil // no state directory of its own: nowhere to put the socket
 	}
-	a.local = newAdminServer("unix", agentstate.LocalPath(a.cfg.StateDir), adminMux(reg, a, debug), a.inherit.takeLocal(), log)
+	a.local = newAdminServer("unix", agentstate.LocalPath(a.cfg.StateDir), adminMux(reg, a, debug), a.inherit.TakeLocal(), log)
 	if err := a.local.Start(ctx); err != nil {
 		return err
 	}

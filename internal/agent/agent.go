@@ -18,6 +18,7 @@ import (
 
 	"github.com/meshdns/meshdns-ebpf/internal/agentstate"
 	"github.com/meshdns/meshdns-ebpf/internal/ctzone"
+	"github.com/meshdns/meshdns-ebpf/internal/handover"
 	"github.com/meshdns/meshdns-ebpf/internal/kubelife"
 	"github.com/meshdns/meshdns-ebpf/internal/kubesource"
 	"github.com/meshdns/meshdns-ebpf/internal/names"
@@ -54,7 +55,7 @@ type Agent struct {
 	// Set by Start, released by shutdown.
 	plan      *startPlan // resolved first; read-only after
 	lock      *agentstate.Lock
-	inherit   *inheritance
+	inherit   *handover.Inheritance
 	st        *agentstate.State
 	nodes     *nodeaddr.Set
 	store     *names.Store
@@ -98,7 +99,7 @@ func New(cfg Config, log *slog.Logger) (*Agent, error) {
 }
 
 // Start starts the agent; ctx bounds the start (a handover waits at most
-// handoverTimeout). Every error it returns leaves nothing behind that was not
+// handover.Timeout). Every error it returns leaves nothing behind that was not
 // there before, and a predecessor it was taking over from serves on.
 //
 // The steps, in order: resolve the plan (nothing is acquired before it is
@@ -218,7 +219,7 @@ func (a *Agent) newState() *agentstate.State {
 		st.SlotPorts = p.ports
 	}
 	if a.inherit != nil {
-		st.Predecessor = a.inherit.from
+		st.Predecessor = a.inherit.From
 	}
 	if p.mode == ModeEBPF {
 		st.Cgroup, st.BPFFS = p.cgroup, cfg.BPFFS
@@ -283,7 +284,7 @@ func (a *Agent) startNames(ctx context.Context, reg *prometheus.Registry) (err e
 		a.watchLifecycle(ctx, kubeRest)
 	}
 	if a.inherit != nil {
-		if err := waitReady(ctx, a.store.Ready, handoverTimeout); err != nil {
+		if err := waitReady(ctx, a.store.Ready, handover.Timeout); err != nil {
 			return fmt.Errorf("taking over: the name sources are not ready: %w", err)
 		}
 	}
@@ -367,7 +368,7 @@ func (a *Agent) startResolver(ctx context.Context, reg *prometheus.Registry) (er
 	}
 	a.work.configure(&rc, flows)
 	if a.inherit != nil {
-		rc.Inherited, a.inherit.listeners = a.inherit.listeners, nil
+		rc.Inherited, a.inherit.Listeners = a.inherit.Listeners, nil
 	}
 	if a.srv, err = resolver.New(rc); err != nil {
 		return fmt.Errorf("resolver: %w", err)
@@ -592,7 +593,7 @@ func (a *Agent) Close() error {
 	if running != nil {
 		select {
 		case <-running:
-		case <-time.After(handoverTimeout):
+		case <-time.After(handover.Timeout):
 		}
 	}
 	a.mu.Lock()
@@ -755,8 +756,8 @@ func (a *Agent) abort() {
 			a.nodes = nil
 		}
 		a.st = nil // the predecessor's state file stays
-		in.closeUnused()
-		in.conn.Close()
+		in.CloseUnused()
+		in.Close()
 		a.mu.Lock()
 		a.handedOff = true // nothing of the node's state is ours
 		a.mu.Unlock()

@@ -11,6 +11,7 @@ import (
 	"k8s.io/client-go/rest"
 
 	"github.com/meshdns/meshdns-ebpf/internal/agentstate"
+	"github.com/meshdns/meshdns-ebpf/internal/handover"
 	"github.com/meshdns/meshdns-ebpf/internal/kubelife"
 )
 
@@ -24,7 +25,7 @@ const (
 	verdictSettle = 2 * time.Second
 	// successorWait bounds the wait for a replacement pod to take over; the
 	// DaemonSet's grace period covers it and the drain.
-	successorWait = handoverTimeout
+	successorWait = handover.Timeout
 )
 
 // watchLifecycle starts watching the agent's own pod, DaemonSet and namespace
