@@ -17,6 +17,7 @@ import (
 
 	"github.com/meshdns/meshdns-ebpf/internal/agent"
 	"github.com/meshdns/meshdns-ebpf/internal/agentclient"
+	"github.com/meshdns/meshdns-ebpf/internal/agentstate"
 	"github.com/meshdns/meshdns-ebpf/internal/redirect"
 	"github.com/meshdns/meshdns-ebpf/internal/version"
 )
@@ -161,9 +162,9 @@ func render(w io.Writer, format string, v tabler) error {
 }
 
 // bpffsFlag is --bpffs of stats, status and cleanup: empty means where the
-// agent's state file says it pinned, else the default (agent.PinDir).
+// agent's state file says it pinned, else the default (agentstate.PinDir).
 func bpffsFlag(fs *flag.FlagSet) *string {
-	return fs.String("bpffs", "", "directory where the agent pinned its links and maps (default: the one its state file records, else "+agent.DefaultBPFFS+")")
+	return fs.String("bpffs", "", "directory where the agent pinned its links and maps (default: the one its state file records, else "+agentstate.DefaultBPFFS+")")
 }
 
 // readFlags are the flags of the commands that read the agent's state:
@@ -190,7 +191,7 @@ func runStats(args []string, stdout, stderr io.Writer) error {
 	if err != nil {
 		return err
 	}
-	s, err := redirect.ReadStats(agent.PinDir(*f.stateDir, *f.bpffs))
+	s, err := redirect.ReadStats(agentstate.PinDir(*f.stateDir, *f.bpffs))
 	if err != nil {
 		return err
 	}
@@ -209,7 +210,7 @@ func runStatus(args []string, stdout, stderr io.Writer) error {
 func runCleanup(args []string, stdout, stderr io.Writer) error {
 	fs := newFlagSet("cleanup", stderr)
 	bpffs := bpffsFlag(fs)
-	stateDir := fs.String("state-dir", agent.DefaultStateDir, "the agent's state directory")
+	stateDir := fs.String("state-dir", agentstate.DefaultStateDir, "the agent's state directory")
 	if err := parse(fs, args); err != nil {
 		return err
 	}
@@ -231,7 +232,7 @@ func runProbe(args []string, stderr io.Writer) error {
 	}
 	check, args := args[0], args[1:]
 	fs := newFlagSet("probe "+check, stderr)
-	stateDir := fs.String("state-dir", agent.DefaultStateDir, "the agent's state directory (it holds the agent's local admin socket)")
+	stateDir := fs.String("state-dir", agentstate.DefaultStateDir, "the agent's state directory (it holds the agent's local admin socket)")
 	if err := parse(fs, args); err != nil {
 		return err
 	}

@@ -6,8 +6,8 @@ import (
 	"fmt"
 	"io"
 
-	"github.com/meshdns/meshdns-ebpf/internal/agent"
 	"github.com/meshdns/meshdns-ebpf/internal/agentclient"
+	"github.com/meshdns/meshdns-ebpf/internal/agentstate"
 	"github.com/meshdns/meshdns-ebpf/internal/nameview"
 	"github.com/meshdns/meshdns-ebpf/internal/redirect"
 )
@@ -15,7 +15,7 @@ import (
 // agentFlags registers how the CLI finds the running agent: its state
 // directory (which holds its local admin socket), or an admin address.
 func agentFlags(fs *flag.FlagSet) (stateDir, admin *string) {
-	stateDir = fs.String("state-dir", agent.DefaultStateDir, "the agent's state directory (it holds the agent's local admin socket)")
+	stateDir = fs.String("state-dir", agentstate.DefaultStateDir, "the agent's state directory (it holds the agent's local admin socket)")
 	admin = fs.String("admin", "", "an admin address ADDR:PORT of the agent that serves the debug endpoints: a loopback one (default: the local socket in the state directory; an agent in --mode off has none)")
 	return stateDir, admin
 }

@@ -15,6 +15,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
+	"github.com/meshdns/meshdns-ebpf/internal/agentstate"
 	"github.com/meshdns/meshdns-ebpf/internal/redirect"
 	"github.com/meshdns/meshdns-ebpf/internal/version"
 )
@@ -49,7 +50,7 @@ type adminServer struct {
 
 // adminMux serves /healthz (liveness), /readyz, /metrics and, when debug is not nil,
 // /debug/ (see docs/kubernetes.md for which listener gets which). Every
-// answer names the agent that gave it (AgentHeader).
+// answer names the agent that gave it (agentstate.AgentHeader).
 func adminMux(reg *prometheus.Registry, c checks, debug http.Handler) http.Handler {
 	mux := http.NewServeMux()
 	mux.HandleFunc("/healthz", func(w http.ResponseWriter, _ *http.Request) {
@@ -72,7 +73,7 @@ func adminMux(reg *prometheus.Registry, c checks, debug http.Handler) http.Handl
 	}
 	id := agentID()
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		w.Header().Set(AgentHeader, id)
+		w.Header().Set(agentstate.AgentHeader, id)
 		mux.ServeHTTP(w, r)
 	})
 }
@@ -197,7 +198,7 @@ func (a *Agent) startAdmin(ctx context.Context, reg *prometheus.Registry) error 
 		if loopbackAdmin(a.cfg.Admin) {
 			dbg = debug
 		}
-		a.admin = newAdminServer("tcp", a.cfg.Admin, adminMux(reg, a, dbg), a.inherit.takeAdmin(), log)
+		a.admin = newAdminServer("tcp", a.cfg.Admin, adminMux(reg, a, dbg), a.inherit.TakeAdmin(), log)
 		if err := a.admin.Start(ctx); err != nil {
 			return err
 		}
@@ -205,7 +206,7 @@ func (a *Agent) startAdmin(ctx context.Context, reg *prometheus.Registry) error 
 	if a.plan.mode == ModeOff {
 		return nil // no state directory of its own: nowhere to put the socket
 	}
-	a.local = newAdminServer("unix", LocalPath(a.cfg.StateDir), adminMux(reg, a, debug), a.inherit.takeLocal(), log)
+	a.local = newAdminServer("unix", agentstate.LocalPath(a.cfg.StateDir), adminMux(reg, a, debug), a.inherit.TakeLocal(), log)
 	if err := a.local.Start(ctx); err != nil {
 		return err
 	}
@@ -213,15 +214,10 @@ func (a *Agent) startAdmin(ctx context.Context, reg *prometheus.Registry) error 
 	return nil
 }
 
-// AgentHeader names the agent that answered an admin request: its pid and
-// the inode of its pid namespace (a container's own), so a probe run in the
-// agent's container can tell its agent from a predecessor that shares the
-// node's listeners with it until the handover.
-const AgentHeader = "Meshdns-Agent"
-
-// agentID is this process's AgentHeader value.
+// agentID is this process's agentstate.AgentHeader value: its pid and pid
+// namespace.
 func agentID() string {
-	return fmt.Sprintf("pid=%d pidns=%d", os.Getpid(), currentPidns())
+	return fmt.Sprintf("pid=%d pidns=%d", os.Getpid(), agentstate.Pidns())
 }
 
 // loopbackAdmin reports whether the admin address is reachable from this

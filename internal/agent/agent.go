@@ -16,10 +16,13 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 
+	"github.com/meshdns/meshdns-ebpf/internal/agentstate"
 	"github.com/meshdns/meshdns-ebpf/internal/ctzone"
+	"github.com/meshdns/meshdns-ebpf/internal/handover"
 	"github.com/meshdns/meshdns-ebpf/internal/kubelife"
 	"github.com/meshdns/meshdns-ebpf/internal/kubesource"
 	"github.com/meshdns/meshdns-ebpf/internal/names"
+	"github.com/meshdns/meshdns-ebpf/internal/nodeaddr"
 	"github.com/meshdns/meshdns-ebpf/internal/panicguard"
 	"github.com/meshdns/meshdns-ebpf/internal/redirect"
 	"github.com/meshdns/meshdns-ebpf/internal/resolver"
@@ -52,10 +55,10 @@ type Agent struct {
 
 	// Set by Start, released by shutdown.
 	plan      *startPlan // resolved first; read-only after
-	lock      *stateLock
-	inherit   *inheritance
-	st        *State
-	nodes     *nodeAddrs
+	lock      *agentstate.Lock
+	inherit   *handover.Inheritance
+	st        *agentstate.State
+	nodes     *nodeaddr.Set
 	store     *names.Store
 	pods      *kubesource.Source // the Kubernetes source: this node's Pods (nil without)
 	work      *workloads
@@ -98,7 +101,7 @@ func New(cfg Config, log *slog.Logger) (*Agent, error) {
 }
 
 // Start starts the agent; ctx bounds the start (a handover waits at most
-// handoverTimeout). Every error it returns leaves nothing behind that was not
+// handover.Timeout). Every error it returns leaves nothing behind that was not
 // there before, and a predecessor it was taking over from serves on.
 //
 // The steps, in order: resolve the plan (nothing is acquired before it is
@@ -185,7 +188,7 @@ func (a *Agent) prepareHost() error {
 // lock among them), removes what a crashed agent left that this one does not
 // adopt, and writes the state file before anything is installed. It returns
 // the previous agent's state (nil: none).
-func (a *Agent) acquireState(ctx context.Context) (prev *State, err error) {
+func (a *Agent) acquireState(ctx context.Context) (prev *agentstate.State, err error) {
 	if a.plan.mode != ModeOff {
 		if prev, err = a.acquirePrevious(ctx); err != nil {
 			return nil, err
@@ -207,18 +210,18 @@ func (a *Agent) acquireState(ctx context.Context) (prev *State, err error) {
 }
 
 // newState is the state file's content at start.
-func (a *Agent) newState() *State {
+func (a *Agent) newState() *agentstate.State {
 	cfg, p := &a.cfg, a.plan
-	st := &State{
+	st := &agentstate.State{
 		PID: os.Getpid(), Mode: p.mode, ModeReason: p.reason, CaptureAll: cfg.CaptureAll,
-		Admin: cfg.Admin, Persist: cfg.Persist, Started: time.Now().UTC(), Netns: currentNetns(),
+		Admin: cfg.Admin, Persist: cfg.Persist, Started: time.Now().UTC(), Netns: agentstate.Netns(),
 		Listen: p.listenAddrs,
 	}
 	if p.mode != ModeOff {
 		st.SlotPorts = p.ports
 	}
 	if a.inherit != nil {
-		st.Predecessor = a.inherit.from
+		st.Predecessor = a.inherit.From
 	}
 	if p.mode == ModeEBPF {
 		st.Cgroup, st.BPFFS = p.cgroup, cfg.BPFFS
@@ -234,7 +237,7 @@ func (a *Agent) newState() *State {
 
 // startNodeAddrs puts the resolver's node-local addresses in place (adopting
 // those a previous agent in this network namespace added).
-func (a *Agent) startNodeAddrs(ctx context.Context, prev *State) error {
+func (a *Agent) startNodeAddrs(ctx context.Context, prev *agentstate.State) error {
 	if a.plan.mode == ModeOff {
 		return nil
 	}
@@ -242,15 +245,15 @@ func (a *Agent) startNodeAddrs(ctx context.Context, prev *State) error {
 	for _, l := range a.cfg.Listen {
 		want = append(want, l.Addr())
 	}
-	var adopt []NodeAddr
-	if prev != nil && prev.Netns == currentNetns() {
+	var adopt []agentstate.NodeAddr
+	if prev != nil && prev.Netns == agentstate.Netns() {
 		adopt = prev.NodeAddrs
 	}
-	a.nodes = newNodeAddrs(want, a.cfg.LinkName, adopt, a.log)
+	a.nodes = nodeaddr.New(want, a.cfg.LinkName, adopt, a.log)
 	if err := a.nodes.Start(ctx); err != nil {
 		return err
 	}
-	a.st.NodeAddrs = a.nodes.added
+	a.st.NodeAddrs = a.nodes.Records()
 	if a.inherit == nil {
 		return a.save()
 	}
@@ -285,7 +288,7 @@ func (a *Agent) startNames(ctx context.Context, reg *prometheus.Registry) (err e
 		a.watchLifecycle(ctx, kubeRest)
 	}
 	if a.inherit != nil {
-		if err := waitReady(ctx, a.store.Ready, handoverTimeout); err != nil {
+		if err := waitReady(ctx, a.store.Ready, handover.Timeout); err != nil {
 			return fmt.Errorf("taking over: the name sources are not ready: %w", err)
 		}
 	}
@@ -372,7 +375,7 @@ func (a *Agent) startResolver(ctx context.Context, reg *prometheus.Registry) (er
 	}
 	a.work.configure(&rc, flows)
 	if a.inherit != nil {
-		rc.Inherited, a.inherit.listeners = a.inherit.listeners, nil
+		rc.Inherited, a.inherit.Listeners = a.inherit.Listeners, nil
 	}
 	if a.srv, err = resolver.New(rc); err != nil {
 		return fmt.Errorf("resolver: %w", err)
@@ -504,7 +507,7 @@ func (a *Agent) save() error {
 	if a.st == nil {
 		return nil
 	}
-	return writeState(a.cfg.StateDir, a.st)
+	return agentstate.Write(a.cfg.StateDir, a.st)
 }
 
 // followReadiness registers the resolver's sockets with the datapath while the
@@ -582,192 +585,4 @@ func (a *Agent) readinessLoop() {
 			a.log.Error("capture readiness", "err", err)
 		}
 	}
-}
-
-// Close stops the agent. Without a successor: capture goes off first (queries go
-// to their original nameserver), the resolver answers what was already sent to
-// it, then everything is removed (the eBPF programs stay attached and pinned,
-// inert, for the next agent, unless --persist=false). After a handover it only
-// waits until this process has drained and released its descriptors. A
-// handover in progress is waited for. Idempotent; safe after a failed Start.
-func (a *Agent) Close() error {
-	a.mu.Lock()
-	running := a.handingOver
-	a.mu.Unlock()
-	if running != nil {
-		select {
-		case <-running:
-		case <-time.After(handoverTimeout):
-		}
-	}
-	a.mu.Lock()
-	handoff := a.handedOff
-	a.mu.Unlock()
-	if !handoff {
-		a.followLifecycle()
-		a.mu.Lock()
-		handoff = a.handedOff
-		a.mu.Unlock()
-	}
-	a.shutdown(handoff)
-	<-a.shutDone
-	return a.shutErr
-}
-
-// shutdown releases everything once; see Close.
-func (a *Agent) shutdown(handoff bool) {
-	a.shutOnce.Do(func() {
-		defer close(a.shutDone)
-		var errs []error
-		add := func(what string, err error) {
-			if err != nil {
-				errs = append(errs, fmt.Errorf("%s: %w", what, err))
-			}
-		}
-		a.stopBackground(handoff, add)
-		a.captureOff(handoff, add)
-		if a.srv != nil {
-			quiet := drainQuiet
-			if handoff {
-				quiet = 0 // the successor reads the shared sockets: stop at once
-			}
-			ctx, cancel := context.WithTimeout(context.Background(), drainTimeout)
-			add("drain the resolver", a.srv.Drain(ctx, quiet))
-			cancel()
-		}
-		a.release(handoff, add)
-		a.shutErr = errors.Join(errs...)
-		for _, e := range errs {
-			a.log.Error("stop", "err", e)
-		}
-		switch {
-		case handoff && a.successor != 0:
-			a.log.Info("handed over and drained; waiting for SIGTERM", "successor", a.successor)
-		case handoff:
-			a.log.Info("gave up taking over; the running agent serves on")
-		default:
-			a.log.Info("stopped")
-		}
-	})
-}
-
-// stopBackground ends a handover connection in progress, closes the
-// handover socket and stops the background loops and the liveness probe.
-func (a *Agent) stopBackground(handoff bool, add func(string, error)) {
-	a.mu.Lock()
-	a.closing = true
-	if a.hconn != nil {
-		a.hconn.Close()
-	}
-	a.mu.Unlock()
-	if a.hl != nil {
-		a.hl.Close()
-		if !handoff {
-			_ = os.Remove(handoverPath(a.cfg.StateDir))
-		}
-	}
-	close(a.stopLoops)
-	a.loops.Wait()
-	if a.liveClose != nil {
-		add("liveness probe socket", a.liveClose())
-	}
-}
-
-// captureOff switches capture off before the resolver drains: queries go
-// to their original nameserver again. After a handover, the datapath,
-// rules and node addresses are the successor's: they are only let go.
-func (a *Agent) captureOff(handoff bool, add func(string, error)) {
-	if handoff {
-		for _, h := range []interface{ Handoff() }{a.dp, a.rules, a.nodes} {
-			if h != nil && !isNilHandoff(h) {
-				h.Handoff()
-			}
-		}
-		return
-	}
-	if a.uninstall && a.dp != nil {
-		a.dp.DetachOnClose()
-	}
-	a.log.Info("stopping: capture off, then the resolver drains")
-	if a.dp != nil {
-		add("capture off", a.dp.Unserve())
-	}
-	if a.rules != nil {
-		add("remove iptables capture", a.rules.StopCapture())
-	}
-}
-
-// release closes every part, in the reverse order of Start, and removes
-// the state (unless a successor now owns it).
-func (a *Agent) release(handoff bool, add func(string, error)) {
-	if a.dp != nil {
-		add("eBPF datapath", a.dp.Close())
-	}
-	if a.rules != nil {
-		add("iptables capture", a.rules.Close())
-	}
-	if a.fwd != nil {
-		add("upstream", a.fwd.Close())
-	}
-	add("workload names and top talkers", a.work.Close())
-	if a.store != nil {
-		add("name sources", a.store.Close())
-	}
-	if a.nodes != nil {
-		add("node address", a.nodes.Close())
-	}
-	add("admin server", a.admin.Close())
-	add("local admin socket", a.local.Close())
-	if a.local != nil && !handoff {
-		add("local admin socket", removeFile(a.local.addr))
-	}
-	if a.st != nil && !handoff {
-		add("state file", removeState(a.cfg.StateDir))
-	}
-	add("lifecycle watch", a.life.Close())
-	if a.uninstall && !handoff {
-		add("state dir", removeStateDir(a.cfg.StateDir))
-	}
-	add("state lock", a.lock.release())
-}
-
-// isNilHandoff reports whether h holds a nil pointer (an unused part).
-func isNilHandoff(h interface{ Handoff() }) bool {
-	switch p := h.(type) {
-	case *redirect.Datapath:
-		return p == nil
-	case *ctzone.Rules:
-		return p == nil
-	case *nodeAddrs:
-		return p == nil
-	}
-	return false
-}
-
-// abort undoes a failed Start. Taking over from a running agent, it leaves that
-// agent's state alone (the datapath's pins, rules, addresses it adopted) and
-// closes only its own descriptors: the predecessor notices and serves on.
-func (a *Agent) abort() {
-	if in := a.inherit; in != nil {
-		if a.dp != nil {
-			a.dp.Handoff()
-		}
-		if a.rules != nil {
-			a.rules.Handoff()
-		}
-		if a.nodes != nil {
-			_ = a.nodes.abandon()
-			a.nodes = nil
-		}
-		a.st = nil // the predecessor's state file stays
-		in.closeUnused()
-		in.conn.Close()
-		a.mu.Lock()
-		a.handedOff = true // nothing of the node's state is ours
-		a.mu.Unlock()
-	} else if a.dp != nil {
-		a.dp.Discard() // leave nothing attached that was not before
-	}
-	a.shutdown(a.inherit != nil)
-	<-a.shutDone
 }

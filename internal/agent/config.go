@@ -15,6 +15,8 @@ import (
 	"strings"
 	"time"
 
+	"github.com/meshdns/meshdns-ebpf/internal/agentstate"
+	"github.com/meshdns/meshdns-ebpf/internal/nodeaddr"
 	"github.com/meshdns/meshdns-ebpf/internal/resolver"
 	"github.com/meshdns/meshdns-ebpf/internal/resolver/upstream"
 )
@@ -22,9 +24,9 @@ import (
 // Capture modes.
 const (
 	ModeAuto     = "auto"
-	ModeEBPF     = "ebpf"
-	ModeIptables = "iptables"
-	ModeOff      = "off" // resolver only, no capture
+	ModeEBPF     = agentstate.ModeEBPF
+	ModeIptables = agentstate.ModeIptables
+	ModeOff      = agentstate.ModeOff // resolver only, no capture
 )
 
 // Config is the agent's configuration; the flag names are a contract (docs,
@@ -97,9 +99,6 @@ type Config struct {
 	wedgeOn string
 }
 
-// DefaultBPFFS is where the agent pins its links and maps, and where the CLI reads them.
-const DefaultBPFFS = "/sys/fs/bpf/meshdns"
-
 // DefaultClusterDNSService is the Service pods' resolv.conf points at.
 const DefaultClusterDNSService = "kube-system/kube-dns"
 
@@ -143,7 +142,7 @@ func (c *Config) registerCaptureFlags(fs *flag.FlagSet) {
 		c.ProxyGIDs = v
 		return err
 	})
-	fs.StringVar(&c.BPFFS, "bpffs", DefaultBPFFS, "directory on a bpffs where links and maps are pinned")
+	fs.StringVar(&c.BPFFS, "bpffs", agentstate.DefaultBPFFS, "directory on a bpffs where links and maps are pinned")
 	fs.BoolVar(&c.Persist, "persist", true, "keep the eBPF programs attached and pinned after a stop (inert: nothing is redirected without an agent) so the next agent adopts them without a gap; --persist=false detaches them")
 	fs.Func("iptables-backend", "iptables backend of iptables mode: auto (the one the host uses), nft or legacy (needs CAP_NET_RAW)", func(s string) error {
 		switch s {
@@ -165,7 +164,7 @@ func (c *Config) registerCaptureFlags(fs *flag.FlagSet) {
 		return nil
 	})
 	c.UpstreamMark = 0x3f53
-	fs.StringVar(&c.LinkName, "link", DefaultLinkName, "dummy link that carries the node-local listen address")
+	fs.StringVar(&c.LinkName, "link", nodeaddr.DefaultLinkName, "dummy link that carries the node-local listen address")
 }
 
 // registerResolverFlags defines the resolver's: its names, upstreams and answers.
@@ -221,7 +220,7 @@ func (c *Config) registerKubernetesFlags(fs *flag.FlagSet) {
 // directory, memory, logs, and the testing-only fault injections.
 func (c *Config) registerProcessFlags(fs *flag.FlagSet) {
 	fs.StringVar(&c.Admin, "admin", "127.0.0.1:9153", "admin HTTP address for /healthz, /readyz and /metrics (empty disables)")
-	fs.StringVar(&c.StateDir, "state-dir", DefaultStateDir, "directory for the agent's lock, state file and handover socket (shared by an agent and its successor; read by status and cleanup)")
+	fs.StringVar(&c.StateDir, "state-dir", agentstate.DefaultStateDir, "directory for the agent's lock, state file and handover socket (shared by an agent and its successor; read by status and cleanup)")
 	fs.StringVar(&c.memoryLimit, "memory-limit", os.Getenv(MemoryLimitEnv), "the container's memory limit in bytes: the Go memory limit (GOMEMLIMIT) is set to --memory-limit-ratio of it, unless GOMEMLIMIT is in the environment (default $"+MemoryLimitEnv+")")
 	fs.Float64Var(&c.MemoryLimitRatio, "memory-limit-ratio", DefaultMemoryLimitRatio, "share of --memory-limit the Go memory limit is set to")
 	fs.StringVar(&c.LogLevel, "log-level", "info", "debug, info, warn or error")

@@ -11,7 +11,8 @@ import (
 	"testing"
 	"time"
 
-	"golang.org/x/sys/unix"
+	"github.com/meshdns/meshdns-ebpf/internal/agentstate"
+	"github.com/meshdns/meshdns-ebpf/internal/handover"
 )
 
 // A listener handed to a successor keeps serving here until the drain, and
@@ -50,21 +51,36 @@ func TestOfferLeavesSharedListenersNonBlocking(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer lock.Close()
-	here, there := seqpacketPair(t)
-	go func() { // the successor: takes the offer, says it serves
-		_, files, err := readMsg(there)
-		for len(files) < 2 && err == nil {
-			var more []*os.File
-			_, more, err = readMsg(there)
-			files = append(files, more...)
-		}
-		for _, f := range files {
-			f.Close()
-		}
-		_ = writeMsg(there, handoverMsg{Op: "serving", PID: 2}, nil)
-	}()
-	if _, err := sendOffer(here, offer{state: &State{}, lock: lock, local: f}); err != nil {
+	dir := t.TempDir()
+	hl, err := handover.Listen(dir)
+	if err != nil {
 		t.Fatal(err)
+	}
+	defer hl.Close()
+	succ := make(chan error, 1)
+	go func() { // the successor: takes the offer, says it serves
+		in, err := handover.Request(t.Context(), dir)
+		if err != nil {
+			succ <- err
+			return
+		}
+		in.CloseUnused()
+		in.Lock.Release()
+		succ <- in.Serving()
+	}()
+	c, err := hl.AcceptUnix()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	if _, err := handover.ReadHello(c); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := handover.SendOffer(c, handover.Offer{State: &agentstate.State{}, Lock: lock, Local: f}); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-succ; err != nil {
+		t.Fatalf("successor: %v", err)
 	}
 
 	get() // wakes the accept parked in the poller; it accepts on...
@@ -79,24 +95,4 @@ func TestOfferLeavesSharedListenersNonBlocking(t *testing.T) {
 	case <-time.After(5 * time.Second):
 		t.Fatal("Close of a handed-over listener did not return in 5 s: its accept blocks in the kernel")
 	}
-}
-
-func seqpacketPair(t *testing.T) (*net.UnixConn, *net.UnixConn) {
-	t.Helper()
-	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	var conns [2]*net.UnixConn
-	for i, fd := range fds {
-		f := os.NewFile(uintptr(fd), "seqpacket")
-		c, err := net.FileConn(f)
-		f.Close()
-		if err != nil {
-			t.Fatal(err)
-		}
-		conns[i] = c.(*net.UnixConn)
-		t.Cleanup(func() { c.Close() })
-	}
-	return conns[0], conns[1]
 }

@@ -10,6 +10,8 @@ import (
 	"golang.org/x/sys/unix"
 	"k8s.io/client-go/rest"
 
+	"github.com/meshdns/meshdns-ebpf/internal/agentstate"
+	"github.com/meshdns/meshdns-ebpf/internal/handover"
 	"github.com/meshdns/meshdns-ebpf/internal/kubelife"
 )
 
@@ -23,7 +25,7 @@ const (
 	verdictSettle = 2 * time.Second
 	// successorWait bounds the wait for a replacement pod to take over; the
 	// DaemonSet's grace period covers it and the drain.
-	successorWait = handoverTimeout
+	successorWait = handover.Timeout
 )
 
 // watchLifecycle starts watching the agent's own pod, DaemonSet and namespace
@@ -93,12 +95,20 @@ func (a *Agent) awaitHandover(d time.Duration) bool {
 	return false
 }
 
+// removeFile removes path; a missing file is no error.
+func removeFile(path string) error {
+	if err := os.Remove(path); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return err
+	}
+	return nil
+}
+
 // removeStateDir removes what an uninstalled agent keeps in its state dir
 // (the lock file, which it still holds), and the directory when it can
 // (in a pod it is a mount point: only its content goes).
 func removeStateDir(dir string) error {
 	var errs []error
-	if err := os.Remove(lockPath(dir)); err != nil && !errors.Is(err, fs.ErrNotExist) {
+	if err := os.Remove(agentstate.LockPath(dir)); err != nil && !errors.Is(err, fs.ErrNotExist) {
 		errs = append(errs, err)
 	}
 	if err := os.Remove(dir); err != nil && !errors.Is(err, fs.ErrNotExist) &&

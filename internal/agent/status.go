@@ -6,22 +6,11 @@ import (
 	"log/slog"
 	"os"
 
+	"github.com/meshdns/meshdns-ebpf/internal/agentstate"
 	"github.com/meshdns/meshdns-ebpf/internal/ctzone"
+	"github.com/meshdns/meshdns-ebpf/internal/nodeaddr"
 	"github.com/meshdns/meshdns-ebpf/internal/redirect"
 )
-
-// PinDir is where the CLI looks for the agent's pins: flag (--bpffs) when
-// given, else the directory the agent's state file in stateDir records, else
-// DefaultBPFFS.
-func PinDir(stateDir, flag string) string {
-	if flag != "" {
-		return flag
-	}
-	if st, err := ReadState(stateDir); err == nil && st.BPFFS != "" {
-		return st.BPFFS
-	}
-	return DefaultBPFFS
-}
 
 // Cleanup removes what a crashed or stopped agent left: pinned links and maps
 // (which detaches the programs), iptables chains and rules, the node address it
@@ -30,10 +19,10 @@ func PinDir(stateDir, flag string) string {
 func Cleanup(stateDir, pinDir string, log *slog.Logger) ([]string, error) {
 	var removed []string
 	var errs []error
-	lock, err := tryLock(stateDir)
-	if errors.Is(err, errLocked) {
+	lock, err := agentstate.TryLock(stateDir)
+	if errors.Is(err, agentstate.ErrLocked) {
 		pid := "?"
-		if st, err := ReadState(stateDir); err == nil {
+		if st, err := agentstate.Read(stateDir); err == nil {
 			pid = fmt.Sprint(st.PID)
 		}
 		return nil, fmt.Errorf("an agent (pid %s per its state file) holds the lock of %s: stop it first", pid, stateDir)
@@ -41,9 +30,9 @@ func Cleanup(stateDir, pinDir string, log *slog.Logger) ([]string, error) {
 	if err != nil {
 		return nil, err
 	}
-	defer lock.release()
-	st, _ := ReadState(stateDir)
-	r, err := redirect.Cleanup(PinDir(stateDir, pinDir))
+	defer lock.Release()
+	st, _ := agentstate.Read(stateDir)
+	r, err := redirect.Cleanup(agentstate.PinDir(stateDir, pinDir))
 	removed = append(removed, r...)
 	if err != nil {
 		errs = append(errs, err)
@@ -57,12 +46,12 @@ func Cleanup(stateDir, pinDir string, log *slog.Logger) ([]string, error) {
 	if err != nil {
 		errs = append(errs, err)
 	}
-	if st != nil && len(st.NodeAddrs) > 0 && st.Netns != 0 && st.Netns != currentNetns() {
+	if st != nil && len(st.NodeAddrs) > 0 && st.Netns != 0 && st.Netns != agentstate.Netns() {
 		errs = append(errs, fmt.Errorf("the agent ran in another network namespace (inode %d); run cleanup there to remove its addresses %v", st.Netns, st.NodeAddrs))
 		return removed, errors.Join(errs...)
 	}
 	if st != nil {
-		if err := removeNodeAddrs(st.NodeAddrs, log); err != nil {
+		if err := nodeaddr.Remove(st.NodeAddrs, log); err != nil {
 			errs = append(errs, err)
 		} else {
 			for _, na := range st.NodeAddrs {
@@ -73,13 +62,13 @@ func Cleanup(stateDir, pinDir string, log *slog.Logger) ([]string, error) {
 				}
 			}
 		}
-		if err := removeState(stateDir); err != nil {
+		if err := agentstate.Remove(stateDir); err != nil {
 			errs = append(errs, err)
 		} else {
-			removed = append(removed, "state file "+statePath(stateDir))
+			removed = append(removed, "state file "+agentstate.StatePath(stateDir))
 		}
 	}
-	for what, p := range map[string]string{"handover socket": handoverPath(stateDir), "local admin socket": LocalPath(stateDir)} {
+	for what, p := range map[string]string{"handover socket": agentstate.HandoverPath(stateDir), "local admin socket": agentstate.LocalPath(stateDir)} {
 		if err := os.Remove(p); err == nil {
 			removed = append(removed, what+" "+p)
 		}

@@ -4,16 +4,10 @@ package agent
 
 import (
 	"errors"
-	"os"
 )
 
 // errNotLinux: the agent's capture and its host setup are Linux's.
 var errNotLinux = errors.New("meshdns-ebpf run needs Linux")
 
-// ifaNoDAD: no meaning here (node addresses are added on Linux only).
-const ifaNoDAD = 0
-
-func effectiveCaps() (capSet, error)  { return capSet{}, errNotLinux }
-func mountBPFFS(string) error         { return errNotLinux }
-func setLock(*os.File) error          { return errNotLinux }
-func lockHeld(*os.File) (bool, error) { return false, errNotLinux }
+func effectiveCaps() (capSet, error) { return capSet{}, errNotLinux }
+func mountBPFFS(string) error        { return errNotLinux }

@@ -1,6 +1,6 @@
 package agent
 
-// The agent's side of a handover (the protocol is in handover.go): taking
+// The agent's side of a handover (the protocol is internal/handover): taking
 // over from a running agent at Start, and handing over to a successor
 // while running; and what a crashed agent left.
 
@@ -14,21 +14,24 @@ import (
 	"slices"
 	"time"
 
+	"github.com/meshdns/meshdns-ebpf/internal/agentstate"
 	"github.com/meshdns/meshdns-ebpf/internal/ctzone"
+	"github.com/meshdns/meshdns-ebpf/internal/handover"
+	"github.com/meshdns/meshdns-ebpf/internal/nodeaddr"
 	"github.com/meshdns/meshdns-ebpf/internal/redirect"
 )
 
 // acquirePrevious takes the state lock, or the running agent's descriptors,
 // and returns the previous agent's state (nil: none). After a crash it
 // removes what the crashed agent left that this one does not adopt.
-func (a *Agent) acquirePrevious(ctx context.Context) (*State, error) {
+func (a *Agent) acquirePrevious(ctx context.Context) (*agentstate.State, error) {
 	if err := a.acquire(ctx); err != nil {
 		return nil, err
 	}
 	if a.inherit != nil {
-		return a.inherit.state, nil
+		return a.inherit.State, nil
 	}
-	prev, err := ReadState(a.cfg.StateDir)
+	prev, err := agentstate.Read(a.cfg.StateDir)
 	switch {
 	case err == nil:
 		// A clean stop removes the state file: its owner crashed.
@@ -53,42 +56,42 @@ func (a *Agent) acquirePrevious(ctx context.Context) (*State, error) {
 // from that agent: its lock, admin listener and resolver sockets.
 func (a *Agent) acquire(ctx context.Context) error {
 	dir := a.cfg.StateDir
-	deadline := time.Now().Add(handoverTimeout)
+	deadline := time.Now().Add(handover.Timeout)
 	if dl, ok := ctx.Deadline(); ok && dl.Before(deadline) {
 		deadline = dl
 	}
 	var last error
 	for {
-		l, err := tryLock(dir)
+		l, err := agentstate.TryLock(dir)
 		if err == nil {
 			a.lock = l
 			return nil
 		}
-		if !errors.Is(err, errLocked) {
+		if !errors.Is(err, agentstate.ErrLocked) {
 			return err
 		}
 		hctx, cancel := context.WithDeadline(ctx, deadline)
-		in, err := requestHandover(hctx, dir)
+		in, err := handover.Request(hctx, dir)
 		cancel()
 		if err == nil {
-			if err := a.compatible(in.state); err != nil {
-				in.closeUnused()
-				in.lock.release()
-				in.conn.Close()
+			if err := a.compatible(in.State); err != nil {
+				in.CloseUnused()
+				in.Lock.Release()
+				in.Close()
 				return err
 			}
-			a.lock, a.inherit = in.lock, in
-			a.setTakingOver(in.from)
-			a.log.Info("taking over from the running agent", "pid", in.from)
+			a.lock, a.inherit = in.Lock, in
+			a.setTakingOver(in.From)
+			a.log.Info("taking over from the running agent", "pid", in.From)
 			return nil
 		}
-		if !errors.Is(err, errRetry) {
+		if !errors.Is(err, handover.ErrRetry) {
 			return err
 		}
 		last = err
 		if time.Now().After(deadline) {
 			return fmt.Errorf("another meshdns-ebpf agent holds %s and did not hand over within %v (last: %v); stop it first",
-				lockPath(dir), handoverTimeout, last)
+				agentstate.LockPath(dir), handover.Timeout, last)
 		}
 		select {
 		case <-ctx.Done():
@@ -99,14 +102,14 @@ func (a *Agent) acquire(ctx context.Context) error {
 }
 
 // compatible says whether we can take over from an agent in state st.
-func (a *Agent) compatible(st *State) error {
+func (a *Agent) compatible(st *agentstate.State) error {
 	switch {
 	case st.Mode != a.plan.mode:
 		return fmt.Errorf("the running agent (pid %d) captures in %s mode and this one would in %s mode: stop it first", st.PID, st.Mode, a.plan.mode)
 	case a.plan.mode == ModeEBPF && (st.BPFFS != a.cfg.BPFFS || st.Cgroup != a.plan.cgroup):
 		return fmt.Errorf("the running agent (pid %d) attaches to %s with pins in %s, this one to %s with pins in %s: stop it first",
 			st.PID, st.Cgroup, st.BPFFS, a.plan.cgroup, a.cfg.BPFFS)
-	case st.Netns != currentNetns():
+	case st.Netns != agentstate.Netns():
 		return fmt.Errorf("the running agent (pid %d) runs in another network namespace: stop it first", st.PID)
 	}
 	return nil
@@ -115,7 +118,7 @@ func (a *Agent) compatible(st *State) error {
 // takeOverLeftovers removes what a crashed agent left that this one does not
 // adopt: another mode's capture, another pin directory's programs. (Pinned
 // links and node addresses we use are adopted.)
-func (a *Agent) takeOverLeftovers(prev *State) {
+func (a *Agent) takeOverLeftovers(prev *agentstate.State) {
 	var removed []string
 	var errs []error
 	if prev.Mode == ModeIptables && a.plan.mode != ModeIptables {
@@ -126,7 +129,7 @@ func (a *Agent) takeOverLeftovers(prev *State) {
 		r, err := redirect.Cleanup(prev.BPFFS)
 		removed, errs = append(removed, r...), append(errs, err)
 	}
-	if prev.Netns == currentNetns() {
+	if prev.Netns == agentstate.Netns() {
 		removed = append(removed, a.removeUnwantedAddrs(prev)...)
 	}
 	if err := errors.Join(errs...); err != nil {
@@ -136,8 +139,8 @@ func (a *Agent) takeOverLeftovers(prev *State) {
 }
 
 // removeUnwantedAddrs removes the addresses prev added that we do not listen on.
-func (a *Agent) removeUnwantedAddrs(prev *State) []string {
-	var drop []NodeAddr
+func (a *Agent) removeUnwantedAddrs(prev *agentstate.State) []string {
+	var drop []agentstate.NodeAddr
 	for _, na := range prev.NodeAddrs {
 		if na.Addr == "" {
 			continue
@@ -151,7 +154,7 @@ func (a *Agent) removeUnwantedAddrs(prev *State) []string {
 	if len(drop) == 0 {
 		return nil
 	}
-	if err := removeNodeAddrs(drop, a.log); err != nil {
+	if err := nodeaddr.Remove(drop, a.log); err != nil {
 		a.log.Warn("remove a previous agent's address", "err", err)
 	}
 	var out []string
@@ -187,16 +190,13 @@ func (a *Agent) handleHandover(c *net.UnixConn) {
 		a.mu.Unlock()
 	}()
 	_ = c.SetDeadline(time.Now().Add(5 * time.Second))
-	hello, files, err := readMsg(c)
-	for _, f := range files {
-		f.Close()
-	}
-	if err != nil || hello.Op != "hello" {
+	pid, err := handover.ReadHello(c)
+	if err != nil {
 		return
 	}
 	done, refuse := a.beginHandover()
 	if refuse != "" {
-		_ = writeMsg(c, handoverMsg{Op: "error", Error: refuse}, nil)
+		_ = handover.Refuse(c, refuse)
 		return
 	}
 	defer func() {
@@ -205,17 +205,17 @@ func (a *Agent) handleHandover(c *net.UnixConn) {
 		a.mu.Unlock()
 		close(done)
 	}()
-	a.log.Info("a successor asks to take over", "pid", hello.PID)
+	a.log.Info("a successor asks to take over", "pid", pid)
 	o, release, err := a.makeOffer()
 	if err != nil {
-		_ = writeMsg(c, handoverMsg{Op: "error", Error: err.Error()}, nil)
+		_ = handover.Refuse(c, err.Error())
 		return
 	}
 	defer release()
-	_ = c.SetDeadline(time.Now().Add(handoverTimeout))
-	succ, err := sendOffer(c, o)
+	_ = c.SetDeadline(time.Now().Add(handover.Timeout))
+	succ, err := handover.SendOffer(c, o)
 	if err != nil {
-		a.log.Warn("handover failed; serving on", "successor", hello.PID, "err", err)
+		a.log.Warn("handover failed; serving on", "successor", pid, "err", err)
 		a.reassert()
 		return
 	}
@@ -247,35 +247,35 @@ func (a *Agent) beginHandover() (done chan struct{}, refuse string) {
 // makeOffer gathers what a successor takes: a copy of the state, the lock,
 // the admin listeners and the resolver's sockets. release closes this
 // process's duplicates of them once sent.
-func (a *Agent) makeOffer() (o offer, release func(), err error) {
-	o = offer{lock: a.lock.f, dieAfterSend: a.cfg.handoverFault == "predecessor"}
+func (a *Agent) makeOffer() (o handover.Offer, release func(), err error) {
+	o = handover.Offer{Lock: a.lock.File(), DieAfterSend: a.cfg.handoverFault == "predecessor"}
 	stCopy := *a.st
-	o.state = &stCopy
+	o.State = &stCopy
 	var opened []*os.File
 	release = func() {
 		for _, f := range opened {
 			f.Close()
 		}
-		closeListenerFiles(o.listeners)
+		closeListenerFiles(o.Listeners)
 	}
 	for _, l := range []struct {
 		srv  *adminServer
 		file **os.File
-	}{{a.admin, &o.admin}, {a.local, &o.local}} {
+	}{{a.admin, &o.Admin}, {a.local, &o.Local}} {
 		if l.srv == nil {
 			continue
 		}
 		if *l.file, err = l.srv.File(); err != nil {
 			a.log.Error("handover: admin listener", "addr", l.srv.addr, "err", err)
 			release()
-			return offer{}, nil, err
+			return handover.Offer{}, nil, err
 		}
 		opened = append(opened, *l.file)
 	}
-	if o.listeners, err = a.srv.Files(); err != nil {
+	if o.Listeners, err = a.srv.Files(); err != nil {
 		a.log.Error("handover: resolver sockets", "err", err)
 		release()
-		return offer{}, nil, err
+		return handover.Offer{}, nil, err
 	}
 	return o, release, nil
 }
@@ -302,7 +302,7 @@ func (a *Agent) reassert() {
 
 // serveSuccessors ends a takeover (the predecessor learns that we serve)
 // and opens the handover socket for this agent's own successor.
-func (a *Agent) serveSuccessors(prev *State) (err error) {
+func (a *Agent) serveSuccessors(prev *agentstate.State) (err error) {
 	if a.inherit != nil {
 		a.finishTakeover(prev)
 		return nil
@@ -310,7 +310,7 @@ func (a *Agent) serveSuccessors(prev *State) (err error) {
 	if a.plan.mode == ModeOff {
 		return nil
 	}
-	if a.hl, err = listenHandover(a.cfg.StateDir); err != nil {
+	if a.hl, err = handover.Listen(a.cfg.StateDir); err != nil {
 		return err
 	}
 	return a.save()
@@ -318,24 +318,24 @@ func (a *Agent) serveSuccessors(prev *State) (err error) {
 
 // finishTakeover tells the predecessor that we serve. Nothing of the node's
 // state is touched before: if we die before, it serves on as it was.
-func (a *Agent) finishTakeover(prev *State) {
+func (a *Agent) finishTakeover(prev *agentstate.State) {
 	in, log := a.inherit, a.log
-	in.closeUnused()
+	in.CloseUnused()
 	if a.cfg.handoverFault == "successor" {
 		log.Error("x-handover-fault: the successor dies before it serves")
 		os.Exit(3)
 	}
-	if err := in.serving(); err != nil {
-		log.Warn("could not tell the previous agent that we serve; it may have died", "pid", in.from, "err", err)
+	if err := in.Serving(); err != nil {
+		log.Warn("could not tell the previous agent that we serve; it may have died", "pid", in.From, "err", err)
 	}
 	if prev != nil {
 		a.removeUnwantedAddrs(prev)
 	}
-	log.Info("took over from the previous agent", "pid", in.from)
+	log.Info("took over from the previous agent", "pid", in.From)
 	a.inherit = nil
 	a.setTakingOver(0)
 	var err error
-	if a.hl, err = listenHandover(a.cfg.StateDir); err != nil {
+	if a.hl, err = handover.Listen(a.cfg.StateDir); err != nil {
 		log.Error("no handover socket: a successor will not be able to take over", "err", err)
 	}
 	if err := a.save(); err != nil {

@@ -18,7 +18,7 @@ import (
 	"strings"
 	"time"
 
-	"github.com/meshdns/meshdns-ebpf/internal/agent"
+	"github.com/meshdns/meshdns-ebpf/internal/agentstate"
 	"github.com/meshdns/meshdns-ebpf/internal/kubesource"
 	"github.com/meshdns/meshdns-ebpf/internal/names"
 	"github.com/meshdns/meshdns-ebpf/internal/nameview"
@@ -46,10 +46,10 @@ func AgentEndpoint(stateDir, override string) (Endpoint, error) {
 	if override != "" {
 		return Endpoint{Addr: override}, nil
 	}
-	if fi, err := os.Stat(agent.LocalPath(stateDir)); err == nil && fi.Mode()&os.ModeSocket != 0 {
-		return Endpoint{Socket: agent.LocalPath(stateDir)}, nil
+	if fi, err := os.Stat(agentstate.LocalPath(stateDir)); err == nil && fi.Mode()&os.ModeSocket != 0 {
+		return Endpoint{Socket: agentstate.LocalPath(stateDir)}, nil
 	}
-	st, err := agent.ReadState(stateDir)
+	st, err := agentstate.Read(stateDir)
 	if errors.Is(err, os.ErrNotExist) {
 		return Endpoint{}, fmt.Errorf("no agent socket or state in %s: is the agent running? (an agent in --mode off has none: give --admin ADDR)", stateDir)
 	}

@@ -9,7 +9,7 @@ import (
 	"strings"
 	"time"
 
-	"github.com/meshdns/meshdns-ebpf/internal/agent"
+	"github.com/meshdns/meshdns-ebpf/internal/agentstate"
 )
 
 // Probes a kubelet runs inside the agent's container (`meshdns-ebpf probe`,
@@ -17,7 +17,7 @@ import (
 // a surge rollout the new pod shares it with its predecessor (hostNetwork),
 // which answers the new pod's probes long before the new agent has taken
 // anything over. The probe asks the agent serving the state dir's local
-// socket, which names itself (agent.AgentHeader), and tells this container's agent
+// socket, which names itself (agentstate.AgentHeader), and tells this container's agent
 // (its pid namespace is the probe's) from a predecessor or successor.
 
 // Probe checks: ProbeReady or ProbeLive.
@@ -41,7 +41,7 @@ func Probe(stateDir, check string) error {
 	if path == "" {
 		return fmt.Errorf("probe %q: want %s or %s", check, ProbeReady, ProbeLive)
 	}
-	e := Endpoint{Socket: agent.LocalPath(stateDir)}
+	e := Endpoint{Socket: agentstate.LocalPath(stateDir)}
 	ctx, cancel := context.WithTimeout(context.Background(), probeTimeout)
 	defer cancel()
 	resp, err := e.get(ctx, path)
@@ -56,8 +56,8 @@ func Probe(stateDir, check string) error {
 		header = resp.Header
 		resp.Body.Close()
 	}
-	pid, pidns := parseAgentID(header.Get(agent.AgentHeader))
-	if pidns == 0 || pidns != agent.CurrentPidns() {
+	pid, pidns := parseAgentID(header.Get(agentstate.AgentHeader))
+	if pidns == 0 || pidns != agentstate.Pidns() {
 		if check == ProbeLive {
 			return nil
 		}

@@ -10,7 +10,7 @@ import (
 	"text/tabwriter"
 	"time"
 
-	"github.com/meshdns/meshdns-ebpf/internal/agent"
+	"github.com/meshdns/meshdns-ebpf/internal/agentstate"
 	"github.com/meshdns/meshdns-ebpf/internal/ctzone"
 	"github.com/meshdns/meshdns-ebpf/internal/names"
 	"github.com/meshdns/meshdns-ebpf/internal/redirect"
@@ -19,7 +19,7 @@ import (
 // Status is what `meshdns-ebpf status` shows: the agent's own account (state file),
 // whether it is alive and ready, what the kernel has attached, and conntrack.
 type Status struct {
-	Agent     *agent.State            `json:"agent,omitempty"`
+	Agent     *agentstate.State       `json:"agent,omitempty"`
 	Running   bool                    `json:"running"`
 	Ready     string                  `json:"ready"` // "yes", or why not
 	Datapath  *redirect.Status        `json:"datapath,omitempty"`
@@ -30,11 +30,11 @@ type Status struct {
 }
 
 // ReadStatus gathers the status; what cannot be read is reported in Errors.
-// pinDir "" means agent.PinDir's choice.
+// pinDir "" means agentstate.PinDir's choice.
 func ReadStatus(stateDir, pinDir string) *Status {
 	s := &Status{Ready: "no agent state"}
-	st, err := agent.ReadState(stateDir)
-	running, lerr := agent.Locked(stateDir)
+	st, err := agentstate.Read(stateDir)
+	running, lerr := agentstate.Locked(stateDir)
 	if lerr != nil {
 		s.Errors = append(s.Errors, lerr.Error())
 	}
@@ -48,9 +48,9 @@ func ReadStatus(stateDir, pinDir string) *Status {
 	default:
 		s.Errors = append(s.Errors, err.Error())
 	}
-	if ds, err := redirect.ReadStatus(agent.PinDir(stateDir, pinDir)); err == nil {
+	if ds, err := redirect.ReadStatus(agentstate.PinDir(stateDir, pinDir)); err == nil {
 		s.Datapath = ds
-	} else if s.Agent == nil || s.Agent.Mode == agent.ModeEBPF {
+	} else if s.Agent == nil || s.Agent.Mode == agentstate.ModeEBPF {
 		s.Errors = append(s.Errors, err.Error())
 	}
 	if ct, err := ctzone.ReadConntrackStatus(); err == nil {
@@ -66,7 +66,7 @@ func ReadStatus(stateDir, pinDir string) *Status {
 	return s
 }
 
-func probeReady(stateDir string, st *agent.State, running bool) string {
+func probeReady(stateDir string, st *agentstate.State, running bool) string {
 	if !running {
 		return fmt.Sprintf("no: agent pid %d is not running (it holds no lock)", st.PID)
 	}

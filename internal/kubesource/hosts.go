@@ -25,7 +25,7 @@ import (
 // domain is the cluster domain with the trailing dot. Headless hosts are
 // Merge hosts, so the same Service in several clusters answers the union.
 func serviceHosts(domain string, svc *service, eps []*endpointSlice) []nametable.Host {
-	name := svc.name + "." + svc.namespace + ".svc." + domain
+	name := svc.Name + "." + svc.Namespace + ".svc." + domain
 	switch {
 	case svc.externalName != "":
 		return []nametable.Host{{Name: name, Kubernetes: true, Extra: &nametable.HostExtra{CNAME: svc.externalName}}}
@@ -46,7 +46,7 @@ func serviceHosts(domain string, svc *service, eps []*endpointSlice) []nametable
 	// Slices in name order, so the answer order does not depend on the
 	// order events came in.
 	eps = slices.Clone(eps)
-	slices.SortFunc(eps, func(a, b *endpointSlice) int { return strings.Compare(a.name, b.name) })
+	slices.SortFunc(eps, func(a, b *endpointSlice) int { return strings.Compare(a.Name, b.Name) })
 	for _, es := range eps {
 		for _, ep := range es.endpoints {
 			if !ep.ready && !svc.publishNotReady {

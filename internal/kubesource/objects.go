@@ -8,10 +8,9 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 	discoveryv1 "k8s.io/api/discovery/v1"
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
-	"k8s.io/apimachinery/pkg/runtime/schema"
 
+	"github.com/meshdns/meshdns-ebpf/internal/kubeclient"
 	"github.com/meshdns/meshdns-ebpf/internal/nametable"
 )
 
@@ -20,22 +19,6 @@ import (
 // cache of 100k Services holds only what DNS needs (names, addresses,
 // ports, readiness). They are immutable once made.
 
-// meta is the part of ObjectMeta the informer needs to key an object.
-type meta struct {
-	name, namespace string
-}
-
-// GetObjectMeta implements metav1.ObjectMetaAccessor (the informer's key
-// function reads namespace and name through it).
-func (m *meta) GetObjectMeta() metav1.Object {
-	return &metav1.ObjectMeta{Name: m.name, Namespace: m.namespace}
-}
-
-// GetObjectKind implements runtime.Object.
-func (m *meta) GetObjectKind() schema.ObjectKind { return schema.EmptyObjectKind }
-
-func (m *meta) key() string { return m.namespace + "/" + m.name }
-
 type port struct {
 	name, proto string
 	port        uint16
@@ -43,7 +26,7 @@ type port struct {
 
 // service is a Service as DNS sees it.
 type service struct {
-	meta
+	kubeclient.Meta
 	clusterIPs      []netip.Addr
 	headless        bool
 	externalName    string
@@ -57,7 +40,7 @@ func (s *service) DeepCopyObject() runtime.Object { return s }
 // endpointSlice is an EndpointSlice as DNS sees it: its Service, ports and
 // endpoints.
 type endpointSlice struct {
-	meta
+	kubeclient.Meta
 	service   string // the kubernetes.io/service-name label
 	ports     []port
 	endpoints []endpoint
@@ -74,7 +57,7 @@ func (s *endpointSlice) DeepCopyObject() runtime.Object { return s }
 
 // pod is a Pod of this node: its IPs are clients of its namespace.
 type pod struct {
-	meta
+	kubeclient.Meta
 	uid        string
 	ips        []netip.Addr
 	containers map[string]string // container id (without the runtime prefix) -> name
@@ -157,7 +140,7 @@ func transformService(obj any) (any, error) {
 		return obj, nil // already transformed, or a tombstone
 	}
 	out := &service{
-		meta:            meta{name: s.Name, namespace: internStr(s.Namespace)},
+		Meta:            kubeclient.Meta{Name: s.Name, Namespace: internStr(s.Namespace)},
 		publishNotReady: s.Spec.PublishNotReadyAddresses,
 	}
 	switch {
@@ -189,12 +172,12 @@ func transformSlice(obj any) (any, error) {
 		return obj, nil
 	}
 	out := &endpointSlice{
-		meta:    meta{name: s.Name, namespace: internStr(s.Namespace)},
+		Meta:    kubeclient.Meta{Name: s.Name, Namespace: internStr(s.Namespace)},
 		service: s.Labels[discoveryv1.LabelServiceName],
 	}
-	if strings.HasPrefix(out.name, out.service) {
+	if strings.HasPrefix(out.Name, out.service) {
 		// The controller names slices <service>-<suffix>: share the name's bytes.
-		out.service = out.name[:len(out.service)]
+		out.service = out.Name[:len(out.service)]
 	}
 	if s.AddressType != discoveryv1.AddressTypeIPv4 && s.AddressType != discoveryv1.AddressTypeIPv6 {
 		return out, nil // FQDN slices have no addresses DNS can serve
@@ -233,7 +216,7 @@ func transformPod(obj any) (any, error) {
 	if !ok {
 		return obj, nil
 	}
-	out := &pod{meta: meta{name: p.Name, namespace: internStr(p.Namespace)}, uid: string(p.UID)}
+	out := &pod{Meta: kubeclient.Meta{Name: p.Name, Namespace: internStr(p.Namespace)}, uid: string(p.UID)}
 	if m := p.Annotations[corev1.MirrorPodAnnotationKey]; m != "" {
 		out.uid = m // a static Pod's mirror: kubelet's cgroup carries the static Pod's UID
 	}

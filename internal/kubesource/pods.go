@@ -29,7 +29,7 @@ func (s *Source) Pods() []PodRef {
 	var out []PodRef
 	for _, o := range st.List() {
 		if p, ok := o.(*pod); ok && p.uid != "" {
-			out = append(out, PodRef{UID: p.uid, Namespace: p.namespace, Name: p.name})
+			out = append(out, PodRef{UID: p.uid, Namespace: p.Namespace, Name: p.Name})
 		}
 	}
 	slices.SortFunc(out, func(a, b PodRef) int {
@@ -57,7 +57,7 @@ func (s *Source) findPod(match func(*pod) bool) (workload.Pod, bool) {
 	}
 	for _, o := range st.List() {
 		if p, ok := o.(*pod); ok && match(p) {
-			return workload.Pod{Namespace: p.namespace, Name: p.name, UID: p.uid, Containers: p.containers}, true
+			return workload.Pod{Namespace: p.Namespace, Name: p.Name, UID: p.uid, Containers: p.containers}, true
 		}
 	}
 	return workload.Pod{}, false

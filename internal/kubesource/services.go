@@ -93,7 +93,7 @@ func (r *services) sliceHandler() cache.ResourceEventHandler {
 // sliceService is the "<namespace>/<service>" key of a slice's Service.
 func sliceService(obj any) string {
 	if es, ok := unwrap(obj).(*endpointSlice); ok && es.service != "" {
-		return es.namespace + "/" + es.service
+		return es.Namespace + "/" + es.service
 	}
 	return ""
 }
@@ -236,7 +236,7 @@ func (x *sliceIndex) change(svc string, obj any, keep bool) {
 	if keep {
 		extra = 1
 	}
-	next := without(x.m[svc], es.name, extra)
+	next := without(x.m[svc], es.Name, extra)
 	if keep {
 		next = append(next, es)
 	}
@@ -252,7 +252,7 @@ func (x *sliceIndex) change(svc string, obj any, keep bool) {
 func without(cur []*endpointSlice, name string, extra int) []*endpointSlice {
 	next := make([]*endpointSlice, 0, len(cur)+extra)
 	for _, c := range cur {
-		if c.name != name {
+		if c.Name != name {
 			next = append(next, c)
 		}
 	}

@@ -14,6 +14,7 @@ import (
 
 	"k8s.io/client-go/tools/cache"
 
+	"github.com/meshdns/meshdns-ebpf/internal/kubeclient"
 	"github.com/meshdns/meshdns-ebpf/internal/names"
 	"github.com/meshdns/meshdns-ebpf/internal/nametable"
 )
@@ -148,15 +149,15 @@ func (in *informers) relist() {
 }
 
 func clusterIPService(ns, name, ip string) *service {
-	return &service{meta: meta{name: name, namespace: ns}, clusterIPs: []netip.Addr{netip.MustParseAddr(ip)}}
+	return &service{Meta: kubeclient.Meta{Name: name, Namespace: ns}, clusterIPs: []netip.Addr{netip.MustParseAddr(ip)}}
 }
 
 func headlessService(ns, name string) *service {
-	return &service{meta: meta{name: name, namespace: ns}, headless: true}
+	return &service{Meta: kubeclient.Meta{Name: name, Namespace: ns}, headless: true}
 }
 
 func epSlice(ns, name, svc string, ips ...string) *endpointSlice {
-	es := &endpointSlice{meta: meta{name: name, namespace: ns}, service: svc}
+	es := &endpointSlice{Meta: kubeclient.Meta{Name: name, Namespace: ns}, service: svc}
 	for _, ip := range ips {
 		es.endpoints = append(es.endpoints, endpoint{addrs: []netip.Addr{netip.MustParseAddr(ip)}, ready: true})
 	}
@@ -313,10 +314,10 @@ func hostsFromScratch(in *informers) map[string][]string {
 	for _, o := range in.svcs.List() {
 		s := o.(*service)
 		var names []string
-		for _, h := range serviceHosts("cluster.local.", s, idx.of(s.key())) {
+		for _, h := range serviceHosts("cluster.local.", s, idx.of(s.Key())) {
 			names = append(names, h.Name+addrs(h))
 		}
-		out[s.key()] = names
+		out[s.Key()] = names
 	}
 	return out
 }

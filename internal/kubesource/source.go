@@ -141,8 +141,8 @@ func (s *Source) Run(ctx context.Context, sink names.Sink) error {
 			if !gone {
 				ips = p.ips
 			}
-			if err := sink.SetClients(p.key(), ips, p.namespace); err != nil {
-				s.log.Warn("pod not recorded as a client", "pod", p.key(), "err", err)
+			if err := sink.SetClients(p.Key(), ips, p.Namespace); err != nil {
+				s.log.Warn("pod not recorded as a client", "pod", p.Key(), "err", err)
 			}
 		}
 		reg, err = podInf.AddEventHandler(cache.ResourceEventHandlerFuncs{

@@ -29,7 +29,7 @@ import (
 // AAAA only. Hosts that are not valid names are returned in bad (the rest
 // is still answered).
 func entryHosts(se *serviceEntry) (hosts []nametable.Host, bad []error) {
-	visible, hidden := exportVisibility(se.exportTo, se.namespace)
+	visible, hidden := exportVisibility(se.exportTo, se.Namespace)
 	if hidden {
 		return nil, nil
 	}

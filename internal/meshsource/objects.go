@@ -5,33 +5,19 @@ import (
 	"slices"
 	"strings"
 
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/runtime"
-	"k8s.io/apimachinery/pkg/runtime/schema"
+
+	"github.com/meshdns/meshdns-ebpf/internal/kubeclient"
 )
 
 // The informers keep these compact objects, not the API objects: a
 // transform turns each object into one as it arrives. They are immutable
 // once made.
 
-// objMeta is the part of ObjectMeta an informer needs to key an object.
-type objMeta struct {
-	name, namespace string
-}
-
-// GetObjectMeta implements metav1.ObjectMetaAccessor (the informer's key
-// function reads namespace and name through it).
-func (m *objMeta) GetObjectMeta() metav1.Object {
-	return &metav1.ObjectMeta{Name: m.name, Namespace: m.namespace}
-}
-
-// GetObjectKind implements runtime.Object.
-func (m *objMeta) GetObjectKind() schema.ObjectKind { return schema.EmptyObjectKind }
-
 // serviceEntry is an Istio ServiceEntry as DNS sees it.
 type serviceEntry struct {
-	objMeta
+	kubeclient.Meta
 	// order is the creation timestamp (UTC, fixed width, so it sorts as
 	// time) and the UID: every node allocates VIPs in this order.
 	order      string
@@ -64,8 +50,8 @@ func transformServiceEntry(obj any) (any, error) {
 		return obj, nil // already transformed, or a tombstone
 	}
 	se := &serviceEntry{
-		objMeta: objMeta{name: u.GetName(), namespace: u.GetNamespace()},
-		order:   u.GetCreationTimestamp().UTC().Format(orderLayout) + "/" + string(u.GetUID()),
+		Meta:  kubeclient.Meta{Name: u.GetName(), Namespace: u.GetNamespace()},
+		order: u.GetCreationTimestamp().UTC().Format(orderLayout) + "/" + string(u.GetUID()),
 	}
 	se.hosts = stringSlice(u.Object, "spec", "hosts")
 	for _, a := range stringSlice(u.Object, "spec", "addresses") {
@@ -107,7 +93,7 @@ func stringSlice(obj map[string]any, fields ...string) []string {
 // crd is the ServiceEntry CustomResourceDefinition as the source needs it:
 // whether it is established and which versions it serves.
 type crd struct {
-	objMeta
+	kubeclient.Meta
 	established bool
 	served      []string // in the CRD's order
 }
@@ -120,7 +106,7 @@ func transformCRD(obj any) (any, error) {
 	if !ok {
 		return obj, nil
 	}
-	c := &crd{objMeta: objMeta{name: u.GetName()}}
+	c := &crd{Meta: kubeclient.Meta{Name: u.GetName()}}
 	versions, _, _ := unstructured.NestedSlice(u.Object, "spec", "versions")
 	for _, v := range versions {
 		m, ok := v.(map[string]any)
@@ -162,7 +148,7 @@ func (c *crd) version() string {
 // secret is an Istio remote secret: one kubeconfig per data key, the key
 // naming the remote cluster.
 type secret struct {
-	objMeta
+	kubeclient.Meta
 	data map[string][]byte
 }
 

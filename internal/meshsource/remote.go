@@ -270,12 +270,12 @@ func (r *reconciler) apply(files map[string][]byte, secretStore cache.Store) {
 	if secretStore != nil {
 		objs := secretStore.List()
 		slices.SortFunc(objs, func(a, b any) int {
-			return strings.Compare(a.(*secret).name, b.(*secret).name)
+			return strings.Compare(a.(*secret).Name, b.(*secret).Name)
 		})
 		for _, o := range objs {
 			s := o.(*secret)
 			for _, name := range slices.Sorted(maps.Keys(s.data)) {
-				origin := "secret " + s.namespace + "/" + s.name
+				origin := "secret " + s.Namespace + "/" + s.Name
 				if prev, dup := from[name]; dup {
 					dups = append(dups, fmt.Sprintf("cluster %s in %s and %s: using %s", name, prev, origin, prev))
 					continue
@@ -360,5 +360,5 @@ func transformSecret(obj any) (any, error) {
 	if !ok {
 		return obj, nil
 	}
-	return &secret{objMeta: objMeta{name: s.Name, namespace: s.Namespace}, data: s.Data}, nil
+	return &secret{Meta: kubeclient.Meta{Name: s.Name, Namespace: s.Namespace}, data: s.Data}, nil
 }

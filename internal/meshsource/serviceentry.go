@@ -250,7 +250,7 @@ func (w *entryWatch) expectedLocked() (want, held int) {
 	objs := w.inf.GetStore().List()
 	for _, obj := range objs {
 		se, ok := obj.(*serviceEntry)
-		if !ok || w.rejected[se.namespace+"/"+se.name] {
+		if !ok || w.rejected[se.Namespace+"/"+se.Name] {
 			continue
 		}
 		if hosts, _ := entryHosts(se); len(hosts) > 0 {

@@ -198,18 +198,11 @@ func WriteTable(w io.Writer, entries []Entry) error {
 }
 
 // NameTable is Istio's NameTable (istio.io/istio pkg/dns/proto, the
-// table istiod sends its DNS proxies) in its JSON form.
+// table istiod sends its DNS proxies) in its JSON form. Its entries are the
+// names file's (nametable.HostInfo: Istio's NameInfo, whose ports NDS never
+// sets).
 type NameTable struct {
-	Table map[string]NameInfo `json:"table"`
-}
-
-// NameInfo is Istio's NameTable.NameInfo.
-type NameInfo struct {
-	IPs       []string `json:"ips,omitempty"`
-	Registry  string   `json:"registry,omitempty"`
-	Shortname string   `json:"shortname,omitempty"`
-	Namespace string   `json:"namespace,omitempty"`
-	AltHosts  []string `json:"altHosts,omitempty"`
+	Table map[string]nametable.HostInfo `json:"table"`
 }
 
 // NDS returns the table as a client of namespace ns sees it (ns "": a
@@ -218,7 +211,7 @@ type NameInfo struct {
 // "Kubernetes" for Services (local or remote) and their endpoints, else
 // "External"; short name and namespace for Services, as Istio gives them.
 func NDS(t *nametable.Table, ns string) NameTable {
-	out := NameTable{Table: map[string]NameInfo{}}
+	out := NameTable{Table: map[string]nametable.HostInfo{}}
 	if t == nil {
 		return out
 	}
@@ -232,7 +225,7 @@ func NDS(t *nametable.Table, ns string) NameTable {
 		if !h.HasData() || h.CNAME() != "" {
 			return true // Istio's table has addresses only
 		}
-		info := NameInfo{IPs: addrs(h), Registry: "External"}
+		info := nametable.HostInfo{IPs: addrs(h), Registry: "External"}
 		if src := h.Source(); h.Kubernetes || src == "kubernetes" || strings.HasPrefix(src, "cluster/") {
 			info.Registry = nametable.RegistryKubernetes
 		}

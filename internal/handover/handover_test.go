@@ -1,4 +1,4 @@
-package agent
+package handover
 
 import (
 	"context"
@@ -10,21 +10,21 @@ import (
 	"testing"
 	"time"
 
+	"github.com/meshdns/meshdns-ebpf/internal/agentstate"
 	"github.com/meshdns/meshdns-ebpf/internal/resolver"
 )
 
-// The handover protocol (handover.go) between a running agent and its
-// successor, over the real handover socket in a temporary state directory.
+// The handover protocol between a running agent and its successor, over the real handover socket in a temporary state directory.
 // Neither side is a whole agent: the predecessor's side is scripted per test
 // (what a real one sends, or a misbehaving one), the successor's is
-// requestHandover; and the other way round for sendOffer. No privilege is
+// Request; and the other way round for SendOffer. No privilege is
 // needed: the descriptors are loopback sockets and a lock file.
 
 // predecessor listens on dir's handover socket and runs script on the first
 // connection; it returns the script's result.
 func predecessor(t *testing.T, dir string, script func(c *net.UnixConn) error) <-chan error {
 	t.Helper()
-	l, err := listenHandover(dir)
+	l, err := Listen(dir)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -48,7 +48,7 @@ func predecessor(t *testing.T, dir string, script func(c *net.UnixConn) error) <
 // listeners, and one listen address's resolver sockets (udp UDP sockets,
 // one TCP listener), all on loopback.
 type offerFiles struct {
-	o        offer
+	o        Offer
 	udpAddr  string // the UDP sockets' address
 	tcpAddr  string
 	adminTCP string
@@ -56,12 +56,12 @@ type offerFiles struct {
 
 func newOfferFiles(t *testing.T, dir string, udp int) *offerFiles {
 	t.Helper()
-	lock, err := tryLock(dir)
+	lock, err := agentstate.TryLock(dir)
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { lock.release() })
-	of := &offerFiles{o: offer{lock: lock.f, state: &State{PID: os.Getpid(), Mode: ModeEBPF, Listen: []string{"127.0.0.1:53"}}}}
+	t.Cleanup(func() { lock.Release() })
+	of := &offerFiles{o: Offer{Lock: lock.File(), State: &agentstate.State{PID: os.Getpid(), Mode: agentstate.ModeEBPF, Listen: []string{"127.0.0.1:53"}}}}
 	file := func(f interface{ File() (*os.File, error) }) *os.File {
 		t.Helper()
 		fl, err := f.File()
@@ -98,16 +98,16 @@ func newOfferFiles(t *testing.T, dir string, udp int) *offerFiles {
 	for range udp {
 		il.UDP = append(il.UDP, file(pc)) // each a descriptor of the same socket
 	}
-	of.o.listeners = []resolver.InheritedListener{il}
-	of.o.admin, of.o.local = file(al), file(ll)
+	of.o.Listeners = []resolver.InheritedListener{il}
+	of.o.Admin, of.o.Local = file(al), file(ll)
 	return of
 }
 
-// request is requestHandover of dir's agent, as a successor asks.
-func request(t *testing.T, dir string) (*inheritance, error) {
+// request is Request of dir's agent, as a successor asks.
+func request(t *testing.T, dir string) (*Inheritance, error) {
 	ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
 	defer cancel()
-	return requestHandover(ctx, dir)
+	return Request(ctx, dir)
 }
 
 func openFDs(t *testing.T) int {
@@ -143,24 +143,24 @@ func TestHandoverExchange(t *testing.T) {
 				if err := expectHello(c); err != nil {
 					return err
 				}
-				pid, err := sendOffer(c, of.o)
+				pid, err := SendOffer(c, of.o)
 				succ <- pid
 				return err
 			})
 			in, err := request(t, dir)
 			if err != nil {
-				t.Fatalf("requestHandover: %v", err)
+				t.Fatalf("Request: %v", err)
 			}
-			defer in.closeUnused()
-			defer in.lock.release()
-			if in.from != os.Getpid() || in.state == nil || in.state.Mode != ModeEBPF || in.state.Listen[0] != "127.0.0.1:53" {
-				t.Errorf("inherited from pid %d state %+v, want pid %d and the offered state", in.from, in.state, os.Getpid())
+			defer in.CloseUnused()
+			defer in.Lock.Release()
+			if in.From != os.Getpid() || in.State == nil || in.State.Mode != agentstate.ModeEBPF || in.State.Listen[0] != "127.0.0.1:53" {
+				t.Errorf("inherited from pid %d state %+v, want pid %d and the offered state", in.From, in.State, os.Getpid())
 			}
 			// Every descriptor arrives in its place: the same sockets.
-			if len(in.listeners) != 1 || len(in.listeners[0].UDP) != udp || in.listeners[0].TCP == nil || in.listeners[0].Addr != "127.0.0.1:53" {
-				t.Fatalf("listeners %+v, want one with %d UDP sockets and a TCP listener", in.listeners, udp)
+			if len(in.Listeners) != 1 || len(in.Listeners[0].UDP) != udp || in.Listeners[0].TCP == nil || in.Listeners[0].Addr != "127.0.0.1:53" {
+				t.Fatalf("listeners %+v, want one with %d UDP sockets and a TCP listener", in.Listeners, udp)
 			}
-			for i, f := range []*os.File{in.listeners[0].UDP[0], in.listeners[0].UDP[udp-1]} {
+			for i, f := range []*os.File{in.Listeners[0].UDP[0], in.Listeners[0].UDP[udp-1]} {
 				pc, err := net.FilePacketConn(f)
 				if err != nil {
 					t.Fatal(err)
@@ -174,7 +174,7 @@ func TestHandoverExchange(t *testing.T) {
 				name string
 				f    *os.File
 				want string
-			}{{"TCP listener", in.listeners[0].TCP, of.tcpAddr}, {"admin listener", in.admin, of.adminTCP}, {"local listener", in.local, filepath.Join(dir, "local.sock")}} {
+			}{{"TCP listener", in.Listeners[0].TCP, of.tcpAddr}, {"admin listener", in.admin, of.adminTCP}, {"local listener", in.local, filepath.Join(dir, "local.sock")}} {
 				if c.f == nil {
 					t.Errorf("no %s", c.name)
 					continue
@@ -189,10 +189,10 @@ func TestHandoverExchange(t *testing.T) {
 				l.Close()
 			}
 			// The lock descriptor is the predecessor's open lock file: it is held.
-			if _, err := tryLock(dir); !errors.Is(err, errLocked) {
-				t.Errorf("tryLock while both hold the lock: %v, want errLocked", err)
+			if _, err := agentstate.TryLock(dir); !errors.Is(err, agentstate.ErrLocked) {
+				t.Errorf("tryLock while both hold the lock: %v, want agentstate.ErrLocked", err)
 			}
-			if err := in.serving(); err != nil {
+			if err := in.Serving(); err != nil {
 				t.Fatalf("serving: %v", err)
 			}
 			if err := <-done; err != nil {
@@ -206,7 +206,7 @@ func TestHandoverExchange(t *testing.T) {
 }
 
 // A predecessor that refuses, answers garbage or dies before or during its
-// offer leaves the successor with errRetry (it tries again, or starts cold
+// offer leaves the successor with ErrRetry (it tries again, or starts cold
 // once the lock is free) and no descriptor of the predecessor's open.
 func TestHandoverPredecessorFails(t *testing.T) {
 	for _, tc := range []struct {
@@ -244,11 +244,11 @@ func TestHandoverPredecessorFails(t *testing.T) {
 			before := openFDs(t)
 			in, err := request(t, dir)
 			if err == nil {
-				in.closeUnused()
-				t.Fatal("requestHandover succeeded")
+				in.CloseUnused()
+				t.Fatal("Request succeeded")
 			}
-			if !errors.Is(err, errRetry) || !strings.Contains(err.Error(), tc.want) {
-				t.Errorf("requestHandover: %v, want errRetry about %q", err, tc.want)
+			if !errors.Is(err, ErrRetry) || !strings.Contains(err.Error(), tc.want) {
+				t.Errorf("Request: %v, want ErrRetry about %q", err, tc.want)
 			}
 			if err := <-done; err != nil {
 				t.Fatalf("predecessor: %v", err)
@@ -262,11 +262,11 @@ func TestHandoverPredecessorFails(t *testing.T) {
 	}
 }
 
-// No agent listening (not started yet, or gone) is errRetry too.
+// No agent listening (not started yet, or gone) is ErrRetry too.
 func TestHandoverNobodyListening(t *testing.T) {
-	_, err := requestHandover(t.Context(), t.TempDir())
-	if !errors.Is(err, errRetry) || !strings.Contains(err.Error(), "connect") {
-		t.Errorf("requestHandover without a listener: %v, want errRetry about connect", err)
+	_, err := Request(t.Context(), t.TempDir())
+	if !errors.Is(err, ErrRetry) || !strings.Contains(err.Error(), "connect") {
+		t.Errorf("Request without a listener: %v, want ErrRetry about connect", err)
 	}
 }
 
@@ -275,15 +275,15 @@ func TestHandoverNobodyListening(t *testing.T) {
 func TestHandoverSuccessorFails(t *testing.T) {
 	for _, tc := range []struct {
 		name  string
-		reply func(in *inheritance) error
+		reply func(in *Inheritance) error
 		want  string
 	}{
-		{"dies before serving", func(in *inheritance) error { return in.conn.Close() }, "did not start"},
-		{"garbled", func(in *inheritance) error {
+		{"dies before serving", func(in *Inheritance) error { return in.conn.Close() }, "did not start"},
+		{"garbled", func(in *Inheritance) error {
 			_, _, err := in.conn.WriteMsgUnix([]byte("\x00\x01"), nil, nil)
 			return err
 		}, "handover message"},
-		{"reports an error", func(in *inheritance) error {
+		{"reports an error", func(in *Inheritance) error {
 			return writeMsg(in.conn, handoverMsg{Op: "error", Error: "no datapath"}, nil)
 		}, "error no datapath"},
 	} {
@@ -294,22 +294,22 @@ func TestHandoverSuccessorFails(t *testing.T) {
 				if err := expectHello(c); err != nil {
 					return err
 				}
-				_, err := sendOffer(c, of.o)
+				_, err := SendOffer(c, of.o)
 				return err
 			})
 			in, err := request(t, dir)
 			if err != nil {
-				t.Fatalf("requestHandover: %v", err)
+				t.Fatalf("Request: %v", err)
 			}
-			in.closeUnused()
-			in.lock.release()
+			in.CloseUnused()
+			in.Lock.Release()
 			if err := tc.reply(in); err != nil {
 				t.Fatal(err)
 			}
 			err = <-done
 			in.conn.Close()
 			if err == nil || !strings.Contains(err.Error(), tc.want) {
-				t.Errorf("sendOffer: %v, want an error about %q", err, tc.want)
+				t.Errorf("SendOffer: %v, want an error about %q", err, tc.want)
 			}
 		})
 	}
@@ -323,9 +323,9 @@ func TestUnpackOfferRefusesMissingDescriptors(t *testing.T) {
 	}
 	defer f.Close()
 	for _, m := range []handoverMsg{
-		{Op: "offer", State: &State{}, FDs: 2},
+		{Op: "offer", State: &agentstate.State{}, FDs: 2},
 		{Op: "offer", FDs: 1},
-		{Op: "offer", State: &State{}, FDs: 1, Listeners: []handoverListener{{Addr: "127.0.0.1:53", UDP: 1}}},
+		{Op: "offer", State: &agentstate.State{}, FDs: 1, Listeners: []handoverListener{{Addr: "127.0.0.1:53", UDP: 1}}},
 	} {
 		if _, err := unpackOffer(m, []*os.File{f}); err == nil {
 			t.Errorf("unpackOffer(%+v) with one descriptor succeeded", m)

@@ -1,9 +1,12 @@
-package agent
-
-// The handover between an agent and its successor on the same state directory
-// (docs/design.md, "Upgrades, restarts and crashes"). The running agent (A)
-// listens on <state dir>/handover.sock (SOCK_SEQPACKET). A successor (B) that
-// finds the state lock held connects and:
+// Package handover is the wire protocol between a running agent and its
+// successor on the same state directory (docs/design.md, "Upgrades,
+// restarts and crashes"): the messages and the descriptors (SCM_RIGHTS) over
+// the handover socket. When to hand over or take over, and what to do with
+// what was received, is the agent's (internal/agent, takeover.go).
+//
+// The running agent (A) listens on <state dir>/handover.sock
+// (SOCK_SEQPACKET). A successor (B) that finds the state lock held connects
+// and:
 //
 //	B -> A  hello {pid}
 //	A -> B  offer {state, listeners, admin, local} + descriptors (SCM_RIGHTS, in chunks):
@@ -20,6 +23,7 @@ package agent
 // and goes on serving. If A dies mid-way, B either has the descriptors (it goes
 // on alone; A's in-flight queries are lost like in any crash) or it has not (the
 // lock is free with A gone: B starts cold).
+package handover
 
 import (
 	"context"
@@ -32,20 +36,22 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/meshdns/meshdns-ebpf/internal/agentstate"
 	"github.com/meshdns/meshdns-ebpf/internal/resolver"
 )
 
 // maxFDsPerMessage stays below the kernel's SCM_MAX_FD (253).
 const maxFDsPerMessage = 200
 
-// handoverTimeout bounds the handover conversation on both sides.
-const handoverTimeout = 30 * time.Second
+// Timeout bounds the handover conversation on both sides, and a successor's
+// wait for a running agent to hand over.
+const Timeout = 30 * time.Second
 
 type handoverMsg struct {
 	Op        string             `json:"op"` // hello, offer, serving, error
 	PID       int                `json:"pid,omitempty"`
 	Error     string             `json:"error,omitempty"`
-	State     *State             `json:"state,omitempty"`
+	State     *agentstate.State  `json:"state,omitempty"`
 	Listeners []handoverListener `json:"listeners,omitempty"`
 	Admin     bool               `json:"admin,omitempty"` // the admin listener follows the lock
 	Local     bool               `json:"local,omitempty"` // the local admin socket's listener is the last descriptor
@@ -57,27 +63,27 @@ type handoverListener struct {
 	UDP  int    `json:"udp"` // UDP sockets; then one TCP listener
 }
 
-// inheritance is what a successor received.
-type inheritance struct {
-	from      int // the predecessor's pid
-	state     *State
-	lock      *stateLock
+// Inheritance is what a successor received.
+type Inheritance struct {
+	From      int                          // the predecessor's pid
+	State     *agentstate.State            // the predecessor's state
+	Lock      *agentstate.Lock             // the state lock, ours now
+	Listeners []resolver.InheritedListener // the resolver's sockets (the caller takes them)
 	admin     *os.File
 	local     *os.File
-	listeners []resolver.InheritedListener
 	conn      *net.UnixConn // to tell the predecessor we serve
 }
 
-// takeAdmin and takeLocal hand the caller the inherited admin listener and
-// local socket (nil when there is none), which closeUnused then leaves alone.
-func (in *inheritance) takeAdmin() *os.File {
-	return in.take(func(in *inheritance) **os.File { return &in.admin })
+// TakeAdmin and TakeLocal hand the caller the inherited admin listener and
+// local socket (nil when there is none), which CloseUnused then leaves alone.
+func (in *Inheritance) TakeAdmin() *os.File {
+	return in.take(func(in *Inheritance) **os.File { return &in.admin })
 }
-func (in *inheritance) takeLocal() *os.File {
-	return in.take(func(in *inheritance) **os.File { return &in.local })
+func (in *Inheritance) TakeLocal() *os.File {
+	return in.take(func(in *Inheritance) **os.File { return &in.local })
 }
 
-func (in *inheritance) take(field func(*inheritance) **os.File) *os.File {
+func (in *Inheritance) take(field func(*Inheritance) **os.File) *os.File {
 	if in == nil {
 		return nil
 	}
@@ -87,14 +93,14 @@ func (in *inheritance) take(field func(*inheritance) **os.File) *os.File {
 	return got
 }
 
-// closeUnused closes what nobody took.
-func (in *inheritance) closeUnused() {
+// CloseUnused closes the descriptors nobody took (not the lock).
+func (in *Inheritance) CloseUnused() {
 	for _, f := range []*os.File{in.admin, in.local} {
 		if f != nil {
 			f.Close()
 		}
 	}
-	for _, l := range in.listeners {
+	for _, l := range in.Listeners {
 		for _, f := range l.UDP {
 			f.Close()
 		}
@@ -164,14 +170,34 @@ func parseRights(oob []byte) ([]*os.File, error) {
 	return files, nil
 }
 
-// requestHandover asks the agent holding the lock of stateDir to hand over. It
-// returns errRetry when that agent cannot hand over now (not listening yet,
-// starting, stopping) or is gone.
-func requestHandover(ctx context.Context, stateDir string) (*inheritance, error) {
-	d := net.Dialer{}
-	c, err := d.DialContext(ctx, "unixpacket", handoverPath(stateDir))
+// ReadHello reads a successor's first message on c: its pid.
+func ReadHello(c *net.UnixConn) (pid int, err error) {
+	hello, files, err := readMsg(c)
+	for _, f := range files {
+		f.Close()
+	}
 	if err != nil {
-		return nil, fmt.Errorf("%w: connect %s: %v", errRetry, handoverPath(stateDir), err)
+		return 0, err
+	}
+	if hello.Op != "hello" {
+		return 0, fmt.Errorf("handover: %q where a hello was due", hello.Op)
+	}
+	return hello.PID, nil
+}
+
+// Refuse tells a successor why there is no offer.
+func Refuse(c *net.UnixConn, reason string) error {
+	return writeMsg(c, handoverMsg{Op: "error", Error: reason}, nil)
+}
+
+// Request asks the agent holding the lock of stateDir to hand over. It
+// returns ErrRetry when that agent cannot hand over now (not listening yet,
+// starting, stopping) or is gone.
+func Request(ctx context.Context, stateDir string) (*Inheritance, error) {
+	d := net.Dialer{}
+	c, err := d.DialContext(ctx, "unixpacket", agentstate.HandoverPath(stateDir))
+	if err != nil {
+		return nil, fmt.Errorf("%w: connect %s: %v", ErrRetry, agentstate.HandoverPath(stateDir), err)
 	}
 	uc := c.(*net.UnixConn)
 	ok := false
@@ -183,20 +209,20 @@ func requestHandover(ctx context.Context, stateDir string) (*inheritance, error)
 	if dl, has := ctx.Deadline(); has {
 		_ = uc.SetDeadline(dl)
 	} else {
-		_ = uc.SetDeadline(time.Now().Add(handoverTimeout))
+		_ = uc.SetDeadline(time.Now().Add(Timeout))
 	}
 	if err := writeMsg(uc, handoverMsg{Op: "hello", PID: os.Getpid()}, nil); err != nil {
-		return nil, fmt.Errorf("%w: %v", errRetry, err)
+		return nil, fmt.Errorf("%w: %v", ErrRetry, err)
 	}
 	offer, files, err := readMsg(uc)
 	if err != nil {
-		return nil, fmt.Errorf("%w: read the offer: %v", errRetry, err)
+		return nil, fmt.Errorf("%w: read the offer: %v", ErrRetry, err)
 	}
 	if offer.Op != "offer" {
 		for _, f := range files {
 			f.Close()
 		}
-		return nil, fmt.Errorf("%w: the running agent declined: %s", errRetry, offer.Error)
+		return nil, fmt.Errorf("%w: the running agent declined: %s", ErrRetry, offer.Error)
 	}
 	for len(files) < offer.FDs {
 		_, more, err := readMsg(uc)
@@ -204,7 +230,7 @@ func requestHandover(ctx context.Context, stateDir string) (*inheritance, error)
 			for _, f := range files {
 				f.Close()
 			}
-			return nil, fmt.Errorf("%w: read descriptors: %v", errRetry, err)
+			return nil, fmt.Errorf("%w: read descriptors: %v", ErrRetry, err)
 		}
 		files = append(files, more...)
 	}
@@ -221,14 +247,14 @@ func requestHandover(ctx context.Context, stateDir string) (*inheritance, error)
 	return in, nil
 }
 
-// errRetry marks a handover that may work when tried again.
-var errRetry = errors.New("handover not possible now")
+// ErrRetry marks a handover that may work when tried again.
+var ErrRetry = errors.New("handover not possible now")
 
-func unpackOffer(offer handoverMsg, files []*os.File) (*inheritance, error) {
+func unpackOffer(offer handoverMsg, files []*os.File) (*Inheritance, error) {
 	if len(files) != offer.FDs || offer.State == nil || len(files) == 0 {
 		return nil, fmt.Errorf("handover offer: %d descriptors, %d announced", len(files), offer.FDs)
 	}
-	in := &inheritance{from: offer.PID, state: offer.State, lock: adoptLock(files[0])}
+	in := &Inheritance{From: offer.PID, State: offer.State, Lock: agentstate.Adopt(files[0])}
 	files = files[1:]
 	if offer.Local && len(files) > 0 {
 		in.local, files = files[len(files)-1], files[:len(files)-1]
@@ -242,31 +268,35 @@ func unpackOffer(offer handoverMsg, files []*os.File) (*inheritance, error) {
 		}
 		il := resolver.InheritedListener{Addr: l.Addr, UDP: files[:l.UDP], TCP: files[l.UDP]}
 		files = files[l.UDP+1:]
-		in.listeners = append(in.listeners, il)
+		in.Listeners = append(in.Listeners, il)
 	}
 	return in, nil
 }
 
-// serving tells the predecessor that we serve: it may stop.
-func (in *inheritance) serving() error {
+// Close ends the conversation without serving: the predecessor sees the
+// connection end and serves on.
+func (in *Inheritance) Close() error { return in.conn.Close() }
+
+// Serving tells the predecessor that we serve: it may stop.
+func (in *Inheritance) Serving() error {
 	defer in.conn.Close()
 	_ = in.conn.SetDeadline(time.Now().Add(5 * time.Second))
 	return writeMsg(in.conn, handoverMsg{Op: "serving", PID: os.Getpid()}, nil)
 }
 
-// offer is what the running agent hands over; files are closed by the caller.
-type offer struct {
-	state     *State
-	lock      *os.File
-	admin     *os.File
-	local     *os.File
-	listeners []resolver.InheritedListener
+// Offer is what the running agent hands over; files are closed by the caller.
+type Offer struct {
+	State     *agentstate.State
+	Lock      *os.File // the state lock's open file
+	Admin     *os.File // the admin listener (nil: none)
+	Local     *os.File // the local admin socket's listener (nil: none)
+	Listeners []resolver.InheritedListener
 
-	dieAfterSend bool // fault injection (tests): SIGKILL ourselves once sent
+	DieAfterSend bool // fault injection (tests): SIGKILL ourselves once sent
 }
 
-// sendOffer sends the offer and its descriptors, then waits for "serving".
-func sendOffer(c *net.UnixConn, o offer) (successor int, err error) {
+// SendOffer sends the offer and its descriptors, then waits for "serving".
+func SendOffer(c *net.UnixConn, o Offer) (successor int, err error) {
 	m, fds, err := o.message()
 	if err != nil {
 		return 0, err
@@ -280,7 +310,7 @@ func sendOffer(c *net.UnixConn, o offer) (successor int, err error) {
 			return 0, fmt.Errorf("send descriptors: %w", err)
 		}
 	}
-	if o.dieAfterSend {
+	if o.DieAfterSend {
 		_ = unix.Kill(os.Getpid(), unix.SIGKILL)
 	}
 	reply, files, err := readMsg(c)
@@ -299,18 +329,18 @@ func sendOffer(c *net.UnixConn, o offer) (successor int, err error) {
 // message is the offer message and its descriptors, in the order
 // unpackOffer takes them: the lock, the admin listener, each listen
 // address's UDP sockets and TCP listener, the local socket's listener.
-func (o offer) message() (handoverMsg, []int, error) {
-	m := handoverMsg{Op: "offer", PID: os.Getpid(), State: o.state, Admin: o.admin != nil, Local: o.local != nil}
-	files := []*os.File{o.lock}
-	if o.admin != nil {
-		files = append(files, o.admin)
+func (o Offer) message() (handoverMsg, []int, error) {
+	m := handoverMsg{Op: "offer", PID: os.Getpid(), State: o.State, Admin: o.Admin != nil, Local: o.Local != nil}
+	files := []*os.File{o.Lock}
+	if o.Admin != nil {
+		files = append(files, o.Admin)
 	}
-	for _, l := range o.listeners {
+	for _, l := range o.Listeners {
 		m.Listeners = append(m.Listeners, handoverListener{Addr: l.Addr, UDP: len(l.UDP)})
 		files = append(append(files, l.UDP...), l.TCP)
 	}
-	if o.local != nil {
-		files = append(files, o.local)
+	if o.Local != nil {
+		files = append(files, o.Local)
 	}
 	fds := make([]int, 0, len(files))
 	for _, f := range files {
@@ -340,10 +370,10 @@ func rawFD(f *os.File) (int, error) {
 	return fd, nil
 }
 
-// listenHandover binds the handover socket, replacing a stale one (ours to
+// Listen binds the handover socket, replacing a stale one (ours to
 // replace: we hold the lock).
-func listenHandover(stateDir string) (*net.UnixListener, error) {
-	p := handoverPath(stateDir)
+func Listen(stateDir string) (*net.UnixListener, error) {
+	p := agentstate.HandoverPath(stateDir)
 	if err := os.Remove(p); err != nil && !errors.Is(err, os.ErrNotExist) {
 		return nil, fmt.Errorf("replace %s: %w", p, err)
 	}

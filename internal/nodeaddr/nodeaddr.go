@@ -1,4 +1,8 @@
-package agent
+// Package nodeaddr puts the resolver's node-local listen addresses in place
+// over netlink (on a dummy link it creates, or on lo where the kernel has no
+// dummy link type), adopts the ones a previous agent recorded, and removes
+// exactly what it added or adopted, unless a successor took them over.
+package nodeaddr
 
 import (
 	"context"
@@ -11,24 +15,33 @@ import (
 
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
+
+	"github.com/meshdns/meshdns-ebpf/internal/agentstate"
 )
 
 // DefaultLinkName is the dummy link that carries the node-local resolver address.
 const DefaultLinkName = "meshdns0"
 
-// NodeAddr records a resolver address the agent added to this network namespace, so
-// stop and `cleanup` remove exactly that and nothing else.
-type NodeAddr struct {
-	Link        string `json:"link"`         // link the address was added to
-	Addr        string `json:"addr"`         // CIDR, e.g. 169.254.20.53/32
-	CreatedLink bool   `json:"created_link"` // the agent created Link (and deletes it)
-	adopted     bool   // taken over from a predecessor, not added by this agent
+// owned is a node address record of this agent's: one it added, or one it
+// adopted from a predecessor (abandoning a takeover leaves those to it).
+type owned struct {
+	agentstate.NodeAddr
+	adopted bool // taken over from a predecessor, not added by this agent
+}
+
+// records are the state file's records of what owns holds.
+func records(owns []owned) []agentstate.NodeAddr {
+	out := make([]agentstate.NodeAddr, 0, len(owns))
+	for _, o := range owns {
+		out = append(out, o.NodeAddr)
+	}
+	return out
 }
 
 // adoptedRecords returns the records of recs that cover address a: its address
 // record and the record of the link it is on, if the agent created that link.
-func adoptedRecords(recs []NodeAddr, a netip.Addr) []NodeAddr {
-	var out []NodeAddr
+func adoptedRecords(recs []agentstate.NodeAddr, a netip.Addr) []owned {
+	var out []owned
 	for _, r := range recs {
 		if r.Addr == "" {
 			continue
@@ -36,66 +49,70 @@ func adoptedRecords(recs []NodeAddr, a netip.Addr) []NodeAddr {
 		if p, err := netip.ParsePrefix(r.Addr); err == nil && p.Addr() == a {
 			for _, l := range recs {
 				if l.CreatedLink && l.Link == r.Link {
-					l.adopted = true
-					out = append(out, l)
+					out = append(out, owned{l, true})
 				}
 			}
-			r.adopted = true
-			out = append(out, r)
+			out = append(out, owned{r, true})
 		}
 	}
 	return out
 }
 
-// nodeAddrs is the agent's part that puts the node-local listen addresses in
+// Set is the agent's part that puts the node-local listen addresses in
 // place and removes what it added on Close.
-type nodeAddrs struct {
+type Set struct {
 	want    []netip.Addr
 	link    string
 	log     *slog.Logger
-	adopt   []NodeAddr // a predecessor's records: ours if still present and wanted
-	added   []NodeAddr // what we own (adopted or added)
+	adopt   []agentstate.NodeAddr // a predecessor's records: ours if still present and wanted
+	added   []owned               // what we own (adopted or added)
 	handoff bool
 }
 
-func newNodeAddrs(want []netip.Addr, link string, adopt []NodeAddr, log *slog.Logger) *nodeAddrs {
-	return &nodeAddrs{want: want, link: link, adopt: adopt, log: log}
+// New is the set of addresses want on link (created when missing), adopting
+// the records adopt of a predecessor in this network namespace. It touches
+// nothing.
+func New(want []netip.Addr, link string, adopt []agentstate.NodeAddr, log *slog.Logger) *Set {
+	return &Set{want: want, link: link, adopt: adopt, log: log}
 }
 
 // Start makes every non-loopback wanted address local to this namespace: a
 // predecessor's record of it is adopted (so it is removed when we stop), other
 // addresses already present are left alone (and not recorded), missing ones
 // are added (see ensureNodeAddrs).
-func (n *nodeAddrs) Start(context.Context) error {
+func (n *Set) Start(context.Context) error {
 	added, err := ensureNodeAddrs(n.want, n.link, n.adopt, n.log)
 	n.added = added
 	return err
 }
 
 // Handoff leaves the addresses to a successor.
-func (n *nodeAddrs) Handoff() { n.handoff = true }
+func (n *Set) Handoff() { n.handoff = true }
 
 // Close removes what Start added or adopted, unless handed off.
-func (n *nodeAddrs) Close() error {
+func (n *Set) Close() error {
 	if n.handoff {
 		return nil
 	}
-	err := removeNodeAddrs(n.added, n.log)
+	err := Remove(records(n.added), n.log)
 	n.added = nil
 	return err
 }
 
-// abandon removes only what this agent added itself, leaving what it adopted
+// Records are the state file's records of what the agent owns.
+func (n *Set) Records() []agentstate.NodeAddr { return records(n.added) }
+
+// Abandon removes only what this agent added itself, leaving what it adopted
 // to the predecessor it failed to take over from.
-func (n *nodeAddrs) abandon() error {
-	var mine []NodeAddr
+func (n *Set) Abandon() error {
+	var mine []agentstate.NodeAddr
 	for _, na := range n.added {
 		if !na.adopted {
-			mine = append(mine, na)
+			mine = append(mine, na.NodeAddr)
 		}
 	}
 	n.added = nil
-	return removeNodeAddrs(mine, n.log)
+	return Remove(mine, n.log)
 }
 
 // ensureNodeAddrs makes every non-loopback listen address local to this namespace.
@@ -103,16 +120,16 @@ func (n *nodeAddrs) abandon() error {
 // addresses already present are left alone (and not recorded). New ones go on a
 // dummy link named linkName; where the kernel has no dummy link type they go on lo
 // instead, and a log line says so.
-func ensureNodeAddrs(addrs []netip.Addr, linkName string, adopt []NodeAddr, log *slog.Logger) ([]NodeAddr, error) {
-	var added []NodeAddr
+func ensureNodeAddrs(addrs []netip.Addr, linkName string, adopt []agentstate.NodeAddr, log *slog.Logger) ([]owned, error) {
+	var added []owned
 	undo := func() {
-		var mine []NodeAddr
+		var mine []agentstate.NodeAddr
 		for _, na := range added {
 			if !na.adopted {
-				mine = append(mine, na)
+				mine = append(mine, na.NodeAddr)
 			}
 		}
-		removeNodeAddrs(mine, log)
+		Remove(mine, log)
 	}
 	for _, a := range addrs {
 		if a.IsLoopback() || a.IsUnspecified() {
@@ -126,7 +143,7 @@ func ensureNodeAddrs(addrs []netip.Addr, linkName string, adopt []NodeAddr, log 
 		if local {
 			if recs := adoptedRecords(adopt, a); len(recs) > 0 {
 				for _, r := range recs {
-					if !slices.ContainsFunc(added, func(x NodeAddr) bool {
+					if !slices.ContainsFunc(added, func(x owned) bool {
 						return x.Link == r.Link && x.Addr == r.Addr && x.CreatedLink == r.CreatedLink
 					}) {
 						added = append(added, r)
@@ -146,7 +163,7 @@ func ensureNodeAddrs(addrs []netip.Addr, linkName string, adopt []NodeAddr, log 
 		if created {
 			// Record the link on its own, so that undo removes it even if the
 			// address cannot be added.
-			added = append(added, NodeAddr{Link: link.Attrs().Name, CreatedLink: true})
+			added = append(added, owned{NodeAddr: agentstate.NodeAddr{Link: link.Attrs().Name, CreatedLink: true}})
 		}
 		bits := 32
 		if a.Is6() {
@@ -165,7 +182,7 @@ func ensureNodeAddrs(addrs []netip.Addr, linkName string, adopt []NodeAddr, log 
 			undo()
 			return nil, fmt.Errorf("add %s to %s: %w", prefix, link.Attrs().Name, err)
 		}
-		added = append(added, NodeAddr{Link: link.Attrs().Name, Addr: prefix.String()})
+		added = append(added, owned{NodeAddr: agentstate.NodeAddr{Link: link.Attrs().Name, Addr: prefix.String()}})
 		log.Info("added node-local resolver address", "addr", prefix, "link", link.Attrs().Name)
 	}
 	return added, nil
@@ -202,7 +219,7 @@ func resolverLink(name string, log *slog.Logger) (netlink.Link, bool, error) {
 }
 
 // removeNodeAddrs removes what ensureNodeAddrs added, in reverse order.
-func removeNodeAddrs(added []NodeAddr, log *slog.Logger) error {
+func Remove(added []agentstate.NodeAddr, log *slog.Logger) error {
 	var errs []error
 	for i := len(added) - 1; i >= 0; i-- {
 		na := added[i]
