@@ -356,6 +356,7 @@ func (a *Agent) startResolver(ctx context.Context, reg *prometheus.Registry) (er
 		Table:          a.store,
 		Forwarder:      cfg.forwarder(a.fwd),
 		PodRecords:     cfg.PodRecords,
+		FilterAAAA:     cfg.FilterAAAA,
 		TTL:            cfg.TTL,
 		ClusterDomain:  cfg.ClusterDomain,
 		Authoritative:  cfg.Authoritative,

@@ -53,6 +53,7 @@ type Config struct {
 	ClusterDomain   string
 	Authoritative   bool
 	PodRecords      bool
+	FilterAAAA      bool // --filter-aaaa external: NODATA for AAAA of names the table does not answer
 
 	// Kubernetes source: --kubeconfig FILE or --kubernetes (in-cluster).
 	Kubeconfig        string
@@ -200,6 +201,17 @@ func (c *Config) registerResolverFlags(fs *flag.FlagSet) {
 		return nil
 	})
 	c.PodRecords = true
+	fs.Func("filter-aaaa", "external: AAAA queries of names the name table does not answer get NODATA at once instead of going upstream (IPv4-only clusters; counted in meshdns_dns_aaaa_filtered_total), or off (default off)", func(s string) error {
+		switch s {
+		case "external":
+			c.FilterAAAA = true
+		case "off":
+			c.FilterAAAA = false
+		default:
+			return fmt.Errorf("want external or off, got %q", s)
+		}
+		return nil
+	})
 	fs.IntVar(&c.CacheBytes, "cache-bytes", upstream.DefaultCacheBytes, "memory cap of the upstream answer cache, in bytes")
 	fs.IntVar(&c.MaxPending, "max-pending", resolver.DefaultMaxPending, "queries waiting for the upstream at once; over it: SERVFAIL at once")
 	fs.Float64Var(&c.WorkloadBudget.QPS, "workload-qps", 0, "queries a second each workload (pod, or cgroup) may send upstream; over it REFUSED at once (0: no limit)")

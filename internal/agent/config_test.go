@@ -84,6 +84,10 @@ func TestFlags(t *testing.T) {
 		{"admin without port", []string{"--admin", "10.1.2.3"}, nil, "--admin"},
 		{"admin bad port", []string{"--admin", "10.1.2.3:http"}, nil, "--admin"},
 		{"admin empty NODE_IP", []string{"--admin", "$(NODE_IP):9153"}, nil, "--admin"},
+		{"filter-aaaa off by default", nil, func(c *Config) bool { return !c.FilterAAAA }, ""},
+		{"filter-aaaa external", []string{"--filter-aaaa", "external"}, func(c *Config) bool { return c.FilterAAAA }, ""},
+		{"filter-aaaa off", []string{"--filter-aaaa=external", "--filter-aaaa=off"}, func(c *Config) bool { return !c.FilterAAAA }, ""},
+		{"filter-aaaa bad", []string{"--filter-aaaa", "all"}, nil, "want external or off"},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {

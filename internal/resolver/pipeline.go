@@ -96,6 +96,9 @@ func (w *worker) serveQuery(pkt, out []byte, c *client, start time.Time) []byte 
 	if b, done := w.tableWire(r, out); done {
 		return b
 	}
+	if b, done := w.filterAAAA(r, out, ""); done {
+		return b
+	}
 	return w.forwardWire(r, out, r.lname, "")
 }
 
@@ -282,6 +285,9 @@ func (w *worker) serveUnpacked(r *request, out []byte) []byte {
 			// An alias whose target the table does not answer: forward the target
 			// behind the records that lead to it.
 			r.lname, r.prefix = lowerName(ri.chase), ri.prefix
+		}
+		if b, done := w.filterAAAA(r, out, ""); done {
+			return b
 		}
 		return w.forwardMsg(r, out)
 	case resp == nil:

@@ -69,6 +69,10 @@ type Config struct {
 	// PodRecords answers <a-b-c-d>.<ns>.pod.<domain> with the address in
 	// the name (CoreDNS's "pods insecure").
 	PodRecords bool
+	// FilterAAAA answers AAAA queries that the table does not answer with NODATA
+	// (the cluster domain's SOA) at once instead of forwarding them: for IPv4-only
+	// clusters, where half the queries are AAAA of external names (aaaafilter.go).
+	FilterAAAA bool
 	// MaxPending bounds the queries waiting for the upstream (default 4096; over it:
 	// SERVFAIL at once); MaxPendingPerClient bounds them per client address (default
 	// 256; over it: REFUSED at once).
@@ -159,6 +163,10 @@ type Server struct {
 	panics  *panicguard.Counter
 	talkers *talkers.Counter
 	tap     *tap.Hub
+
+	// The AAAA filter (aaaafilter.go): Config.FilterAAAA and its counter.
+	filterAAAA   bool
+	aaaaFiltered prometheus.Counter
 
 	started  atomic.Bool
 	stopping atomic.Bool
@@ -268,6 +276,10 @@ func New(cfg Config) (*Server, error) {
 	s.m, err = newMetrics(cfg.Registerer)
 	if err != nil {
 		return nil, fmt.Errorf("resolver: register metrics: %w", err)
+	}
+	s.filterAAAA = cfg.FilterAAAA
+	if s.aaaaFiltered, err = newFilterMetric(cfg.Registerer); err != nil {
+		return nil, fmt.Errorf("resolver: %w", err)
 	}
 	s.version = "meshdns-ebpf"
 	if bi, ok := debug.ReadBuildInfo(); ok && bi.Main.Version != "" {

@@ -81,6 +81,9 @@ func (w *worker) tableWire(r *request, out []byte) (b []byte, done bool) {
 				return w.serveUnpacked(r, out), true // pod records
 			}
 			if ext, ok := s.externalAutopath(t, lname, r.client.addr); ok {
+				if b, done := w.filterAAAA(r, out, ext); done {
+					return b, true
+				}
 				return w.forwardWire(r, out, ext, ext), true
 			}
 			// Authoritative NXDOMAIN (or NODATA for an empty non-terminal) under the
