@@ -62,6 +62,10 @@ type Config struct {
 	// Attribution makes the programs record who sends each redirected query
 	// (see Flows); without it the attribute program returns at once.
 	Attribution bool
+	// Unordered attaches in attach order, as on a kernel without ordered
+	// cgroup programs (a test switch; also UnorderedEnv). Otherwise ours are
+	// put in front of other programs on the hooks where the kernel can.
+	Unordered bool
 	// Detach makes Close detach the programs and remove every pin. Without it
 	// they stay attached and pinned for the next agent (inert meanwhile).
 	Detach bool
@@ -223,6 +227,7 @@ type Datapath struct {
 	ownPins  []string               // map pins Start made (not reused)
 	// madePinDir: the pin directory did not exist before Start.
 	madePinDir bool
+	order      Ordering // how ours are placed among other programs (order.go)
 	cgroups    *cgroup2.Namer
 	probe      *net.UDPConn // the watchdog's, opened in Start's network namespace
 	stopWD     context.CancelFunc
@@ -255,7 +260,11 @@ func New(cfg Config) (*Datapath, error) {
 	if log == nil {
 		log = slog.New(slog.NewTextHandler(io.Discard, nil))
 	}
-	return &Datapath{log: log, set: set, pinDir: cfg.PinDir, cgroups: cgroup2.NewNamer()}, nil
+	order := Ordering{Supported: true}
+	if cfg.Unordered || os.Getenv(UnorderedEnv) == "1" {
+		order = Ordering{Reason: "ordered attach switched off"}
+	}
+	return &Datapath{log: log, set: set, pinDir: cfg.PinDir, order: order, cgroups: cgroup2.NewNamer()}, nil
 }
 
 // Start loads the programs, writes their configuration, and attaches every
@@ -610,10 +619,37 @@ func (d *Datapath) attach() error {
 		p := filepath.Join(dir, h.name)
 		prog := progs[h.name]
 		if l, ok := d.adoptable(p, h, cgID); ok {
-			if err := l.Update(prog); err != nil {
-				l.Close()
-				return fmt.Errorf("replace the program of the pinned link %s: %w", p, err)
+			// A link behind another program (attached on an older kernel, or
+			// before another datapath attached in front of it) is replaced
+			// by one in front, where the kernel can; else its program is.
+			var ahead bool
+			if d.order.Supported && ordersHook(h) {
+				var oldProg ebpf.ProgramID
+				if info, err := l.Info(); err == nil {
+					oldProg = info.Program
+				}
+				behind, err := foreignBefore(cg, h, map[ebpf.ProgramID]bool{oldProg: true, programID(prog): true})
+				if err != nil {
+					d.log.Warn("cannot tell whether the adopted link runs first", "hook", h.name, "err", err)
+				}
+				if behind {
+					nl, err := d.relink(cg, prog, h, l, p)
+					if err != nil {
+						l.Close()
+						return err
+					}
+					l, ahead = nl, true
+					d.log.Info("adopted link ran behind another program: replaced by one in front", "hook", h.name)
+				}
 			}
+			if !ahead {
+				if err := l.Update(prog); err != nil {
+					l.Close()
+					return fmt.Errorf("replace the program of the pinned link %s: %w", p, err)
+				}
+			}
+			// A relinked link counts as adopted too: a failed start leaves it
+			// pinned, as it found the link it replaced, for the predecessor.
 			a := attached{hook: h, link: l, pin: p, adopted: true}
 			if info, err := l.Info(); err == nil {
 				a.id = info.ID
@@ -627,7 +663,7 @@ func (d *Datapath) attach() error {
 				return err
 			}
 		}
-		l, err := link.AttachRawLink(link.RawLinkOptions{Target: int(cg.Fd()), Program: prog, Attach: h.attach})
+		l, err := d.attachNew(cg, prog, h)
 		if err != nil {
 			hint := permissionHint(err)
 			if errors.Is(err, unix.EPERM) {
@@ -750,8 +786,25 @@ func (d *Datapath) Reassert() error {
 	}
 	var errs []error
 	progs := d.programsByName()
-	for _, a := range d.links {
-		if err := a.link.Update(progs[a.hook.name]); err != nil {
+	for i, a := range d.links {
+		err := a.link.Update(progs[a.hook.name])
+		if err != nil {
+			// The successor may have replaced our link by one in front of
+			// another program (relink): the program goes into the pinned one.
+			var l link.Link
+			if l, err = link.LoadPinnedLink(a.pin, nil); err == nil {
+				if err = l.Update(progs[a.hook.name]); err == nil {
+					a.link.Close()
+					d.links[i].link = l
+					if info, ierr := l.Info(); ierr == nil {
+						d.links[i].id = info.ID
+					}
+				} else {
+					l.Close()
+				}
+			}
+		}
+		if err != nil {
 			errs = append(errs, fmt.Errorf("put the program of %s back: %w", a.hook.name, err))
 		}
 	}

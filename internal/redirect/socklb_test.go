@@ -1,0 +1,150 @@
+package redirect
+
+import (
+	"fmt"
+	"net/netip"
+	"testing"
+
+	"github.com/meshdns/meshdns-ebpf/internal/redirect/socklb"
+	"github.com/meshdns/meshdns-ebpf/internal/testenv"
+)
+
+// Backends of the captured nameservers behind the tests' socket LB (a CoreDNS
+// pod behind the kube-dns ClusterIP): they answer mesh.test with NXDOMAIN, as
+// the original nameservers do.
+var (
+	backend4 = others[1]
+	backend6 = netip.MustParseAddr("fd53::b0")
+)
+
+// lbClients are the ways a client asks, with what each sees of the reply: its
+// source (recvmsg) and the socket's peer (getpeername).
+func lbClients() []struct {
+	name      string
+	args      []string
+	fam, slot int
+	src, peer string
+	tcp       bool
+} {
+	return []struct {
+		name      string
+		args      []string
+		fam, slot int
+		src, peer string
+		tcp       bool
+	}{
+		{"glibc-like connected udp", []string{"-mode=connect", "-dst=" + hp(ns1, 53)}, 4, 0, hp(ns1, 53), hp(ns1, 53), false},
+		{"musl-like sendto", []string{"-mode=sendto", "-dst=" + hp(ns1, 53)}, 4, 0, hp(ns1, 53), "", false},
+		{"go dial", []string{"-mode=godial", "-dst=" + hp(ns1, 53)}, 4, 0, "", "", false},
+		{"tcp", []string{"-mode=tcp", "-dst=" + hp(ns1, 53)}, 4, 0, "", hp(ns1, 53), true},
+		{"v6 connected udp", []string{"-mode=connect", "-family=6", "-dst=" + hp(ns6, 53)}, 6, 2, hp(ns6, 53), hp(ns6, 53), false},
+		{"v6 sendto", []string{"-mode=sendto", "-family=6", "-dst=" + hp(ns6, 53)}, 6, 2, hp(ns6, 53), "", false},
+		{"v6 tcp", []string{"-mode=tcp", "-family=6", "-dst=" + hp(ns6, 53)}, 6, 2, "", hp(ns6, 53), true},
+		{"v4-mapped sendto", []string{"-mode=sendto", "-family=6", "-dst=" + hp(mapped(ns1), 53)}, 4, 0, hp(mapped(ns1), 53), "", false},
+	}
+}
+
+// Capture beside a socket load balancer that translates the captured
+// nameservers (the kube-dns ClusterIP) to a backend, as Cilium's socket LB and
+// Calico's connect-time LB do, on the same cgroup: attached before ours (ours
+// go in front), after ours, and (for the TCP-only variant, like Calico's
+// bpfConnectTimeLoadBalancing: TCP) both. Every query is answered by our
+// resolver, and the client sees the address it asked as reply source and
+// peer, never the backend's. The LB still works for the queries it sees after
+// ours are gone.
+func TestCaptureBesideSocketLB(t *testing.T) {
+	for _, tc := range []struct {
+		name           string
+		tcpOnly, after bool
+	}{
+		{"lb first", false, false},
+		{"lb after", false, true},
+		{"tcp-only lb first", true, false},
+		{"tcp-only lb after", true, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			n := newLBNet(t)
+			var lb *socklb.LB
+			if !tc.after {
+				lb = n.attachLB(t, tc.tcpOnly, false)
+			}
+			d := n.start(t, n.config())
+			if tc.after {
+				lb = n.attachLB(t, tc.tcpOnly, false)
+			}
+			for _, c := range lbClients() {
+				t.Run(c.name, func(t *testing.T) {
+					rs := n.query(t, proc{uid: userUID}, c.args...)
+					if len(rs) != 1 {
+						t.Fatalf("got %d results, want 1: %+v", len(rs), rs)
+					}
+					wantCaptured(t, rs[0], c.fam, c.slot, c.src, c.peer)
+				})
+			}
+			if got := lb.Translated(); got != 0 {
+				t.Errorf("the LB translated %d queries: ours should have run first", got)
+			}
+			// Without ours, the LB translates and restores on its own.
+			if err := d.Close(); err != nil {
+				t.Fatal(err)
+			}
+			n.wantLBAlone(t, lb, tc.tcpOnly)
+		})
+	}
+}
+
+type lbNet struct{ *testNet }
+
+// newLBNet is the test network with a v6 backend too.
+func newLBNet(t *testing.T) lbNet {
+	t.Helper()
+	n := newTestNet(t)
+	n.node.IP(t, "-6", "addr", "add", backend6.String()+"/128", "dev", "lo", "nodad")
+	n.orig[backend6] = testenv.StartFakeDNS(t, n.node, netip.AddrPortFrom(backend6, 53).String(), nil)
+	return lbNet{n}
+}
+
+// attachLB attaches the tests' socket LB to the test cgroup, translating ns1
+// and ns6 (port 53) to their backends.
+func (n lbNet) attachLB(t *testing.T, tcpOnly, first bool) *socklb.LB {
+	t.Helper()
+	lb, err := socklb.Attach(n.cg.Path, socklb.Options{
+		Services: map[netip.AddrPort]netip.AddrPort{
+			netip.AddrPortFrom(ns1, 53): netip.AddrPortFrom(backend4, 53),
+			netip.AddrPortFrom(ns6, 53): netip.AddrPortFrom(backend6, 53),
+		},
+		TCPOnly: tcpOnly,
+		First:   first,
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { lb.Close() })
+	return lb
+}
+
+// wantLBAlone checks that, with no datapath of ours, the LB sends the clients'
+// queries to the backends (all of them, or TCP only) and restores the Service
+// address they asked.
+func (n lbNet) wantLBAlone(t *testing.T, lb *socklb.LB, tcpOnly bool) {
+	t.Helper()
+	for _, c := range lbClients() {
+		before := n.orig[backend4].Count("mesh.test") + n.orig[backend6].Count("mesh.test")
+		rs := n.query(t, proc{uid: userUID}, c.args...)
+		if len(rs) != 1 {
+			t.Fatalf("%s without ours: got %d results", c.name, len(rs))
+		}
+		wantOriginal(t, rs[0])
+		r := rs[0]
+		if c.src != "" && r.Src != c.src || c.peer != "" && r.Peer != c.peer {
+			t.Errorf("%s without ours: source %q peer %q, want %q %q", c.name, r.Src, r.Peer, c.src, c.peer)
+		}
+		translated := n.orig[backend4].Count("mesh.test")+n.orig[backend6].Count("mesh.test") > before
+		if want := c.tcp || !tcpOnly; translated != want {
+			t.Errorf("%s without ours: reached the backend %v, want %v", c.name, translated, want)
+		}
+	}
+	if lb.Translated() == 0 {
+		t.Error(fmt.Sprintf("the LB translated nothing on its own (restored %d)", lb.Restored()))
+	}
+}
