@@ -227,7 +227,8 @@ type Datapath struct {
 	ownPins  []string               // map pins Start made (not reused)
 	// madePinDir: the pin directory did not exist before Start.
 	madePinDir bool
-	order      Ordering // how ours are placed among other programs (order.go)
+	order      Ordering                          // how ours are placed among other programs (order.go)
+	backends   map[redirectNsKey]redirectBackend // SetBackends' (backends.go)
 	cgroups    *cgroup2.Namer
 	probe      *net.UDPConn // the watchdog's, opened in Start's network namespace
 	stopWD     context.CancelFunc
@@ -537,12 +538,13 @@ func (d *Datapath) writeConfig(netnsCookie uint64) error {
 	for _, u := range goneUIDs {
 		_ = d.objs.ProxyUids.Delete(u)
 	}
-	return nil
+	return d.writeBackends()
 }
 
 func (d *Datapath) mapsByName() map[string]*ebpf.Map {
 	m := d.objs.redirectMaps
 	return map[string]*ebpf.Map{
+		redirectMapBackends:      m.Backends,
 		redirectMapCgroupStats:   m.CgroupStats,
 		redirectMapConfig:        m.Config,
 		redirectMapFlows:         m.Flows,
@@ -710,7 +712,7 @@ func removeForeignPins(pinDir string) error {
 	for _, h := range hooks {
 		ours[filepath.Join(pinDir, linksDir, h.name)] = true
 	}
-	for _, name := range []string{redirectMapCgroupStats, redirectMapConfig, redirectMapFlows, redirectMapNameservers, redirectMapProgress,
+	for _, name := range []string{redirectMapBackends, redirectMapCgroupStats, redirectMapConfig, redirectMapFlows, redirectMapNameservers, redirectMapProgress,
 		redirectMapProxyUids, redirectMapResolverSocks, redirectMapSockState, redirectMapStats} {
 		ours[filepath.Join(pinDir, mapsDir, name)] = true
 	}

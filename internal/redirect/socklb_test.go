@@ -46,62 +46,119 @@ func lbClients() []struct {
 
 // Capture beside a socket load balancer that translates the captured
 // nameservers (the kube-dns ClusterIP) to a backend, as Cilium's socket LB and
-// Calico's connect-time LB do, on the same cgroup: attached before ours (ours
-// go in front), after ours, and (for the TCP-only variant, like Calico's
-// bpfConnectTimeLoadBalancing: TCP) both. Every query is answered by our
-// resolver, and the client sees the address it asked as reply source and
-// peer, never the backend's. The LB still works for the queries it sees after
-// ours are gone.
+// Calico's connect-time LB do, on the same cgroup, for clients in a pod:
+//   - attached before ours: ours go in front (ordered attach);
+//   - attached after ours: ours run first anyway;
+//   - attached before ours on a kernel without ordered attach (the test
+//     switch), or after ours but in front of them (BPF_F_BEFORE): the LB
+//     translates first and ours capture the backend (backend capture);
+//
+// and each with the TCP-only variant (Calico's bpfConnectTimeLoadBalancing:
+// TCP). Every query is answered by our resolver, and the client sees the
+// address it asked as reply source and peer, never the backend's. The LB still
+// works on its own once ours are gone.
 func TestCaptureBesideSocketLB(t *testing.T) {
-	for _, tc := range []struct {
-		name           string
-		tcpOnly, after bool
-	}{
-		{"lb first", false, false},
-		{"lb after", false, true},
-		{"tcp-only lb first", true, false},
-		{"tcp-only lb after", true, true},
-	} {
-		t.Run(tc.name, func(t *testing.T) {
-			n := newLBNet(t)
-			var lb *socklb.LB
-			if !tc.after {
-				lb = n.attachLB(t, tc.tcpOnly, false)
+	for _, tcpOnly := range []bool{false, true} {
+		for _, tc := range []struct {
+			name                      string
+			after, unordered, lbFirst bool
+			backend                   bool // captured after the LB's translation
+		}{
+			{"lb first", false, false, false, false},
+			{"lb after", true, false, false, false},
+			{"lb first, unordered", false, true, false, true},
+			{"lb after, in front of ours", true, false, true, true},
+		} {
+			name := tc.name
+			if tcpOnly {
+				name = "tcp-only " + name
 			}
-			d := n.start(t, n.config())
-			if tc.after {
-				lb = n.attachLB(t, tc.tcpOnly, false)
-			}
-			for _, c := range lbClients() {
-				t.Run(c.name, func(t *testing.T) {
-					rs := n.query(t, proc{uid: userUID}, c.args...)
-					if len(rs) != 1 {
-						t.Fatalf("got %d results, want 1: %+v", len(rs), rs)
+			t.Run(name, func(t *testing.T) {
+				n := newLBNet(t)
+				var lb *socklb.LB
+				if !tc.after {
+					lb = n.attachLB(t, tcpOnly, tc.lbFirst)
+				}
+				cfg := n.config()
+				cfg.Unordered = tc.unordered
+				d := n.start(t, cfg)
+				if err := d.SetBackends(map[netip.Addr]netip.Addr{backend4: ns1, backend6: ns6}); err != nil {
+					t.Fatal(err)
+				}
+				if tc.after {
+					lb = n.attachLB(t, tcpOnly, tc.lbFirst)
+				}
+				for _, c := range lbClients() {
+					t.Run(c.name, func(t *testing.T) {
+						before := n.orig[backend4].Count("mesh.test") + n.orig[backend6].Count("mesh.test")
+						rs := n.queryIn(t, n.pod, c.args...)
+						if len(rs) != 1 {
+							t.Fatalf("got %d results, want 1: %+v", len(rs), rs)
+						}
+						wantCaptured(t, rs[0], c.fam, c.slot, c.src, c.peer)
+						if got := n.orig[backend4].Count("mesh.test") + n.orig[backend6].Count("mesh.test"); got != before {
+							t.Errorf("a backend saw %d queries, want none", got-before)
+						}
+					})
+				}
+				s, err := ReadStats(n.pinDir())
+				if err != nil {
+					t.Fatal(err)
+				}
+				captured := counterOf(t, s, "total", "backend_captured")
+				if tc.backend {
+					if lb.Translated() == 0 || captured == 0 {
+						t.Errorf("the LB translated %d queries, ours captured %d backends: want both, the LB running first", lb.Translated(), captured)
 					}
-					wantCaptured(t, rs[0], c.fam, c.slot, c.src, c.peer)
-				})
-			}
-			if got := lb.Translated(); got != 0 {
-				t.Errorf("the LB translated %d queries: ours should have run first", got)
-			}
-			// Without ours, the LB translates and restores on its own.
-			if err := d.Close(); err != nil {
-				t.Fatal(err)
-			}
-			n.wantLBAlone(t, lb, tc.tcpOnly)
-		})
+				} else if lb.Translated() != 0 || captured != 0 {
+					t.Errorf("the LB translated %d queries, ours captured %d backends: want none, ours running first", lb.Translated(), captured)
+				}
+				if tc.backend {
+					n.wantBackendOwnQuery(t)
+				}
+				// Without ours, the LB translates and restores on its own.
+				if err := d.Close(); err != nil {
+					t.Fatal(err)
+				}
+				n.wantLBAlone(t, lb, tcpOnly)
+			})
+		}
 	}
 }
 
-type lbNet struct{ *testNet }
+// wantBackendOwnQuery checks that a query from the network namespace where the
+// backend is served (a CoreDNS pod asking through the ClusterIP, translated to
+// itself) is not captured.
+func (n lbNet) wantBackendOwnQuery(t *testing.T) {
+	t.Helper()
+	before := n.orig[backend4].Count("mesh.test")
+	rs := n.query(t, proc{uid: userUID}, "-mode=tcp", "-dst="+hp(ns1, 53))
+	if len(rs) != 1 {
+		t.Fatalf("got %d results", len(rs))
+	}
+	wantOriginal(t, rs[0])
+	if n.orig[backend4].Count("mesh.test") != before+1 {
+		t.Errorf("the backend's own query did not reach the backend")
+	}
+}
 
-// newLBNet is the test network with a v6 backend too.
+type lbNet struct {
+	*testNet
+	pod *testenv.Netns // the clients' network namespace
+}
+
+// newLBNet is the test network with a v6 backend too, and a pod reaching the
+// node over IPv4 and IPv6.
 func newLBNet(t *testing.T) lbNet {
 	t.Helper()
 	n := newTestNet(t)
 	n.node.IP(t, "-6", "addr", "add", backend6.String()+"/128", "dev", "lo", "nodad")
 	n.orig[backend6] = testenv.StartFakeDNS(t, n.node, netip.AddrPortFrom(backend6, 53).String(), nil)
-	return lbNet{n}
+	pod := n.addPod(t)
+	n.node.IP(t, "-6", "addr", "add", "fd99::1/64", "dev", "mdn0", "nodad")
+	pod.IP(t, "-6", "addr", "add", "fd99::2/64", "dev", "eth0", "nodad")
+	pod.IP(t, "-6", "route", "add", "default", "via", "fd99::1")
+	return lbNet{n, pod}
 }
 
 // attachLB attaches the tests' socket LB to the test cgroup, translating ns1
@@ -130,7 +187,7 @@ func (n lbNet) wantLBAlone(t *testing.T, lb *socklb.LB, tcpOnly bool) {
 	t.Helper()
 	for _, c := range lbClients() {
 		before := n.orig[backend4].Count("mesh.test") + n.orig[backend6].Count("mesh.test")
-		rs := n.query(t, proc{uid: userUID}, c.args...)
+		rs := n.queryIn(t, n.pod, c.args...)
 		if len(rs) != 1 {
 			t.Fatalf("%s without ours: got %d results", c.name, len(rs))
 		}

@@ -39,7 +39,7 @@ func TestNamesMatchBPFObject(t *testing.T) {
 	}
 	want := []string{"redirected_udp", "redirected_tcp", "reply_rewritten", "skip_proxy", "skip_resolver",
 		"skip_no_resolver", "skip_stalled", "skip_not_captured", "skip_loopback", "skip_other_netns", "skip_no_state", "map_miss",
-		"flow_recorded", "flow_evicted", "flow_released"}
+		"flow_recorded", "flow_evicted", "flow_released", "backend_captured"}
 	if got := CounterNames(); !reflect.DeepEqual(got, want) {
 		t.Errorf("CounterNames() = %v, want %v", got, want)
 	}

@@ -28,7 +28,9 @@ type Options struct {
 	// TCPOnly translates TCP connects only (Calico's bpfConnectTimeLoadBalancing: TCP).
 	TCPOnly bool
 	// First attaches each program in front of those already on the hook
-	// (BPF_F_BEFORE), as a datapath that insists on running first would.
+	// (BPF_F_BEFORE | BPF_F_PREORDER: a preordered program runs before the
+	// others of its cgroup whatever their place), as a datapath that insists
+	// on running first would.
 	First bool
 }
 
@@ -71,7 +73,7 @@ func Attach(path string, opts Options) (_ *LB, err error) {
 	defer dir.Close()
 	var flags uint32
 	if opts.First {
-		flags = unix.BPF_F_BEFORE
+		flags = unix.BPF_F_BEFORE | unix.BPF_F_PREORDER
 	}
 	p := lb.objs.socklbPrograms
 	for _, h := range []struct {
