@@ -1,8 +1,11 @@
 package redirect
 
 import (
+	"encoding/json"
 	"fmt"
 	"net/netip"
+	"regexp"
+	"strings"
 	"testing"
 
 	"github.com/meshdns/meshdns-ebpf/internal/redirect/socklb"
@@ -82,11 +85,19 @@ func TestCaptureBesideSocketLB(t *testing.T) {
 				cfg := n.config()
 				cfg.Unordered = tc.unordered
 				d := n.start(t, cfg)
+				if tc.unordered {
+					n.wantCapture(t, d, false, MechanismNone)
+				}
 				if err := d.SetBackends(map[netip.Addr]netip.Addr{backend4: ns1, backend6: ns6}); err != nil {
 					t.Fatal(err)
 				}
 				if tc.after {
 					lb = n.attachLB(t, tcpOnly, tc.lbFirst)
+				}
+				if tc.backend {
+					n.wantCapture(t, d, false, MechanismBackendCapture)
+				} else {
+					n.wantCapture(t, d, true, MechanismOrdering)
 				}
 				for _, c := range lbClients() {
 					t.Run(c.name, func(t *testing.T) {
@@ -123,6 +134,44 @@ func TestCaptureBesideSocketLB(t *testing.T) {
 				n.wantLBAlone(t, lb, tcpOnly)
 			})
 		}
+	}
+}
+
+// wantCapture checks what the datapath and status (from the pins: text and
+// JSON) say of every forward hook: whether ours run first, and the mechanism.
+func (n lbNet) wantCapture(t *testing.T, d *Datapath, first bool, mechanism string) {
+	t.Helper()
+	hcs, err := d.HookCaptures()
+	if err != nil {
+		t.Fatal(err)
+	}
+	st, err := ReadStatus(n.pinDir())
+	if err != nil {
+		t.Fatal(err)
+	}
+	for what, got := range map[string][]HookCapture{"datapath": hcs, "status": st.Capture} {
+		if len(got) != 4 {
+			t.Errorf("%s: %d forward hooks, want 4: %+v", what, len(got), got)
+		}
+		for _, hc := range got {
+			if hc.First != first || hc.Mechanism != mechanism {
+				t.Errorf("%s: %+v, want first %v by %s", what, hc, first, mechanism)
+			}
+		}
+	}
+	var text strings.Builder
+	if err := st.WriteText(&text); err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(text.String(), "OURS FIRST") || !regexp.MustCompile(`connect4 +`+map[bool]string{true: "yes", false: "no"}[first]+` +`+mechanism).MatchString(text.String()) {
+		t.Errorf("status text does not say connect4 runs first=%v by %s:\n%s", first, mechanism, text.String())
+	}
+	b, err := json.Marshal(st)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := fmt.Sprintf(`{"hook":"sendmsg4","first":%v,"mechanism":%q}`, first, mechanism); !strings.Contains(string(b), want) {
+		t.Errorf("status JSON lacks %s: %s", want, b)
 	}
 }
 

@@ -1,0 +1,144 @@
+package e2e
+
+import (
+	"encoding/json"
+	"net/netip"
+	"strings"
+	"testing"
+
+	"github.com/meshdns/meshdns-ebpf/internal/redirect/socklb"
+	"github.com/meshdns/meshdns-ebpf/internal/testenv"
+)
+
+// The backends the tests' socket LB translates the captured nameservers to (a
+// CoreDNS pod behind the kube-dns ClusterIP): they answer what the original
+// nameservers answer, never the mesh names only the agent knows.
+const (
+	backendNS  = "169.254.53.50"
+	backendNS6 = "fd53::50"
+)
+
+// The agent beside a socket load balancer on its capture cgroup that does what
+// Cilium's socket LB does (the captured nameservers -> a backend, restored on
+// recvmsg and getpeername), and its TCP-only variant (Calico's
+// bpfConnectTimeLoadBalancing: TCP): attached before the agent, its programs
+// go in front (ordered attach); attached after, they run first anyway. glibc,
+// Go, musl and dig over UDP and TCP, on the node and in pods, get the mesh
+// name only our resolver knows, each accepting an answer only from the
+// address it asked. With the LB present, an overlapped upgrade and a kill -9
+// and restart keep ours in front; after an uninstall the LB alone translates
+// again. (Capture after the LB's translation, which needs the cluster DNS
+// Service's EndpointSlices, is tested in test/kube.)
+func TestCaptureBesideSocketLB(t *testing.T) {
+	for _, tc := range []struct {
+		name           string
+		tcpOnly, after bool
+	}{
+		{"lb first", false, false},
+		{"lb after", false, true},
+		{"tcp-only lb first", true, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			n := newNode(t)
+			n.ns.IP(t, "addr", "add", backendNS+"/32", "dev", "lo")
+			n.ns.IP(t, "-6", "addr", "add", backendNS6+"/128", "dev", "lo", "nodad")
+			records := map[string][]netip.Addr{extName: {netip.MustParseAddr(extIP)}}
+			backend := testenv.StartFakeDNS(t, n.ns, backendNS+":53", records)
+			backend6 := testenv.StartFakeDNS(t, n.ns, "["+backendNS6+"]:53", records)
+			attach := func() *socklb.LB {
+				lb, err := socklb.Attach(n.cg.Path, socklb.Options{TCPOnly: tc.tcpOnly, Services: map[netip.AddrPort]netip.AddrPort{
+					netip.MustParseAddrPort(origNS + ":53"):         netip.MustParseAddrPort(backendNS + ":53"),
+					netip.MustParseAddrPort("[" + origNS6 + "]:53"): netip.MustParseAddrPort("[" + backendNS6 + "]:53"),
+				}})
+				if err != nil {
+					t.Fatal(err)
+				}
+				t.Cleanup(func() { lb.Close() })
+				return lb
+			}
+			var lb *socklb.LB
+			if !tc.after {
+				lb = attach()
+			}
+			n.start("ebpf")
+			if tc.after {
+				lb = attach()
+			}
+			suite := func(what string) {
+				t.Run(what, func(t *testing.T) {
+					t.Run("pod", func(t *testing.T) { runClients(t, n, n.pod, 1000, clientSuite()) })
+					t.Run("node", func(t *testing.T) { runClients(t, n, n.ns, 1000, clientSuite()) })
+					t.Run("ipv6-nameserver", func(t *testing.T) {
+						runClients(t, n, n.pod6, 1000, []clientCase{
+							{"dig-udp", []string{"dig", "+short", "+time=2", "+tries=1", "AAAA", meshName6}, has(meshIP6)},
+							{"dig-tcp", []string{"dig", "+tcp", "+short", "+time=2", "+tries=1", "AAAA", meshName6}, has(meshIP6)},
+							{"glibc", []string{"getent", "ahosts", meshName6}, has(meshIP6)},
+						})
+					})
+					n.wantCaptureFirst(t)
+				})
+			}
+			suite("clients")
+			if tc.after {
+				return
+			}
+			n.upgrade("ebpf")
+			suite("after an upgrade")
+			n.agent.Kill()
+			n.agent = nil
+			n.start("ebpf")
+			suite("after kill -9 and a restart")
+
+			// Uninstalled: the LB alone translates the pod's queries again.
+			n.stop()
+			before := backend.Count(extName) + backend6.Count(extName)
+			translated := lb.Translated()
+			for _, c := range []clientCase{
+				{"dig-tcp", []string{"dig", "+tcp", "+short", "+time=2", "+tries=1", extName}, has(extIP)},
+				{"glibc", []string{"getent", "ahosts", extName}, has(extIP)},
+			} {
+				out, err := n.client(n.pod, 1000, c.argv[0], c.argv[1:]...)
+				if err != nil || !c.want(out) {
+					t.Errorf("after uninstall, %s: %v %q", c.name, err, out)
+				}
+			}
+			if lb.Translated() == translated || backend.Count(extName)+backend6.Count(extName) == before {
+				t.Errorf("after uninstall the LB translated nothing to its backends")
+			}
+		})
+	}
+}
+
+// wantCaptureFirst checks that status says ours run first on every forward
+// hook (ordering).
+func (n *node) wantCaptureFirst(t *testing.T) {
+	t.Helper()
+	out, err := n.cli("status", "-o", "json", "--bpffs", n.bpffs, "--state-dir", n.stateDir)
+	if err != nil {
+		t.Fatalf("status: %v\n%s", err, out)
+	}
+	var st struct {
+		Datapath struct {
+			Capture []struct {
+				Hook      string `json:"hook"`
+				First     bool   `json:"first"`
+				Mechanism string `json:"mechanism"`
+			} `json:"capture"`
+		} `json:"datapath"`
+	}
+	if err := json.Unmarshal([]byte(out), &st); err != nil {
+		t.Fatalf("status -o json: %v\n%s", err, out)
+	}
+	if len(st.Datapath.Capture) != 4 {
+		t.Fatalf("status -o json: capture %+v, want the 4 forward hooks\n%s", st.Datapath.Capture, out)
+	}
+	for _, hc := range st.Datapath.Capture {
+		if !hc.First || hc.Mechanism != "ordering" {
+			t.Errorf("status: %+v, want ours first by ordering", hc)
+		}
+	}
+	text, err := n.cli("status", "--bpffs", n.bpffs, "--state-dir", n.stateDir)
+	if err != nil || !strings.Contains(text, "OURS FIRST") {
+		t.Errorf("status text has no OURS FIRST table (%v):\n%s", err, text)
+	}
+}
