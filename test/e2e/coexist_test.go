@@ -4,7 +4,9 @@ import (
 	"encoding/json"
 	"net/netip"
 	"strings"
+	"syscall"
 	"testing"
+	"time"
 
 	"github.com/meshdns/meshdns-ebpf/internal/redirect/socklb"
 	"github.com/meshdns/meshdns-ebpf/internal/testenv"
@@ -140,5 +142,82 @@ func (n *node) wantCaptureFirst(t *testing.T) {
 	text, err := n.cli("status", "--bpffs", n.bpffs, "--state-dir", n.stateDir)
 	if err != nil || !strings.Contains(text, "OURS FIRST") {
 		t.Errorf("status text has no OURS FIRST table (%v):\n%s", err, text)
+	}
+}
+
+// Rollouts and a kill -9 under load with the socket LB attached before the
+// agent (ours in front): 5 overlapped upgrades lose nothing, no mesh name
+// falls through to a backend, and no reply comes from the wrong source; after
+// a kill -9 the only failed lookups are those in flight at the kill (lookups
+// started after it reach the backend through the LB, which knows no mesh
+// name), and a restarted agent captures again.
+func TestRolloutsBesideSocketLBUnderLoad(t *testing.T) {
+	n := newNode(t)
+	pod := n.addLoadPod()
+	n.ns.IP(t, "addr", "add", backendNS+"/32", "dev", "lo")
+	backend := testenv.StartFakeDNS(t, n.ns, backendNS+":53", map[string][]netip.Addr{
+		extName:         {netip.MustParseAddr(extIP)},
+		"*." + fwdZone:  {netip.MustParseAddr(fwdIP)},
+		"*." + slowZone: {netip.MustParseAddr(slowIP)},
+	})
+	backend.SetNameDelay("*."+slowZone, slowDelay)
+	lb, err := socklb.Attach(n.cg.Path, socklb.Options{Services: map[netip.AddrPort]netip.AddrPort{
+		netip.MustParseAddrPort(origNS + ":53"): netip.MustParseAddrPort(backendNS + ":53")}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { lb.Close() })
+	n.start("ebpf")
+	missBefore := n.mapMiss()
+	ld := n.startLoad(pod, 1000)
+	origin := monotonic()
+	n.waitRedirected(500)
+	const rounds = 5
+	for range rounds {
+		n.upgrade("ebpf")
+	}
+	upgraded := monotonic()
+	missUpgrades := n.mapMiss() - missBefore
+	n.waitRedirected(500)
+	victim := n.agent
+	if err := victim.Signal(syscall.SIGKILL); err != nil {
+		t.Fatal(err)
+	}
+	if ok, _ := victim.Wait(10 * time.Second); !ok {
+		t.Fatal("the killed agent did not exit")
+	}
+	killed := monotonic()
+	n.agent = nil
+	backend.Reset()
+	if !testenv.WaitFor(30*time.Second, func() bool { return len(backend.Queries()) >= 500 }) {
+		t.Fatalf("the backend saw only %d queries through the LB after the kill", len(backend.Queries()))
+	}
+	n.start("ebpf")
+	restarted := monotonic()
+	n.waitRedirected(500)
+	n.wantCaptureFirst(t)
+	res := ld.stop()
+
+	upFell, upBad := split(res.between(0, upgraded))
+	var inFlight int
+	var bad []loadFail
+	for _, f := range res.between(upgraded, monotonic()) {
+		switch {
+		case f.start < killed:
+			inFlight++
+		case f.what == "nxdomain" && isMesh(f.name) && f.start < restarted:
+			// No agent: the backend (through the LB) answered; the fail-open.
+		default:
+			bad = append(bad, f)
+		}
+	}
+	t.Logf("beside the LB, %d lookups (%d ok): %d upgrades: %d lost or wrong, %d fell through, %d wrong-source replies; kill -9: %d in flight failed, %d started after it failed",
+		res.sent, res.ok, rounds, len(upBad), len(upFell), missUpgrades, inFlight, len(bad))
+	if len(upBad)+len(upFell) > 0 || missUpgrades > 0 {
+		t.Errorf("upgrades beside the LB: %d lost or wrong, %d fell through, %d wrong-source replies, want 0:\n%s%s",
+			len(upBad), len(upFell), missUpgrades, describe(upBad, origin), describe(upFell, origin))
+	}
+	if len(bad) > 0 {
+		t.Errorf("lookups started after the kill failed:\n%s", describe(bad, killed))
 	}
 }
