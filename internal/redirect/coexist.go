@@ -247,8 +247,20 @@ func (d *Datapath) HookCaptures() ([]HookCapture, error) {
 	if err != nil {
 		return nil, err
 	}
+	// The map, not the last SetBackends: a successor keeps its
+	// predecessor's backends until its own watch has them.
+	n := 0
 	d.mu.Lock()
-	n := len(d.backends)
+	if d.objs.Backends != nil {
+		var (
+			k redirectNsKey
+			v redirectBackend
+		)
+		it := d.objs.Backends.Iterate()
+		for it.Next(&k, &v) {
+			n++
+		}
+	}
 	d.mu.Unlock()
 	return HookCaptures(progs, n), nil
 }
