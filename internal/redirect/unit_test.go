@@ -192,3 +192,36 @@ func TestProgramsLoadWithLeastPrivilege(t *testing.T) {
 		}
 	}
 }
+
+// The maps and programs the datapath pins, attaches and removes are exactly
+// the object's (read from the bpf2go struct tags, not a list kept by hand).
+func TestNamesFromTheObject(t *testing.T) {
+	spec, err := loadRedirect()
+	if err != nil {
+		t.Fatal(err)
+	}
+	maps, progs := new(Datapath).mapsByName(), new(Datapath).programsByName()
+	n := 0
+	for name := range spec.Maps {
+		if strings.HasPrefix(name, ".") {
+			continue
+		}
+		n++
+		if _, ok := maps[name]; !ok {
+			t.Errorf("map %s of the object is not in mapsByName", name)
+		}
+	}
+	if n != len(maps) || len(spec.Programs) != len(progs) {
+		t.Errorf("mapsByName has %d maps, the object %d; programsByName %d programs, the object %d", len(maps), n, len(progs), len(spec.Programs))
+	}
+	for name := range spec.Programs {
+		if _, ok := progs[name]; !ok {
+			t.Errorf("program %s of the object is not in programsByName", name)
+		}
+	}
+	for _, h := range hooks {
+		if p := spec.Programs[h.name]; p == nil || p.SectionName != h.section || p.AttachType != h.attach {
+			t.Errorf("hook %+v does not match the object's program %+v", h, p)
+		}
+	}
+}
