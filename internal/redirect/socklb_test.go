@@ -1,12 +1,15 @@
 package redirect
 
 import (
+	"context"
 	"encoding/json"
 	"fmt"
 	"net/netip"
+	"os"
 	"regexp"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/meshdns/meshdns-ebpf/internal/redirect/socklb"
 	"github.com/meshdns/meshdns-ebpf/internal/testenv"
@@ -126,6 +129,7 @@ func TestCaptureBesideSocketLB(t *testing.T) {
 				}
 				if tc.backend {
 					n.wantBackendOwnQuery(t)
+					n.wantMarkedNotCaptured(t)
 				}
 				// Without ours, the LB translates and restores on its own.
 				if err := d.Close(); err != nil {
@@ -172,6 +176,31 @@ func (n lbNet) wantCapture(t *testing.T, d *Datapath, first bool, mechanism stri
 	}
 	if want := fmt.Sprintf(`{"hook":"sendmsg4","first":%v,"mechanism":%q}`, first, mechanism); !strings.Contains(string(b), want) {
 		t.Errorf("status JSON lacks %s: %s", want, b)
+	}
+}
+
+// wantMarkedNotCaptured checks that a socket carrying the upstream mark (the
+// agent's own upstream query) to a captured nameserver, translated to its
+// backend by the LB, reaches the backend.
+func (n lbNet) wantMarkedNotCaptured(t *testing.T) {
+	t.Helper()
+	before := n.orig[backend4].Count("mesh.test")
+	// Root: setting SO_MARK takes CAP_NET_ADMIN. TCP: both LB variants translate it.
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	cmd := testenv.Command(ctx, testenv.Proc{Netns: n.pod, Cgroup: n.cg}, clientBin, "-mode=tcp", "-dst="+hp(ns1, 53), fmt.Sprintf("-mark=%d", testMark))
+	cmd.Env = append(os.Environ(), clientEnv+"=1", "GODEBUG=asyncpreemptoff=1")
+	out, err := cmd.Output()
+	if err != nil {
+		t.Fatalf("marked client: %v\n%s", err, out)
+	}
+	rs := parseResults(t, out)
+	if len(rs) != 1 {
+		t.Fatalf("got %d results", len(rs))
+	}
+	wantOriginal(t, rs[0])
+	if n.orig[backend4].Count("mesh.test") != before+1 {
+		t.Errorf("the marked query did not reach the backend")
 	}
 }
 
