@@ -143,6 +143,15 @@ func (n *node) wantCaptureFirst(t *testing.T) {
 	if err != nil || !strings.Contains(text, "OURS FIRST") {
 		t.Errorf("status text has no OURS FIRST table (%v):\n%s", err, text)
 	}
+	code, metrics := n.httpGet("http://" + adminAddr + "/metrics")
+	for _, want := range []string{
+		`meshdns_datapath_capture_mechanism{hook="connect4",mechanism="ordering"} 1`,
+		`meshdns_datapath_capture_mechanism{hook="sendmsg4",mechanism="none"} 0`,
+	} {
+		if code != 200 || !strings.Contains(metrics, want) {
+			t.Errorf("/metrics (%d) lacks %s", code, want)
+		}
+	}
 }
 
 // Rollouts and a kill -9 under load with the socket LB attached before the
