@@ -50,12 +50,20 @@ func (d *Datapath) attach() error {
 				}
 				if behind {
 					nl, err := d.relink(cg, prog, h, l, p)
-					if err != nil {
+					switch {
+					case errors.Is(err, unix.EINVAL):
+						// A kernel without ordered cgroup programs (a restart
+						// that adopts every link attaches nothing new, so
+						// this is where it shows): keep the link's place.
+						d.order = Ordering{Reason: fmt.Sprintf("the kernel refused ordered cgroup attach (%v)", err)}
+						d.log.Info("no ordered cgroup programs on this kernel: the adopted link stays behind the other program", "hook", h.name, "err", err)
+					case err != nil:
 						l.Close()
 						return err
+					default:
+						l, ahead = nl, true
+						d.log.Info("adopted link ran behind another program: replaced by one in front", "hook", h.name)
 					}
-					l, ahead = nl, true
-					d.log.Info("adopted link ran behind another program: replaced by one in front", "hook", h.name)
 				}
 			}
 			if !ahead {

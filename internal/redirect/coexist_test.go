@@ -216,3 +216,42 @@ func connect4IDs(progs []CgroupProgram) []uint32 {
 	}
 	return ids
 }
+
+// On a kernel that refuses ordered attach, a restart that adopts links pinned
+// behind another program starts anyway: the links keep their place, the
+// refusal is reported, and capture works for what reaches ours.
+func TestAdoptionWithoutOrderedAttach(t *testing.T) {
+	n := newTestNet(t)
+	foreign := attachForeign(t, n.cg.Path, "other_lb", ebpf.AttachCGroupInet4Connect)
+	cfg := n.config()
+	cfg.Unordered = true
+	cfg.Detach = false
+	first, err := New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	n.startDatapath(t, first)
+	if err := first.Close(); err != nil {
+		t.Fatal(err)
+	}
+	saved := orderFlags
+	orderFlags = 1 << 30 // no kernel knows this flag: EINVAL, as before Linux 6.16
+	t.Cleanup(func() { orderFlags = saved })
+
+	d := n.start(t, n.config())
+	if got := d.Ordering(); got.Supported || got.Reason == "" || got.Relinked != 0 {
+		t.Errorf("ordering %+v, want unsupported with the kernel's refusal as reason", got)
+	}
+	progs, err := d.CgroupPrograms()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c := connect4IDs(progs); len(c) != 2 || c[0] != foreign {
+		t.Errorf("connect4 runs %v, want the foreign program %d still first", c, foreign)
+	}
+	rs := n.query(t, proc{uid: userUID}, "-mode=connect", "-dst="+hp(ns1, 53))
+	if len(rs) != 1 {
+		t.Fatalf("got %d results", len(rs))
+	}
+	wantCaptured(t, rs[0], 4, 0, hp(ns1, 53), hp(ns1, 53))
+}

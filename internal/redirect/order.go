@@ -21,8 +21,9 @@ import (
 // the flags (EINVAL); the datapath then attaches as before, in attach order.
 
 // orderFlags put a link in front of every program that runs for the cgroup's
-// sockets on its hook.
-const orderFlags = unix.BPF_F_BEFORE | unix.BPF_F_PREORDER
+// sockets on its hook (a variable: a test gives it a flag every kernel
+// refuses, to run an older kernel's refusal on this one).
+var orderFlags uint32 = unix.BPF_F_BEFORE | unix.BPF_F_PREORDER
 
 // UnorderedEnv, set to 1 in the agent's environment, makes the datapath attach
 // as on a kernel without ordered cgroup programs (a test switch: the coexistence
