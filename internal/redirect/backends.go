@@ -88,14 +88,3 @@ func (d *Datapath) writeBackends() error {
 	}
 	return errors.Join(errs...)
 }
-
-// Backends lists the backends the programs capture: backend -> nameserver.
-func (d *Datapath) Backends() map[netip.Addr]netip.Addr {
-	d.mu.Lock()
-	defer d.mu.Unlock()
-	out := map[netip.Addr]netip.Addr{}
-	for k, v := range d.backends {
-		out[wordsAddr(k.Addr).Unmap()] = wordsAddr(v.Nameserver).Unmap()
-	}
-	return out
-}
