@@ -91,7 +91,7 @@ run: deps build
 	./$(BIN) run --persist=false $(RUN_FLAGS)
 
 generate:
-	$(GO) generate ./internal/redirect
+	$(GO) generate ./internal/redirect/...
 
 check-generate:
 	scripts/check-bpf-generated.sh

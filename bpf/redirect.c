@@ -12,13 +12,21 @@
  *   dst is one of our targets                         -> pass, not counted
  *   SO_MARK == upstream mark (the resolver itself)    -> skip_resolver
  *   calling task's UID is a proxy UID                 -> skip_proxy
- *   dst not a captured nameserver, not capture-all    -> skip_not_captured
+ *   dst a backend of a captured nameserver (a socket LB before ours, see
+ *   backends) served in the socket's own netns (a CoreDNS pod's own query)
+ *                                                     -> skip_not_captured
+ *   dst not a captured nameserver nor a backend of one, not capture-all
+ *                                                     -> skip_not_captured
  *   target is loopback, socket in another netns       -> skip_other_netns
  *   no resolver socket for the slot in resolver_socks -> skip_no_resolver
  *   resolver stopped dequeuing (see progress)         -> skip_stalled
  *   no room for this socket's state                   -> skip_no_state
  *   else record the original destination in the socket's storage and rewrite
  *   dst to target:slot port                           -> redirected_udp/_tcp
+ * A backend is captured like its nameserver (same slot), and the nameserver,
+ * not the backend, is recorded as the original: the client gets the address it
+ * asked whatever order another datapath's recvmsg runs in (counted as
+ * backend_captured too).
  * Reverse (recvmsg4/6: reply source; getpeername4/6: peer): when the address is
  * a target:slot port, restore the original the socket recorded for that slot
  * (reply_rewritten), or count map_miss.
@@ -81,6 +89,7 @@ enum meshdns_limits {
 	MAX_SLOTS = MAX_NAMESERVERS + MAX_ALL_SLOTS,
 	SOCK_ENTRIES = 4,     /* slot ports one socket can be redirected to */
 	MAX_PROXY_UIDS = 64,
+	MAX_BACKENDS = 256,   /* backends of the captured nameservers */
 	RESOLVER_SOCKS = 4 * MAX_SLOTS, /* (family, protocol, slot) */
 	FLOW_WAYS = 4,                  /* entries per flows bucket */
 	FLOW_BUCKET_BITS = 13,
@@ -130,6 +139,7 @@ enum counter {
 	COUNTER_FLOW_RECORDED, /* attribute wrote a flows entry */
 	COUNTER_FLOW_EVICTED,  /* ... over the entry of another open socket */
 	COUNTER_FLOW_RELEASED, /* sock_release freed a socket's entry */
+	COUNTER_BACKEND_CAPTURED, /* redirected a query to a backend of a captured nameserver */
 	NUM_COUNTERS,
 };
 
@@ -197,6 +207,17 @@ struct meshdns_progress {
 /* A nameserver address; IPv4 as ::ffff:a.b.c.d. */
 struct ns_key {
 	__u32 addr[4];
+};
+
+/*
+ * A backend of a captured nameserver (a CoreDNS pod behind the kube-dns
+ * ClusterIP): where another datapath's socket load balancer ran before ours
+ * (Cilium's, Calico's connect-time LB), a query to the nameserver reaches ours
+ * with the backend as destination. Port 53 only, like every capture.
+ */
+struct backend {
+	__u32 nameserver[4]; /* the captured nameserver it stands for; IPv4 as ::ffff:a.b.c.d */
+	__u32 slot;          /* that nameserver's slot */
 };
 
 /* One redirected slot of a socket. */
@@ -271,6 +292,14 @@ struct {
 	__type(value, __u32);
 	__uint(max_entries, MAX_NAMESERVERS);
 } nameservers SEC(".maps");
+
+/* Backend address (IPv4 as ::ffff:a.b.c.d) -> the nameserver it serves; written by the agent. */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__type(key, struct ns_key);
+	__type(value, struct backend);
+	__uint(max_entries, MAX_BACKENDS);
+} backends SEC(".maps");
 
 /* UIDs whose sockets are never captured (value unused). */
 struct {
@@ -576,6 +605,39 @@ static __always_inline void note_sender(struct sock_origs *st)
 }
 
 /*
+ * Whether a socket of the calling socket's type listens on dst port 53 in its
+ * own network namespace: the sender is the backend itself (a CoreDNS pod
+ * asking its own address), whose queries are never captured.
+ */
+static __always_inline int served_here(struct bpf_sock_addr *ctx, const __u32 *dst, int v4)
+{
+	struct bpf_sock_tuple t = {};
+	struct bpf_sock *sk;
+	__u32 size;
+
+	if (v4) {
+		t.ipv4.daddr = dst[3];
+		t.ipv4.dport = bpf_htons(DNS_PORT);
+		size = sizeof(t.ipv4);
+	} else {
+		t.ipv6.daddr[0] = dst[0];
+		t.ipv6.daddr[1] = dst[1];
+		t.ipv6.daddr[2] = dst[2];
+		t.ipv6.daddr[3] = dst[3];
+		t.ipv6.dport = bpf_htons(DNS_PORT);
+		size = sizeof(t.ipv6);
+	}
+	if (ctx->type == SOCK_STREAM)
+		sk = bpf_sk_lookup_tcp(ctx, &t, size, BPF_F_CURRENT_NETNS, 0);
+	else
+		sk = bpf_sk_lookup_udp(ctx, &t, size, BPF_F_CURRENT_NETNS, 0);
+	if (!sk)
+		return 0;
+	bpf_sk_release(sk);
+	return 1;
+}
+
+/*
  * The family-independent part of the forward decision. dst is the destination
  * (IPv4 as ::ffff:a.b.c.d), v4 says whether the rewrite goes to target4. Returns
  * the slot port to redirect to after recording dst in the socket's storage, or
@@ -587,6 +649,8 @@ static __always_inline __u16 decide(struct bpf_sock_addr *ctx, __u32 hook, struc
 	struct ns_key key = {};
 	struct sock_origs *st;
 	struct bpf_sock *sk;
+	struct backend *be = 0;
+	const __u32 *orig = dst; /* what the reply must come from */
 	__u32 *listed, uid, mark = 0, listed1 = 0, slot = 0, family, proto;
 	int target_loopback;
 
@@ -636,6 +700,14 @@ static __always_inline __u16 decide(struct bpf_sock_addr *ctx, __u32 hook, struc
 		}
 		listed1 = *listed + 1;
 		slot = *listed;
+	} else if ((be = bpf_map_lookup_elem(&backends, &key))) {
+		if (be->slot >= cfg->all_slot || be->slot >= MAX_NAMESERVERS || served_here(ctx, dst, v4)) {
+			skip(hook, COUNTER_SKIP_NOT_CAPTURED);
+			return 0;
+		}
+		listed1 = be->slot + 1;
+		slot = be->slot;
+		orig = be->nameserver;
 	} else if (cfg->flags & FLAG_CAPTURE_ALL && cfg->num_all > 0) {
 		slot = cfg->all_slot; /* the capture-all slots share one resolver */
 	} else {
@@ -665,10 +737,12 @@ static __always_inline __u16 decide(struct bpf_sock_addr *ctx, __u32 hook, struc
 		skip(hook, COUNTER_SKIP_NO_STATE);
 		return 0;
 	}
-	if (record_orig(cfg, st, listed1, dst, &slot) != 0 || slot >= cfg->num_slots || slot >= MAX_SLOTS) {
+	if (record_orig(cfg, st, listed1, orig, &slot) != 0 || slot >= cfg->num_slots || slot >= MAX_SLOTS) {
 		skip(hook, COUNTER_SKIP_NO_STATE);
 		return 0;
 	}
+	if (be)
+		count(hook, COUNTER_BACKEND_CAPTURED);
 	note_sender(st);
 	return cfg->base_port + slot;
 }

@@ -89,6 +89,27 @@ struct bpf_sock_addr {
 	__bpf_md_ptr(struct bpf_sock *, sk);
 };
 
+/* The lookup key of bpf_sk_lookup_tcp/udp. */
+struct bpf_sock_tuple {
+	union {
+		struct {
+			__be32 saddr;
+			__be32 daddr;
+			__be16 sport;
+			__be16 dport;
+		} ipv4;
+		struct {
+			__be32 saddr[4];
+			__be32 daddr[4];
+			__be16 sport;
+			__be16 dport;
+		} ipv6;
+	};
+};
+
+/* bpf_sk_lookup_*: in the network namespace of the program's context. */
+#define BPF_F_CURRENT_NETNS (-1L)
+
 /* struct __sk_buff up to its sk pointer (cgroup_skb programs). */
 struct __sk_buff {
 	__u32 len;
@@ -172,6 +193,8 @@ static long (*bpf_skb_load_bytes)(const void *skb, __u32 offset, void *to, __u32
 static __u64 (*bpf_get_socket_cookie)(void *ctx) = (void *)46;
 static long (*bpf_getsockopt)(void *bpf_socket, int level, int optname, void *optval, int optlen) = (void *)57;
 static __u64 (*bpf_get_current_cgroup_id)(void) = (void *)80;
+static struct bpf_sock *(*bpf_sk_lookup_tcp)(void *ctx, struct bpf_sock_tuple *tuple, __u32 tuple_size, __u64 netns, __u64 flags) = (void *)84;
+static struct bpf_sock *(*bpf_sk_lookup_udp)(void *ctx, struct bpf_sock_tuple *tuple, __u32 tuple_size, __u64 netns, __u64 flags) = (void *)85;
 static long (*bpf_sk_release)(void *sock) = (void *)86;
 static struct bpf_sock *(*bpf_sk_fullsock)(struct bpf_sock *sk) = (void *)95;
 static void *(*bpf_sk_storage_get)(void *map, void *sk, void *value, __u64 flags) = (void *)107;

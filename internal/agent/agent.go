@@ -342,7 +342,9 @@ func (a *Agent) startDatapath(ctx context.Context, reg *prometheus.Registry) (er
 	if err := a.dp.Start(ctx); err != nil {
 		return fmt.Errorf("install eBPF datapath: %w", err)
 	}
-	reg.MustRegister(newDatapathCollector(a.dp.HookStats), newForeignProgramsCollector(a.dp.CgroupPrograms))
+	reg.MustRegister(newDatapathCollector(a.dp.HookStats), newForeignProgramsCollector(a.dp.CgroupPrograms),
+		newCaptureMechanismCollector(a.dp.HookCaptures))
+	a.watchDNSBackends()
 	return nil
 }
 

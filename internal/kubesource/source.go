@@ -55,6 +55,8 @@ type Source struct {
 	log    *slog.Logger
 	client *kubeclient.Client
 	pods   podIndex
+	// backends: one Service's endpoint addresses for the datapath (backends.go)
+	backends backendWatch
 }
 
 // New validates cfg and creates the client. It contacts nothing.
@@ -120,6 +122,10 @@ func (s *Source) Run(ctx context.Context, sink names.Sink) error {
 		return err
 	}
 	regs = append(regs, reg)
+	if _, err = sliceInf.AddEventHandler(s.backends.handler()); err != nil {
+		return err
+	}
+	s.backends.setStore(sliceInf.GetStore())
 
 	if s.cfg.NodeName != "" {
 		sel := fields.OneTermEqualSelector("spec.nodeName", s.cfg.NodeName).String()

@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"slices"
 	"text/tabwriter"
 
 	"github.com/cilium/ebpf"
@@ -182,5 +183,110 @@ func writeCgroupPrograms(w io.Writer, progs []CgroupProgram, queryErr string) er
 	if !header {
 		fmt.Fprintln(tw, "\nother programs on the capture cgroup: none")
 	}
+	return tw.Flush()
+}
+
+// How a query to a captured nameserver is captured on a forward hook, beside
+// other datapaths' programs (HookCapture.Mechanism).
+const (
+	// MechanismOrdering: ours run first on the hook (put in front where the
+	// kernel orders cgroup programs, or attached before every other).
+	MechanismOrdering = "ordering"
+	// MechanismBackendCapture: another program runs first and may translate
+	// the nameserver to a backend; ours capture the backends they know.
+	MechanismBackendCapture = "backend-capture"
+	// MechanismNone: another program runs first and ours know no backend (or
+	// ours are not on the hook): its translations are not captured.
+	MechanismNone = "none"
+)
+
+// Mechanisms are the values of HookCapture.Mechanism.
+var Mechanisms = []string{MechanismOrdering, MechanismBackendCapture, MechanismNone}
+
+// HookCapture says, for one forward hook (connect4/6, sendmsg4/6: where a
+// query's destination is decided), whether ours run first and by which
+// mechanism a query to a captured nameserver is captured there. The reverse
+// hooks (recvmsg, getpeername) restore the address the client asked in any
+// order: the original they restore is the nameserver's, never a backend's.
+type HookCapture struct {
+	Hook      string `json:"hook"`
+	First     bool   `json:"first"`
+	Mechanism string `json:"mechanism"`
+}
+
+// forwardHooks are the hooks where a destination is decided.
+var forwardHooks = []string{"connect4", "connect6", "sendmsg4", "sendmsg6"}
+
+// HookCaptures says how each forward hook captures, from the programs that run
+// on it (QueryCgroupPrograms) and the number of backends ours capture.
+func HookCaptures(progs []CgroupProgram, backends int) []HookCapture {
+	out := make([]HookCapture, 0, len(forwardHooks))
+	for _, h := range forwardHooks {
+		hc := HookCapture{Hook: h, Mechanism: MechanismNone}
+		for _, p := range progs {
+			if p.Hook == h {
+				hc.First = p.Ours
+				break
+			}
+		}
+		ours := slices.ContainsFunc(progs, func(p CgroupProgram) bool { return p.Hook == h && p.Ours })
+		switch {
+		case hc.First:
+			hc.Mechanism = MechanismOrdering
+		case ours && backends > 0:
+			hc.Mechanism = MechanismBackendCapture
+		}
+		out = append(out, hc)
+	}
+	return out
+}
+
+// HookCaptures says how each forward hook of the running datapath captures.
+func (d *Datapath) HookCaptures() ([]HookCapture, error) {
+	progs, err := d.CgroupPrograms()
+	if err != nil {
+		return nil, err
+	}
+	// The map, not the last SetBackends: a successor keeps its
+	// predecessor's backends until its own watch has them.
+	n := 0
+	d.mu.Lock()
+	if d.objs.Backends != nil {
+		var (
+			k redirectNsKey
+			v redirectBackend
+		)
+		it := d.objs.Backends.Iterate()
+		for it.Next(&k, &v) {
+			n++
+		}
+	}
+	d.mu.Unlock()
+	return HookCaptures(progs, n), nil
+}
+
+// writeHookCaptures prints, per forward hook, whether ours run first and how
+// queries are captured.
+func writeHookCaptures(w io.Writer, hcs []HookCapture, backends int) error {
+	if len(hcs) == 0 {
+		return nil
+	}
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
+	fmt.Fprintf(tw, "\nHOOK\tOURS FIRST\tCAPTURE\n")
+	for _, hc := range hcs {
+		first := "no"
+		if hc.First {
+			first = "yes"
+		}
+		what := hc.Mechanism
+		switch hc.Mechanism {
+		case MechanismBackendCapture:
+			what = fmt.Sprintf("%s (%d backends of the captured nameservers)", hc.Mechanism, backends)
+		case MechanismNone:
+			what = hc.Mechanism + ": another program may translate the nameserver first, and no backend is known"
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%s\n", hc.Hook, first, what)
+	}
+	fmt.Fprintln(tw, "recvmsg, getpeername\tany order\trestore the nameserver asked")
 	return tw.Flush()
 }

@@ -45,8 +45,15 @@ func attachForeign(t *testing.T, cgroup, name string, attach ebpf.AttachType) ui
 // Other programs on the capture cgroup's hooks (another datapath: Cilium's socket
 // LB, Calico's) are listed with the order the kernel runs them in, ours among
 // them, by the running datapath and by the CLI's status (from the pins), and
-// counted before and after ours.
+// counted before and after ours. Ours run in front of one attached before them
+// where the kernel orders cgroup programs; with that switched off (as on an
+// older kernel) they run in attach order.
 func TestForeignProgramsListed(t *testing.T) {
+	t.Run("ordered", func(t *testing.T) { testForeignProgramsListed(t, false) })
+	t.Run("unordered", func(t *testing.T) { testForeignProgramsListed(t, true) })
+}
+
+func testForeignProgramsListed(t *testing.T, unordered bool) {
 	n := newTestNet(t)
 	// The capture cgroup is a child of the test cgroup, so a program attached to
 	// the parent is inherited (it runs after the child's own).
@@ -60,7 +67,11 @@ func TestForeignProgramsListed(t *testing.T) {
 
 	cfg := n.config()
 	cfg.Cgroup = capture
+	cfg.Unordered = unordered
 	d := n.start(t, cfg)
+	if got := d.Ordering().Supported; got == unordered {
+		t.Errorf("ordering supported %v, want %v", got, !unordered)
+	}
 	after := attachForeign(t, capture, "late_sendmsg", ebpf.AttachCGroupUDP4Sendmsg)
 
 	ours := map[string]uint32{}
@@ -72,8 +83,14 @@ func TestForeignProgramsListed(t *testing.T) {
 		name            string
 		ours, inherited bool
 	}
+	connect4 := []row{{ours["connect4"], "connect4", true, false}, {before, "other_lb", false, false}, {parent, "parent_connect", false, true}}
+	connectBefore, connectAfter := 0, 2
+	if unordered {
+		connect4[0], connect4[1] = connect4[1], connect4[0]
+		connectBefore, connectAfter = 1, 1
+	}
 	want := map[string][]row{
-		"connect4": {{before, "other_lb", false, false}, {ours["connect4"], "connect4", true, false}, {parent, "parent_connect", false, true}},
+		"connect4": connect4,
 		"sendmsg4": {{ours["sendmsg4"], "sendmsg4", true, false}, {after, "late_sendmsg", false, false}},
 		"recvmsg4": {{ours["recvmsg4"], "recvmsg4", true, false}},
 	}
@@ -92,8 +109,8 @@ func TestForeignProgramsListed(t *testing.T) {
 			}
 		}
 		counts := ForeignPrograms(progs)
-		if c := counts["connect4"]; c.Before != 1 || c.After != 1 {
-			t.Errorf("%s: connect4 foreign programs %+v, want 1 before and 1 after", what, c)
+		if c := counts["connect4"]; c.Before != connectBefore || c.After != connectAfter {
+			t.Errorf("%s: connect4 foreign programs %+v, want %d before and %d after", what, c, connectBefore, connectAfter)
 		}
 		if c := counts["sendmsg4"]; c.Before != 0 || c.After != 1 {
 			t.Errorf("%s: sendmsg4 foreign programs %+v, want 1 after", what, c)
@@ -125,4 +142,116 @@ func TestForeignProgramsListed(t *testing.T) {
 		}
 	}
 	t.Logf("status:\n%s", out.String())
+}
+
+// A restart adopts links pinned behind another datapath's program (attached on
+// an older kernel, or before the other datapath attached in front of them): on
+// a kernel that orders cgroup programs, the new agent replaces each by a link
+// in front, pinned in its place, and the old one is gone from the hook.
+func TestAdoptionPutsOursFirst(t *testing.T) {
+	n := newTestNet(t)
+	foreign := attachForeign(t, n.cg.Path, "other_lb", ebpf.AttachCGroupInet4Connect)
+	cfg := n.config()
+	cfg.Unordered = true
+	cfg.Detach = false
+	first, err := New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	n.startDatapath(t, first)
+	if err := first.Close(); err != nil {
+		t.Fatal(err)
+	}
+	progs, err := QueryCgroupPrograms(n.cg.Path, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c := connect4IDs(progs); len(c) != 2 || c[0] != foreign {
+		t.Fatalf("before the restart connect4 runs %v, want the foreign program %d first", c, foreign)
+	}
+
+	d := n.start(t, n.config()) // ordered; detaches at the end
+	if got := d.Ordering(); !got.Supported || got.Relinked != 1 {
+		t.Errorf("ordering %+v, want supported with connect4's link (the one behind another program) relinked", got)
+	}
+	progs, err = d.CgroupPrograms()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var ours uint32
+	for _, p := range d.Programs() {
+		if p.Hook == "connect4" {
+			ours = p.ProgramID
+		}
+	}
+	if c := connect4IDs(progs); !slices.Equal(c, []uint32{ours, foreign}) {
+		t.Errorf("after the restart connect4 runs %v, want ours (%d) then the foreign program (%d), once each", c, ours, foreign)
+	}
+	for _, c := range ForeignPrograms(progs) {
+		if c.Before != 0 {
+			t.Errorf("foreign programs before ours after the restart: %+v", ForeignPrograms(progs))
+			break
+		}
+	}
+	st, err := ReadStatus(n.pinDir())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c := connect4IDs(st.CgroupPrograms); !slices.Equal(c, []uint32{ours, foreign}) {
+		t.Errorf("status (from the pins): connect4 runs %v, want [%d %d]", c, ours, foreign)
+	}
+	rs := n.query(t, proc{uid: userUID}, "-mode=connect", "-dst="+hp(ns1, 53))
+	if len(rs) != 1 {
+		t.Fatalf("got %d results", len(rs))
+	}
+	wantCaptured(t, rs[0], 4, 0, hp(ns1, 53), hp(ns1, 53))
+}
+
+func connect4IDs(progs []CgroupProgram) []uint32 {
+	var ids []uint32
+	for _, p := range progs {
+		if p.Hook == "connect4" {
+			ids = append(ids, p.ProgramID)
+		}
+	}
+	return ids
+}
+
+// On a kernel that refuses ordered attach, a restart that adopts links pinned
+// behind another program starts anyway: the links keep their place, the
+// refusal is reported, and capture works for what reaches ours.
+func TestAdoptionWithoutOrderedAttach(t *testing.T) {
+	n := newTestNet(t)
+	foreign := attachForeign(t, n.cg.Path, "other_lb", ebpf.AttachCGroupInet4Connect)
+	cfg := n.config()
+	cfg.Unordered = true
+	cfg.Detach = false
+	first, err := New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	n.startDatapath(t, first)
+	if err := first.Close(); err != nil {
+		t.Fatal(err)
+	}
+	saved := orderFlags
+	orderFlags = 1 << 30 // no kernel knows this flag: EINVAL, as before Linux 6.16
+	t.Cleanup(func() { orderFlags = saved })
+
+	d := n.start(t, n.config())
+	if got := d.Ordering(); got.Supported || got.Reason == "" || got.Relinked != 0 {
+		t.Errorf("ordering %+v, want unsupported with the kernel's refusal as reason", got)
+	}
+	progs, err := d.CgroupPrograms()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c := connect4IDs(progs); len(c) != 2 || c[0] != foreign {
+		t.Errorf("connect4 runs %v, want the foreign program %d still first", c, foreign)
+	}
+	rs := n.query(t, proc{uid: userUID}, "-mode=connect", "-dst="+hp(ns1, 53))
+	if len(rs) != 1 {
+		t.Fatalf("got %d results", len(rs))
+	}
+	wantCaptured(t, rs[0], 4, 0, hp(ns1, 53), hp(ns1, 53))
 }

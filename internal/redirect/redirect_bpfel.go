@@ -13,6 +13,12 @@ import (
 	"github.com/cilium/ebpf"
 )
 
+type redirectBackend struct {
+	_          structs.HostLayout
+	Nameserver [4]uint32
+	Slot       uint32
+}
+
 type redirectCgroupCounter uint32
 
 const (
@@ -46,7 +52,8 @@ const (
 	redirectCounterCOUNTER_FLOW_RECORDED     redirectCounter = 12
 	redirectCounterCOUNTER_FLOW_EVICTED      redirectCounter = 13
 	redirectCounterCOUNTER_FLOW_RELEASED     redirectCounter = 14
-	redirectCounterNUM_COUNTERS              redirectCounter = 15
+	redirectCounterCOUNTER_BACKEND_CAPTURED  redirectCounter = 15
+	redirectCounterNUM_COUNTERS              redirectCounter = 16
 )
 
 type redirectFlowBucket struct {
@@ -86,7 +93,7 @@ const (
 
 type redirectHookCounters struct {
 	_        structs.HostLayout
-	Counters [15]uint64
+	Counters [16]uint64
 }
 
 type redirectMeshdnsConfig struct {
@@ -124,6 +131,7 @@ const (
 	redirectMeshdnsLimitsMAX_SLOTS        redirectMeshdnsLimits = 36
 	redirectMeshdnsLimitsSOCK_ENTRIES     redirectMeshdnsLimits = 4
 	redirectMeshdnsLimitsMAX_PROXY_UIDS   redirectMeshdnsLimits = 64
+	redirectMeshdnsLimitsMAX_BACKENDS     redirectMeshdnsLimits = 256
 	redirectMeshdnsLimitsRESOLVER_SOCKS   redirectMeshdnsLimits = 144
 	redirectMeshdnsLimitsFLOW_WAYS        redirectMeshdnsLimits = 4
 	redirectMeshdnsLimitsFLOW_BUCKET_BITS redirectMeshdnsLimits = 13
@@ -178,6 +186,7 @@ type redirectSockOrigs struct {
 //
 // Used for safe lookups in a Collection or CollectionSpec.
 const (
+	redirectMapBackends           = "backends"
 	redirectMapCgroupStats        = "cgroup_stats"
 	redirectMapConfig             = "config"
 	redirectMapFlows              = "flows"
@@ -258,6 +267,7 @@ type redirectProgramSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type redirectMapSpecs struct {
+	Backends      *ebpf.MapSpec `ebpf:"backends"`
 	CgroupStats   *ebpf.MapSpec `ebpf:"cgroup_stats"`
 	Config        *ebpf.MapSpec `ebpf:"config"`
 	Flows         *ebpf.MapSpec `ebpf:"flows"`
@@ -296,6 +306,7 @@ func (o *redirectObjects) Close() error {
 //
 // It can be passed to loadRedirectObjects or ebpf.CollectionSpec.LoadAndAssign.
 type redirectMaps struct {
+	Backends      *ebpf.Map `ebpf:"backends"`
 	CgroupStats   *ebpf.Map `ebpf:"cgroup_stats"`
 	Config        *ebpf.Map `ebpf:"config"`
 	Flows         *ebpf.Map `ebpf:"flows"`
@@ -309,6 +320,7 @@ type redirectMaps struct {
 
 func (m *redirectMaps) Close() error {
 	return _RedirectClose(
+		m.Backends,
 		m.CgroupStats,
 		m.Config,
 		m.Flows,

@@ -309,6 +309,11 @@ type Status struct {
 	// sockets on our hooks, ours and others', in order.
 	CgroupPrograms      []CgroupProgram `json:"cgroup_programs,omitempty"`
 	CgroupProgramsError string          `json:"cgroup_programs_error,omitempty"`
+	// Backends counts the backends of the captured nameservers the programs
+	// capture after another datapath's translation; Capture says, per
+	// forward hook, whether ours run first and how queries are captured.
+	Backends int           `json:"backends"`
+	Capture  []HookCapture `json:"capture,omitempty"`
 }
 
 // ReadStatus reads what is attached and how it is configured from the links and
@@ -394,7 +399,13 @@ func ReadStatus(pinDir string) (*Status, error) {
 		return nil, err
 	}
 	st.Programs = progs
+	if st.Backends, err = countBackends(pinDir); err != nil {
+		return nil, err
+	}
 	st.readCgroupPrograms()
+	if st.CgroupProgramsError == "" && len(st.Programs) > 0 {
+		st.Capture = HookCaptures(st.CgroupPrograms, st.Backends)
+	}
 	return st, nil
 }
 
@@ -513,5 +524,35 @@ func (s *Status) WriteText(w io.Writer) error {
 	if err := tw.Flush(); err != nil {
 		return err
 	}
+	if err := writeHookCaptures(w, s.Capture, s.Backends); err != nil {
+		return err
+	}
 	return writeCgroupPrograms(w, s.CgroupPrograms, s.CgroupProgramsError)
+}
+
+// countBackends counts the entries of the pinned backends map; 0 when the pin
+// is missing (a pin directory of a version without it).
+func countBackends(pinDir string) (int, error) {
+	name := redirectMapBackends
+	if _, err := os.Stat(filepath.Join(pinDir, mapsDir, name)); errors.Is(err, os.ErrNotExist) {
+		return 0, nil
+	}
+	m, err := loadPinnedMap(pinDir, name)
+	if err != nil {
+		return 0, err
+	}
+	defer m.Close()
+	n := 0
+	it := m.Iterate()
+	var (
+		k redirectNsKey
+		v redirectBackend
+	)
+	for it.Next(&k, &v) {
+		n++
+	}
+	if err := it.Err(); err != nil {
+		return 0, fmt.Errorf("read %s map: %w", name, err)
+	}
+	return n, nil
 }

@@ -39,7 +39,7 @@ func TestNamesMatchBPFObject(t *testing.T) {
 	}
 	want := []string{"redirected_udp", "redirected_tcp", "reply_rewritten", "skip_proxy", "skip_resolver",
 		"skip_no_resolver", "skip_stalled", "skip_not_captured", "skip_loopback", "skip_other_netns", "skip_no_state", "map_miss",
-		"flow_recorded", "flow_evicted", "flow_released"}
+		"flow_recorded", "flow_evicted", "flow_released", "backend_captured"}
 	if got := CounterNames(); !reflect.DeepEqual(got, want) {
 		t.Errorf("CounterNames() = %v, want %v", got, want)
 	}
@@ -189,6 +189,39 @@ func TestProgramsLoadWithLeastPrivilege(t *testing.T) {
 		}
 		if len(caps) == 1 && err == nil {
 			t.Errorf("with %v (no CAP_BPF) the programs loaded: the check proves nothing", caps)
+		}
+	}
+}
+
+// The maps and programs the datapath pins, attaches and removes are exactly
+// the object's (read from the bpf2go struct tags, not a list kept by hand).
+func TestNamesFromTheObject(t *testing.T) {
+	spec, err := loadRedirect()
+	if err != nil {
+		t.Fatal(err)
+	}
+	maps, progs := new(Datapath).mapsByName(), new(Datapath).programsByName()
+	n := 0
+	for name := range spec.Maps {
+		if strings.HasPrefix(name, ".") {
+			continue
+		}
+		n++
+		if _, ok := maps[name]; !ok {
+			t.Errorf("map %s of the object is not in mapsByName", name)
+		}
+	}
+	if n != len(maps) || len(spec.Programs) != len(progs) {
+		t.Errorf("mapsByName has %d maps, the object %d; programsByName %d programs, the object %d", len(maps), n, len(progs), len(spec.Programs))
+	}
+	for name := range spec.Programs {
+		if _, ok := progs[name]; !ok {
+			t.Errorf("program %s of the object is not in programsByName", name)
+		}
+	}
+	for _, h := range hooks {
+		if p := spec.Programs[h.name]; p == nil || p.SectionName != h.section || p.AttachType != h.attach {
+			t.Errorf("hook %+v does not match the object's program %+v", h, p)
 		}
 	}
 }

@@ -13,6 +13,12 @@ import (
 	"github.com/cilium/ebpf"
 )
 
+type watchclockBackend struct {
+	_          structs.HostLayout
+	Nameserver [4]uint32
+	Slot       uint32
+}
+
 type watchclockCgroupCounters struct {
 	_        structs.HostLayout
 	Counters [4]uint64
@@ -37,7 +43,7 @@ type watchclockFlowBucket struct {
 
 type watchclockHookCounters struct {
 	_        structs.HostLayout
-	Counters [15]uint64
+	Counters [16]uint64
 }
 
 type watchclockMeshdnsConfig struct {
@@ -101,6 +107,7 @@ type watchclockWatchClock struct {
 //
 // Used for safe lookups in a Collection or CollectionSpec.
 const (
+	watchclockMapBackends           = "backends"
 	watchclockMapCgroupStats        = "cgroup_stats"
 	watchclockMapConfig             = "config"
 	watchclockMapFlows              = "flows"
@@ -164,6 +171,7 @@ type watchclockProgramSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type watchclockMapSpecs struct {
+	Backends      *ebpf.MapSpec `ebpf:"backends"`
 	CgroupStats   *ebpf.MapSpec `ebpf:"cgroup_stats"`
 	Config        *ebpf.MapSpec `ebpf:"config"`
 	Flows         *ebpf.MapSpec `ebpf:"flows"`
@@ -203,6 +211,7 @@ func (o *watchclockObjects) Close() error {
 //
 // It can be passed to loadWatchclockObjects or ebpf.CollectionSpec.LoadAndAssign.
 type watchclockMaps struct {
+	Backends      *ebpf.Map `ebpf:"backends"`
 	CgroupStats   *ebpf.Map `ebpf:"cgroup_stats"`
 	Config        *ebpf.Map `ebpf:"config"`
 	Flows         *ebpf.Map `ebpf:"flows"`
@@ -217,6 +226,7 @@ type watchclockMaps struct {
 
 func (m *watchclockMaps) Close() error {
 	return _WatchclockClose(
+		m.Backends,
 		m.CgroupStats,
 		m.Config,
 		m.Flows,
