@@ -47,7 +47,7 @@ func (b *backendWatch) changed(obj any) {
 	s, ok := unwrap(obj).(*endpointSlice)
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	if b.fn == nil || (ok && (s.namespace != b.namespace || s.service != b.name)) {
+	if b.fn == nil || (ok && (s.Namespace != b.namespace || s.service != b.name)) {
 		return
 	}
 	b.reportLocked()
@@ -60,7 +60,7 @@ func (b *backendWatch) reportLocked() {
 	var addrs []netip.Addr
 	for _, obj := range b.store.List() {
 		s, ok := obj.(*endpointSlice)
-		if !ok || s.namespace != b.namespace || s.service != b.name {
+		if !ok || s.Namespace != b.namespace || s.service != b.name {
 			continue
 		}
 		for _, e := range s.endpoints {
