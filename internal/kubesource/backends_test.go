@@ -6,6 +6,8 @@ import (
 	"testing"
 
 	"k8s.io/client-go/tools/cache"
+
+	"github.com/meshdns/meshdns-ebpf/internal/kubeclient"
 )
 
 // The backends watch reports the endpoint addresses of the one Service it
@@ -20,7 +22,7 @@ func TestServiceBackendsWatch(t *testing.T) {
 	s.WatchServiceBackends("kube-system/kube-dns", func(a []netip.Addr) { got = append(got, a) })
 	h := s.backends.handler()
 	slice := func(ns, name, svc string, addrs ...string) *endpointSlice {
-		es := &endpointSlice{meta: meta{name: name, namespace: ns}, service: svc}
+		es := &endpointSlice{Meta: kubeclient.Meta{Name: name, Namespace: ns}, service: svc}
 		for _, a := range addrs {
 			es.endpoints = append(es.endpoints, endpoint{addrs: []netip.Addr{netip.MustParseAddr(a)}})
 		}
