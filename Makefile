@@ -123,14 +123,17 @@ bench: build
 # time on one core. FuzzServeDNS: any message gets a well-formed reply within its
 # size limit; FuzzPathsAgree: the wire path and the unpacked path give the same
 # response over generated tables and questions; the nametable targets: the
-# streaming reader and decoder agree with Parse.
+# streaming reader and decoder agree with Parse. FuzzPathsAgree's coverage varies
+# from run to run (shuffled answers, map order in the table builder), so the
+# fuzzer would spend a minute minimizing almost every input: it does not minimize.
 FUZZTIME ?= 60s
 FUZZ_TARGETS := internal/resolver:FuzzServeDNS internal/resolver:FuzzPathsAgree \
 	internal/nametable:FuzzEntryDecoderMatchesJSON internal/nametable:FuzzReaderMatchesParse
 fuzz:
 	@set -e; for t in $(FUZZ_TARGETS); do \
+	  min=; case $$t in *:FuzzPathsAgree) min="-fuzzminimizetime 0";; esac; \
 	  echo "fuzz $${t#*:} ($(FUZZTIME))"; \
-	  $(GO) test -run XXX -fuzz "^$${t#*:}\$$" -fuzztime $(FUZZTIME) -parallel 1 ./$${t%%:*}/; \
+	  $(GO) test -run XXX -fuzz "^$${t#*:}\$$" -fuzztime $(FUZZTIME) $$min -parallel 1 ./$${t%%:*}/; \
 	done
 
 # `make soak` (not part of `make test`): SOAK (10 minutes) of mixed load through
