@@ -353,20 +353,7 @@ func diffCheck(w *diffWorld, q diffQuestion) string {
 	if fc == gc {
 		return ""
 	}
-	if knownDivergence(w.w, q, fm, gm) {
-		return ""
-	}
 	return fmt.Sprintf("%s\nserve:\n%sunpacked:\n%s", q, fc, gc)
-}
-
-// knownDivergence excuses the one difference the paths are known to have: an
-// external name expanded with a known client's first search suffix is answered
-// on the wire path only (a CNAME to the external name and its upstream answer);
-// the unpacked path answers it NXDOMAIN.
-func knownDivergence(w *worker, q diffQuestion, serve, unpacked *dns.Msg) bool {
-	lname := strings.ToLower(serve.Question[0].Name)
-	_, ok := w.s.externalAutopath(w.s.tables.Table(), lname, q.client)
-	return ok && unpacked.Rcode == dns.RcodeNameError && len(unpacked.Answer) == 0
 }
 
 // canonTruncated is canon for a truncated response: the header, the question and

@@ -467,7 +467,7 @@ func (s *Server) externalAutopath(t *nametable.Table, lname string, client netip
 		return "", false
 	}
 	x := head[:len(head)-suffix]
-	if strings.Count(x, ".") < 2 || strings.HasSuffix(x, s.dotDomain) {
+	if strings.Count(x, ".") < 2 || x == s.domain || strings.HasSuffix(x, s.dotDomain) {
 		return "", false
 	}
 	if n, _ := t.Find(x, client); n != nil {
