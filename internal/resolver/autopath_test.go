@@ -7,6 +7,7 @@ import (
 	"github.com/miekg/dns"
 
 	"github.com/meshdns/meshdns-ebpf/internal/nametable"
+	"github.com/meshdns/meshdns-ebpf/internal/tap"
 )
 
 // External-name autopath is one decision for every query type: a known
@@ -73,5 +74,29 @@ func TestExternalAutopathEveryType(t *testing.T) {
 	resp = exchangeFrom(t, "tcp", known, ts.addr, query(bigTXT, dns.TypeTXT)())
 	if resp.Truncated || len(resp.Answer) != 41 {
 		t.Fatalf("big TXT over TCP: TC=%v, %d answers, want the CNAME and 40 TXT", resp.Truncated, len(resp.Answer))
+	}
+}
+
+// The tap shows an external autopath answer as autopath, from the cache or the
+// upstream, on either path.
+func TestExternalAutopathInTheTap(t *testing.T) {
+	hub := tap.NewHub(1, 64)
+	ts := startServer(t, testFile(), func(c *Config) { c.Authoritative, c.Tap = true, hub })
+	sub, err := hub.Subscribe(tap.Filter{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer sub.Close()
+	const name = "www.example.com.ns3.svc.cluster.local." // 127.0.0.2 is in ns3
+	for _, qtype := range []uint16{dns.TypeA, dns.TypeMX} {
+		for _, pass := range []string{"upstream", "cache"} {
+			resp := exchangeFrom(t, "udp", "127.0.0.2", ts.addr, query(name, qtype)())
+			if len(resp.Answer) == 0 || resp.Answer[0].Header().Rrtype != dns.TypeCNAME {
+				t.Fatalf("%s %s: no CNAME: %s", dns.Type(qtype), pass, canon(resp))
+			}
+			if ev := nextEvent(t, sub); ev.Answer != tap.Autopath || ev.Name() != name || ev.Qtype != qtype {
+				t.Errorf("%s from the %s: event %s %s %s, want autopath", dns.Type(qtype), pass, ev.Name(), dns.Type(ev.Qtype), ev.Answer)
+			}
+		}
 	}
 }

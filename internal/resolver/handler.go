@@ -462,7 +462,7 @@ func (s *Server) externalAutopathMsg(t *nametable.Table, q *dns.Question, lname 
 	if n, _, _ := s.autopathTarget(t, lname, ri.client); n != nil {
 		return false // a table name by another search suffix (a type autopath does not answer)
 	}
-	ri.chase = ext
+	ri.chase, ri.autopath = ext, true
 	ri.prefix = []dns.RR{&dns.CNAME{
 		Hdr:    dns.RR_Header{Name: q.Name, Rrtype: dns.TypeCNAME, Class: dns.ClassINET, Ttl: s.ttl},
 		Target: ext,
