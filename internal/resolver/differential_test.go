@@ -240,8 +240,10 @@ func genQuestion(c chooser, w *diffWorld) diffQuestion {
 }
 
 // diffForwarder is the upstream of the differential test, in-process and
-// deterministic: the answer depends only on the name and type asked; half of
-// the names are cached, the other half answered at once through ForwardAsync.
+// deterministic: the answer depends only on the name and type asked (NXDOMAIN,
+// NODATA, a CNAME chain, too many records for UDP, an extended rcode, a few
+// addresses); half of the names are cached, the other half answered at once
+// through ForwardAsync, which fails some of them.
 type diffForwarder struct{}
 
 func diffHash(name string, qtype uint16) uint32 {
@@ -264,7 +266,9 @@ func (diffForwarder) answer(q *upstream.Query) upstream.Answer {
 	}
 	soa := &dns.SOA{Hdr: dns.RR_Header{Name: "example.", Rrtype: dns.TypeSOA, Class: dns.ClassINET, Ttl: 60},
 		Ns: "ns.example.", Mbox: "h.example.", Serial: 1, Minttl: 60}
-	switch h % 6 {
+	switch h % 7 {
+	case 6:
+		a.Rcode = 23 // BADCOOKIE: an extended rcode, only expressible with EDNS
 	case 0:
 		a.Rcode, ns = dns.RcodeNameError, []dns.RR{soa}
 	case 1:
@@ -304,7 +308,13 @@ func (f diffForwarder) Cached(q *upstream.Query) (upstream.Answer, bool) {
 	return a, true
 }
 
-func (f diffForwarder) ForwardAsync(q *upstream.Query, done upstream.Waiter) { done(f.answer(q), nil) }
+func (f diffForwarder) ForwardAsync(q *upstream.Query, done upstream.Waiter) {
+	if diffHash(q.Name, q.Qtype)%11 == 0 {
+		done(upstream.Answer{}, upstream.ErrAllFailed) // no upstream answered
+		return
+	}
+	done(f.answer(q), nil)
+}
 
 // diffServe runs q through serve (unpacked = false) or straight through the
 // unpacked path, and returns the response (the one sent later, for a query that
