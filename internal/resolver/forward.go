@@ -150,7 +150,11 @@ func (w *worker) forwardMsg(r *request, out []byte) []byte {
 	if a, ok := s.fwd.Cached(&q); ok {
 		b := s.pack(s.answerMsg(r.msg, r.opt, r.limit, r.prefix, &a), out)
 		s.record(r.proto, r.qtype, a.Rcode, srcCache, r.start)
-		s.observeReq(r, question(r.msg), r.qtype, a.Rcode, tap.Cache, len(b))
+		kind := tap.Cache
+		if r.autopath {
+			kind = tap.Autopath
+		}
+		s.observeReq(r, question(r.msg), r.qtype, a.Rcode, kind, len(b))
 		return b
 	}
 	p := s.newPending(r)
@@ -158,6 +162,9 @@ func (w *worker) forwardMsg(r *request, out []byte) []byte {
 		return w.overload(r, out)
 	}
 	p.msg, p.opt, p.prefix, p.qname = r.msg, r.opt, r.prefix, question(r.msg)
+	if r.autopath {
+		p.cname = r.lname // the tap shows it as autopath; the response is built from msg and prefix
+	}
 	s.fwd.ForwardAsync(&q, p.done)
 	return nil
 }
@@ -467,7 +474,7 @@ func (s *Server) externalAutopath(t *nametable.Table, lname string, client netip
 		return "", false
 	}
 	x := head[:len(head)-suffix]
-	if strings.Count(x, ".") < 2 || strings.HasSuffix(x, s.dotDomain) {
+	if strings.Count(x, ".") < 2 || x == s.domain || strings.HasSuffix(x, s.dotDomain) {
 		return "", false
 	}
 	if n, _ := t.Find(x, client); n != nil {

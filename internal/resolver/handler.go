@@ -171,6 +171,9 @@ func (s *Server) answerTable(t *nametable.Table, resp *dns.Msg, q *dns.Question,
 		}
 		return resp, false
 	}
+	if s.externalAutopathMsg(t, q, name, ri) {
+		return nil, true
+	}
 	if s.authoritative && dns.IsSubDomain(s.domain, name) {
 		resp.Authoritative = true
 		if !t.IsEmptyNonTerminal(name) {
@@ -445,6 +448,26 @@ func (s *Server) autopath(t *nametable.Table, resp *dns.Msg, q *dns.Question, ln
 		resp.Extra = extra
 	}
 	return true, false
+}
+
+// externalAutopathMsg is external-name autopath on the unpacked path, for every
+// query type: as on the wire path (tableWire), a known client's first search-suffix
+// expansion of an external name that no table autopath answers is forwarded as the
+// external name, behind a CNAME from the question to it (ri.chase and ri.prefix).
+func (s *Server) externalAutopathMsg(t *nametable.Table, q *dns.Question, lname string, ri *reqInfo) bool {
+	ext, ok := s.externalAutopath(t, lname, ri.client)
+	if !ok {
+		return false
+	}
+	if n, _, _ := s.autopathTarget(t, lname, ri.client); n != nil {
+		return false // a table name by another search suffix (a type autopath does not answer)
+	}
+	ri.chase, ri.autopath = ext, true
+	ri.prefix = []dns.RR{&dns.CNAME{
+		Hdr:    dns.RR_Header{Name: q.Name, Rrtype: dns.TypeCNAME, Class: dns.ClassINET, Ttl: s.ttl},
+		Target: ext,
+	}}
+	return true
 }
 
 // addrRRs returns A/AAAA records of addrs owned by owner, shuffled when

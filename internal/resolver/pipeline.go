@@ -50,6 +50,7 @@ type request struct {
 	pending       bool     // the answer comes later, through client.reply
 	p             *pending // the pending query, when pending
 	prefix        []dns.RR // unpacked path: records before the forwarded answer (an alias chase)
+	autopath      bool     // unpacked path: the forwarded name is a search-path expansion's (the tap)
 }
 
 // worker is the per-thread scratch space of the query path: one per UDP reader or TCP
@@ -284,7 +285,7 @@ func (w *worker) serveUnpacked(r *request, out []byte) []byte {
 		if ri.chase != "" {
 			// An alias whose target the table does not answer: forward the target
 			// behind the records that lead to it.
-			r.lname, r.prefix = lowerName(ri.chase), ri.prefix
+			r.lname, r.prefix, r.autopath = lowerName(ri.chase), ri.prefix, ri.autopath
 		}
 		if b, done := w.filterAAAA(r, out, ""); done {
 			return b
