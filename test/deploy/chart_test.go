@@ -422,7 +422,7 @@ func TestChartSchema(t *testing.T) {
 			t.Errorf("values %q: error does not name the schema and %q:\n%s", tc.values, tc.want, msg)
 			continue
 		}
-		t.Logf("values %q: %s", tc.values, firstLine(msg, "schema"))
+		t.Logf("values %q: %s", tc.values, firstLine(msg, tc.want))
 	}
 
 	// values.yaml and the schema name the same keys.
