@@ -96,7 +96,7 @@ func TestTopKBoundedAndExact(t *testing.T) {
 				t.Errorf("top queries + other = %v, want %d", sumQ, total)
 			}
 			top := workloads // the biggest sender
-			key := fmt.Sprintf("meshdns_top_workload_queries{namespace=ns-%d,pod=wl-%d,workload=ns-%d/wl-%d}", top%20, top, top%20, top)
+			key := fmt.Sprintf("meshdns_top_workload_queries{client_namespace=ns-%d,client_pod=wl-%d,workload=ns-%d/wl-%d}", top%20, top, top%20, top)
 			if s[key] != float64(top) {
 				t.Errorf("%s = %v, want %d", key, s[key], top)
 			}
@@ -120,7 +120,7 @@ func TestTopKBoundedAndExact(t *testing.T) {
 				tr.Move()
 			}
 			s = gather(t, tr)
-			if v := s["meshdns_top_workload_queries{namespace=,pod=,workload=(other)}"]; v != 0 || len(s) > bound {
+			if v := s["meshdns_top_workload_queries{client_namespace=,client_pod=,workload=(other)}"]; v != 0 || len(s) > bound {
 				t.Errorf("after the window: other = %v, %d series", v, len(s))
 			}
 		})

@@ -99,15 +99,18 @@ func New(cfg Config) (*Tracker, error) {
 	t.counter.cur.Store(t.tables[0])
 	t.counter.learn = cfg.Learn
 	t.prev = t.tables[1]
-	labels := []string{"workload", "namespace", "pod"}
+	// client_*, not namespace and pod: those are the target labels every
+	// Kubernetes scrape (a ServiceMonitor, the kubernetes-pods job) sets to the
+	// agent's own pod, and Prometheus would rename ours to exported_*.
+	labels := []string{"workload", "client_namespace", "client_pod"}
 	win := fmt.Sprintf(" in the last %s (the top %d workloads by this count; workload=%q: all others).", cfg.Window, cfg.K, Other)
 	t.descs = [6]*prometheus.Desc{
 		prometheus.NewDesc("meshdns_top_workload_queries", "Queries answered"+win, labels, nil),
 		prometheus.NewDesc("meshdns_top_workload_nxdomain", "NXDOMAIN answers"+win, labels, nil),
 		prometheus.NewDesc("meshdns_top_workload_unanswered", "Queries that got no answer in time (upstream timeout or failure, shed load)"+win, labels, nil),
 		prometheus.NewDesc("meshdns_top_workload_window_seconds", "The sliding window of the meshdns_top_workload_* gauges.", nil, nil),
-		prometheus.NewDesc("meshdns_namespace_queries_total", fmt.Sprintf("Queries answered, by the sender's namespace (%q: not a pod, %q: unknown, %q: past the cap).", NoPod, NoneKnown, Other), []string{"namespace"}, nil),
-		prometheus.NewDesc("meshdns_namespace_nxdomain_total", "NXDOMAIN answers, by the sender's namespace.", []string{"namespace"}, nil),
+		prometheus.NewDesc("meshdns_namespace_queries_total", fmt.Sprintf("Queries answered, by the sender's namespace (%q: not a pod, %q: unknown, %q: past the cap).", NoPod, NoneKnown, Other), []string{"client_namespace"}, nil),
+		prometheus.NewDesc("meshdns_namespace_nxdomain_total", "NXDOMAIN answers, by the sender's namespace.", []string{"client_namespace"}, nil),
 	}
 	return t, nil
 }

@@ -46,6 +46,12 @@ func kustomize(dir string) ([]byte, error) {
 // kustomizeWith renders the base with components, through an overlay in tmp
 // (what an operator's own kustomization would be).
 func kustomizeWith(tmp string, components ...string) ([]byte, error) {
+	return kustomizeOverlay(tmp, "", components...)
+}
+
+// kustomizeOverlay is kustomizeWith with more of an overlay's kustomization (YAML,
+// e.g. "patches: [...]") after its components.
+func kustomizeOverlay(tmp, more string, components ...string) ([]byte, error) {
 	// kustomize takes only relative paths to other kustomization roots.
 	rel := func(p string) (string, error) { return filepath.Rel(tmp, p) }
 	base, err := rel(manifestsDir())
@@ -61,6 +67,7 @@ func kustomizeWith(tmp string, components ...string) ([]byte, error) {
 		}
 		b.WriteString("  - " + p + "\n")
 	}
+	b.WriteString(more + "\n")
 	if err := os.WriteFile(filepath.Join(tmp, "kustomization.yaml"), []byte(b.String()), 0o644); err != nil {
 		return nil, err
 	}

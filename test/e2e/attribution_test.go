@@ -144,7 +144,7 @@ func TestTapShowsUnansweredWithItsWorkload(t *testing.T) {
 		t.Errorf("dig %s did not finish", name)
 	}
 	// The top talkers count it for its workload once the window moves (every 5 s).
-	series := fmt.Sprintf(`meshdns_top_workload_unanswered{namespace="",pod="",workload=%q}`, want)
+	series := fmt.Sprintf(`meshdns_top_workload_unanswered{client_namespace="",client_pod="",workload=%q}`, want)
 	if !testenv.WaitFor(15*time.Second, func() bool { return n.metric(series) == 1 }) {
 		t.Errorf("%s = %v, want 1", series, n.metric(series))
 	}

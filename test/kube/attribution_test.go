@@ -406,7 +406,7 @@ func checkTopTalkers(t *testing.T, nodeNS *testenv.Netns, admin string, total in
 	for _, tag := range []string{"web1", "web2", "api0", "hostnet"} {
 		s := senders[tag]
 		ns, pod, _ := strings.Cut(s.workload, "/")
-		key := fmt.Sprintf(`{namespace=%q,pod=%q,workload=%q}`, ns, pod, s.workload)
+		key := fmt.Sprintf(`{client_namespace=%q,client_pod=%q,workload=%q}`, ns, pod, s.workload)
 		// The readiness probe's few queries came from web-1 too.
 		if got, want := top[key], perWorkload[s.workload]; got < float64(want) || (tag != "web1" && got != float64(want)) {
 			t.Errorf("top talkers: %s = %v, want %d (the tap's count)", key, got, want)
@@ -414,8 +414,8 @@ func checkTopTalkers(t *testing.T, nodeNS *testenv.Netns, admin string, total in
 	}
 	nsq := metricValues(m, "meshdns_namespace_queries_total")
 	for ns, want := range perNamespace {
-		if got := nsq[fmt.Sprintf(`{namespace=%q}`, ns)]; got < float64(want) || (ns != "team-a" && got != float64(want)) {
-			t.Errorf("meshdns_namespace_queries_total{namespace=%q} = %v, want %d", ns, got, want)
+		if got := nsq[fmt.Sprintf(`{client_namespace=%q}`, ns)]; got < float64(want) || (ns != "team-a" && got != float64(want)) {
+			t.Errorf("meshdns_namespace_queries_total{client_namespace=%q} = %v, want %d", ns, got, want)
 		}
 	}
 	_, series, _ := whoAskedSeries(m)

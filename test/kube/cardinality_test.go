@@ -22,7 +22,7 @@ func whoAskedSeries(scrape string) (perMetric map[string]int, total int, namespa
 		name, _, _ = strings.Cut(name, " ")
 		perMetric[name]++
 		total++
-		if ns, ok := strings.CutPrefix(labels, `namespace="`); ok && strings.HasPrefix(name, "meshdns_namespace_") {
+		if ns, ok := strings.CutPrefix(labels, `client_namespace="`); ok && strings.HasPrefix(name, "meshdns_namespace_") {
 			ns, _, _ = strings.Cut(ns, `"`)
 			namespaces[ns] = true
 		}

@@ -66,6 +66,21 @@ change them in place (include returns nothing of use).
 {{- if $v.image.pullPolicy }}
 {{- $_ := set $c "imagePullPolicy" $v.image.pullPolicy }}
 {{- end }}
+{{- if $v.adminPort }}
+{{- $args := list }}
+{{- $found := false }}
+{{- range $a := $c.args }}
+{{- if regexMatch "^--admin=.*:[0-9]+$" $a }}
+{{- $a = regexReplaceAll ":[0-9]+$" $a (printf ":%d" (int $v.adminPort)) }}
+{{- $found = true }}
+{{- end }}
+{{- $args = append $args $a }}
+{{- end }}
+{{- if not $found }}
+{{- fail "adminPort: the agent container has no --admin=HOST:PORT argument to set" }}
+{{- end }}
+{{- $_ := set $c "args" $args }}
+{{- end }}
 {{- if $v.extraArgs }}
 {{- $_ := set $c "args" (concat $c.args $v.extraArgs) }}
 {{- end }}
@@ -114,18 +129,40 @@ change them in place (include returns nothing of use).
 {{- fail "image.architectures: the DaemonSet's affinity has no required kubernetes.io/arch term to set" }}
 {{- end }}
 {{- end }}
-{{- if kindIs "slice" $v.tolerations }}
+{{- if $v.tolerations }}
 {{- $_ := set $spec "tolerations" (deepCopy $v.tolerations) }}
 {{- end }}
 {{- if $v.priorityClassName }}
 {{- $_ := set $spec "priorityClassName" $v.priorityClassName }}
 {{- end }}
-{{- if $v.serviceMonitor.enabled }}
-{{- range $key, $_ := $annotations }}
-{{- if hasPrefix "prometheus.io/" $key }}
-{{- $_ := unset $annotations $key }}
+{{- if $v.imagePullSecrets }}
+{{- $_ := set $spec "imagePullSecrets" (deepCopy $v.imagePullSecrets) }}
+{{- end }}
+{{- if $v.updateStrategy }}
+{{- $_ := set .o.spec "updateStrategy" (mergeOverwrite (deepCopy (default (dict) .o.spec.updateStrategy)) (deepCopy $v.updateStrategy)) }}
+{{- end }}
+{{- if $v.cgroupPath }}
+{{- $found := false }}
+{{- range $vol := $spec.volumes }}
+{{- if and (eq $vol.name "cgroup") $vol.hostPath }}
+{{- $_ := set $vol.hostPath "path" $v.cgroupPath }}
+{{- $found = true }}
 {{- end }}
 {{- end }}
+{{- if not $found }}
+{{- fail "cgroupPath: the DaemonSet has no hostPath volume named cgroup to set" }}
+{{- end }}
+{{- end }}
+{{- if $v.adminPort }}
+{{- if hasKey $annotations "prometheus.io/port" }}
+{{- $_ := set $annotations "prometheus.io/port" (toString $v.adminPort) }}
+{{- end }}
+{{- end }}
+{{- if $v.podAnnotations }}
+{{- $annotations = mergeOverwrite $annotations (deepCopy $v.podAnnotations) }}
+{{- end }}
+{{- if $v.podLabels }}
+{{- $_ := set $tpl.metadata "labels" (mergeOverwrite (deepCopy $v.podLabels) (default (dict) $tpl.metadata.labels)) }}
 {{- end }}
 {{- if $annotations }}
 {{- $_ := set $tpl.metadata "annotations" $annotations }}
@@ -146,13 +183,18 @@ change them in place (include returns nothing of use).
 {{- if $r.alert }}
 {{- $alerts = append $alerts $r.alert }}
 {{- if hasKey (default (dict) $p.thresholds) $r.alert }}
-{{- if not (regexMatch "[<>=]=?\\s*-?[0-9.eE+]+\\s*$" $r.expr) }}
-{{- fail (printf "prometheusRule.thresholds.%s: its expression does not end with a comparison to a number" $r.alert) }}
+{{- if not (regexMatch "[<>]=?\\s*-?[0-9.eE+]+\\s*$" $r.expr) }}
+{{- fail (printf "prometheusRule.thresholds.%s: its expression does not end with a > or < comparison to a number" $r.alert) }}
 {{- end }}
-{{- $_ := set $r "expr" (regexReplaceAll "-?[0-9.eE+]+\\s*$" $r.expr (toString (index $p.thresholds $r.alert))) }}
+{{- $old := trim (regexFind "-?[0-9.eE+]+\\s*$" $r.expr) }}
+{{- $new := toString (index $p.thresholds $r.alert) }}
+{{- $_ := set $r "expr" (regexReplaceAll "-?[0-9.eE+]+\\s*$" $r.expr $new) }}
+{{- include "meshdns.describe" (dict "r" $r "re" (printf "(^|[^0-9.])%s([^0-9.]|$)" (regexQuoteMeta $old)) "to" (printf "${1}%s${2}" $new)) }}
 {{- end }}
 {{- if hasKey (default (dict) $p.for) $r.alert }}
-{{- $_ := set $r "for" (index $p.for $r.alert) }}
+{{- $new := index $p.for $r.alert }}
+{{- include "meshdns.describe" (dict "r" $r "re" (printf "\\bfor %s\\b" (regexQuoteMeta (toString $r.for))) "to" (printf "for %s" $new)) }}
+{{- $_ := set $r "for" $new }}
 {{- end }}
 {{- if hasKey (default (dict) $p.severity) $r.alert }}
 {{- $_ := set $r "labels" (mergeOverwrite (default (dict) $r.labels) (dict "severity" (index $p.severity $r.alert))) }}
@@ -165,6 +207,136 @@ change them in place (include returns nothing of use).
 {{- if not (has $name $alerts) }}
 {{- fail (printf "prometheusRule.%s.%s: no such alert (the alerts: %s)" $what $name (join ", " $alerts)) }}
 {{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* meshdns.describe: replaces .re with .to in rule .r's description, failing when it is not there (the description must state its for and threshold). */}}
+{{- define "meshdns.describe" -}}
+{{- $d := dig "annotations" "description" "" .r }}
+{{- if not (regexMatch .re $d) }}
+{{- fail (printf "alert %s: its description does not state what the values change (%s)" .r.alert .re) }}
+{{- end }}
+{{- $_ := set .r.annotations "description" (regexReplaceAll .re $d .to) }}
+{{- end }}
+
+{{/* meshdns.smp: merges the strategic merge patch .src into the object .dst in place, as kustomize does for the fields the components patch: maps merge, lists of objects merge by their key (name; mountPath for volumeMounts), the patch's items first, and honour "$patch: delete"; other lists are replaced. */}}
+{{- define "meshdns.smp" -}}
+{{- $keys := dict "containers" "name" "initContainers" "name" "env" "name" "volumes" "name" "volumeMounts" "mountPath" "imagePullSecrets" "name" "ports" "containerPort" }}
+{{- range $k, $sv := .src }}
+{{- $dv := index $.dst $k }}
+{{- if and (kindIs "map" $sv) (kindIs "map" $dv) }}
+{{- include "meshdns.smp" (dict "dst" $dv "src" $sv) }}
+{{- else if and (kindIs "slice" $sv) (kindIs "slice" $dv) (hasKey $keys $k) }}
+{{- $key := index $keys $k }}
+{{- $out := list }}
+{{- /* kustomize puts the patch's items first (in its order), then the others. */}}
+{{- range $s := $sv }}
+{{- if ne (toString (index $s "$patch")) "delete" }}
+{{- $merged := false }}
+{{- range $d := $dv }}
+{{- if eq (toString (index $s $key)) (toString (index $d $key)) }}
+{{- include "meshdns.smp" (dict "dst" $d "src" $s) }}
+{{- $out = append $out $d }}
+{{- $merged = true }}
+{{- end }}
+{{- end }}
+{{- if not $merged }}
+{{- $out = append $out (deepCopy $s) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- range $d := $dv }}
+{{- $inPatch := false }}
+{{- range $s := $sv }}
+{{- if eq (toString (index $s $key)) (toString (index $d $key)) }}
+{{- $inPatch = true }}
+{{- end }}
+{{- end }}
+{{- if not $inPatch }}
+{{- $out = append $out $d }}
+{{- end }}
+{{- end }}
+{{- $_ := set $.dst $k $out }}
+{{- else }}
+{{- $_ := set $.dst $k (deepCopy $sv) }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* meshdns.jsonpatch: applies the JSON patch (RFC 6902) operations .ops to the object .o in place: add (to a map, or "-" to the end of a list), replace and remove (in a map). */}}
+{{- define "meshdns.jsonpatch" -}}
+{{- range $op := .ops }}
+{{- $segs := list }}
+{{- range (rest (splitList "/" $op.path)) }}
+{{- $segs = append $segs (replace "~0" "~" (replace "~1" "/" .)) }}
+{{- end }}
+{{- $holder := dict "v" $.o }}
+{{- $hkey := "v" }}
+{{- $cur := $.o }}
+{{- range (initial $segs) }}
+{{- $holder = $cur }}
+{{- $hkey = . }}
+{{- if kindIs "slice" $cur }}
+{{- $cur = index $cur (atoi .) }}
+{{- $hkey = "" }}
+{{- else }}
+{{- $cur = index $cur . }}
+{{- end }}
+{{- if kindIs "invalid" $cur }}
+{{- fail (printf "JSON patch %s %s: no such path" $op.op $op.path) }}
+{{- end }}
+{{- end }}
+{{- $last := last $segs }}
+{{- if and (eq $op.op "add") (kindIs "slice" $cur) (eq $last "-") }}
+{{- if eq $hkey "" }}
+{{- fail (printf "JSON patch %s %s: a list in a list is not supported" $op.op $op.path) }}
+{{- end }}
+{{- $_ := set $holder $hkey (append $cur (deepCopy $op.value)) }}
+{{- else if and (has $op.op (list "add" "replace")) (kindIs "map" $cur) }}
+{{- $_ := set $cur $last (deepCopy $op.value) }}
+{{- else if and (eq $op.op "remove") (kindIs "map" $cur) (hasKey $cur $last) }}
+{{- $_ := unset $cur $last }}
+{{- else }}
+{{- fail (printf "JSON patch %s %s: not supported by the chart" $op.op $op.path) }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* meshdns.component: appends the objects of the kustomize component at .dir to .acc.objs and applies its patches to the objects there, as kustomize does. */}}
+{{- define "meshdns.component" -}}
+{{- $root := .root }}
+{{- $cpath := printf "%s/kustomization.yaml" .dir }}
+{{- $ck := fromYaml ($root.Files.Get $cpath) }}
+{{- include "meshdns.checkKustomization" (dict "k" $ck "path" $cpath "allowed" (list "apiVersion" "kind" "resources" "patches" "configMapGenerator")) }}
+{{- range $ck.resources }}
+{{- include "meshdns.load" (dict "root" $root "path" (printf "%s/%s" $.dir .) "acc" $.acc) }}
+{{- end }}
+{{- range $g := $ck.configMapGenerator }}
+{{- if not (dig "options" "disableNameSuffixHash" false $g) }}
+{{- fail (printf "%s: the chart makes configMapGenerator %s without a name suffix hash only" $cpath $g.name) }}
+{{- end }}
+{{- $data := dict }}
+{{- range $f := $g.files }}
+{{- $_ := set $data (base $f) ($root.Files.Get (printf "%s/%s" $.dir $f)) }}
+{{- end }}
+{{- $md := dict "name" $g.name "namespace" $g.namespace "labels" (deepCopy (dig "options" "labels" (dict) $g)) }}
+{{- $_ := set $.acc "objs" (append $.acc.objs (dict "apiVersion" "v1" "kind" "ConfigMap" "metadata" $md "data" $data)) }}
+{{- end }}
+{{- range $pt := $ck.patches }}
+{{- $matched := false }}
+{{- range $o := $.acc.objs }}
+{{- if and (eq $o.kind $pt.target.kind) (eq $o.metadata.name $pt.target.name) }}
+{{- $matched = true }}
+{{- if hasPrefix "- " (trim $pt.patch) }}
+{{- include "meshdns.jsonpatch" (dict "o" $o "ops" (fromYamlArray $pt.patch)) }}
+{{- else }}
+{{- include "meshdns.smp" (dict "dst" $o "src" (omit (fromYaml $pt.patch) "apiVersion" "kind")) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- if not $matched }}
+{{- fail (printf "%s: a patch's target %s/%s matches no object" $cpath $pt.target.kind $pt.target.name) }}
 {{- end }}
 {{- end }}
 {{- end }}
