@@ -100,6 +100,7 @@ func TestNode(t *testing.T) {
 		{"SIGSTOPLowRate", func(t *testing.T) { e.checkStopped(t, "sigstop", lowRate) }},
 		{"FreezerLowRate", func(t *testing.T) { e.checkStopped(t, "freezer", lowRate) }},
 		{"Uninstall", e.checkUninstall},
+		{"SocketLBFirst", e.checkSocketLB}, // after Uninstall: fresh installs beside it
 		{"BPFFSNotShared", e.checkBPFFSNotShared},
 		{"BPFFSNotMounted", e.checkBPFFSNotMounted},
 	} {
