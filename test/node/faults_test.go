@@ -48,10 +48,16 @@ func (e *env) checkRollout(t *testing.T, kind string, delay time.Duration) {
 	from, start := monotonic(), time.Now()
 	var out string
 	var err error
-	if kind == "restart" {
+	next := map[string]string{agentTag: agentTag2, agentTag2: agentTag}[e.tag]
+	switch kind {
+	case "restart":
 		out, err = e.n.Kubectl("-n", agentNS, "rollout", "restart", "ds/meshdns-ebpf")
-	} else {
-		next := map[string]string{agentTag: agentTag2, agentTag2: agentTag}[e.tag]
+	case "helm":
+		// docs/kubernetes.md's Helm upgrade: helm upgrade --reuse-values with the
+		// other tag, then kubectl rollout status (below, as for the others).
+		e.runDocumented(t, 1, next)
+		e.tag = next
+	default:
 		ov := overlay(t, e.root, filepath.Join(e.dir, "overlay"), next, e.n.UnifiedRoot)
 		if out, err = e.n.Kubectl("apply", "-k", ov); err == nil {
 			e.tag = next
@@ -212,10 +218,17 @@ func (e *env) checkUninstall(t *testing.T) {
 			t.Fatalf("kubectl %s: %v\n%s", strings.Join(args, " "), err, out)
 		}
 	}
+	e.checkUninstalled(t, "`kubectl delete -k`", start)
+}
+
+// checkUninstalled waits for the agent pods to be gone after what (begun at start)
+// and checks that nothing of the agent is left on the node and that the pods
+// resolve through the cluster DNS again.
+func (e *env) checkUninstalled(t *testing.T, what string, start time.Time) {
 	waitFor(t, 2*time.Minute, "no agent pod", func() bool { return len(e.agentPods(t)) == 0 })
 	took := time.Since(start)
 	left := e.leftovers(t)
-	e.rep.add(t, "`kubectl delete -k` done in %v; left on the node: %s", took.Round(time.Millisecond), orNothing(left))
+	e.rep.add(t, "%s done in %v; left on the node: %s", what, took.Round(time.Millisecond), orNothing(left))
 	if len(left) > 0 {
 		t.Errorf("uninstall left: %s", strings.Join(left, "; "))
 	}

@@ -47,7 +47,9 @@ type env struct {
 	// addresses the clients must get
 	webIP, dbIP string
 	installed   bool
-	tag         string // the agent image tag in place
+	// helmInstalled: the chart is installed (HelmInstall passed, HelmUninstall not yet run)
+	helmInstalled bool
+	tag           string // the agent image tag in place
 	// bpffsBefore is what the node's bpffs held before the install (the
 	// kernel's own bpf_preload entries, maps.debug and progs.debug, where
 	// it has them): uninstall must leave exactly that.
@@ -100,12 +102,26 @@ func TestNode(t *testing.T) {
 		{"SIGSTOPLowRate", func(t *testing.T) { e.checkStopped(t, "sigstop", lowRate) }},
 		{"FreezerLowRate", func(t *testing.T) { e.checkStopped(t, "freezer", lowRate) }},
 		{"Uninstall", e.checkUninstall},
-		{"SocketLBFirst", e.checkSocketLB}, // after Uninstall: fresh installs beside it
+		// The same agent installed, upgraded under load and uninstalled with helm,
+		// as docs/kubernetes.md's Helm section says.
+		{"HelmInstall", e.checkHelmInstall},
+		{"HelmUpgrade", func(t *testing.T) { e.checkRollout(t, "helm", 0) }},
+		{"HelmUninstall", e.checkHelmUninstall},
+		{"SocketLBFirst", e.checkSocketLB}, // after the uninstalls: fresh installs beside it
 		{"BPFFSNotShared", e.checkBPFFSNotShared},
 		{"BPFFSNotMounted", e.checkBPFFSNotMounted},
 	} {
 		t.Run(c.name, func(t *testing.T) {
-			if c.name != "Install" && !strings.HasPrefix(c.name, "BPFFS") && !e.installed {
+			switch {
+			case c.name == "HelmInstall":
+				if !e.installed {
+					t.Skip("the kubectl install failed: the node is not known to work")
+				}
+			case strings.HasPrefix(c.name, "Helm"):
+				if !e.helmInstalled {
+					t.Skip("the agent is not installed with helm (HelmInstall failed)")
+				}
+			case c.name != "Install" && !strings.HasPrefix(c.name, "BPFFS") && !e.installed:
 				t.Skip("the agent is not installed (Install failed)")
 			}
 			c.fn(t)
