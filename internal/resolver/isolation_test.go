@@ -2,7 +2,6 @@ package resolver
 
 import (
 	"fmt"
-	"net"
 	"net/netip"
 	"testing"
 	"time"
@@ -56,32 +55,10 @@ func mustAddrPort(s string) netip.AddrPort { return netip.MustParseAddrPort(s) }
 func TestPendingBounds(t *testing.T) {
 	ts := startServer(t, testFile(), func(c *Config) { c.MaxPendingPerClient = 20; c.MaxPending = 30 })
 	ts.up.SetDelay(time.Second)
+	// Rejections come back at once, before the upstream's one-second answers.
 	send := func(src string, n int, prefix string) map[int]int {
-		c, err := net.DialUDP("udp", &net.UDPAddr{IP: net.ParseIP(src)}, net.UDPAddrFromAddrPort(mustAddrPort(ts.addr)))
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer c.Close()
-		for i := range n {
-			m := query(fmt.Sprintf("%s%d.example.net.", prefix, i), dns.TypeA)()
-			m.Id = uint16(i)
-			pkt, _ := m.Pack()
-			_, _ = c.Write(pkt)
-		}
-		// Rejections come back at once, before the upstream's one-second answers.
-		rcodes := map[int]int{}
-		_ = c.SetReadDeadline(time.Now().Add(500 * time.Millisecond))
-		buf := make([]byte, 512)
-		for {
-			k, err := c.Read(buf)
-			if err != nil {
-				return rcodes
-			}
-			resp := new(dns.Msg)
-			if resp.Unpack(buf[:k]) == nil {
-				rcodes[resp.Rcode]++
-			}
-		}
+		rcodes, _ := burst(t, ts.addr, src, prefix, n, 500*time.Millisecond)
+		return rcodes
 	}
 	if got := send("127.0.3.1", 25, "a"); got[dns.RcodeRefused] != 5 || len(got) != 1 {
 		t.Errorf("25 slow misses from one client with a share of 20: fast answers %v, want 5 REFUSED", got)

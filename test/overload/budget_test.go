@@ -4,27 +4,12 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"net/netip"
-	"os"
 	"strconv"
 	"testing"
 	"time"
 
 	"github.com/meshdns/meshdns-ebpf/internal/dnsfake"
 )
-
-// budgetDuration is each phase of TestNoisyWorkloadSpendsOnlyItsOwnBudget:
-// MESHDNS_BUDGET_PHASE (a Go duration), default 8 s.
-func budgetDuration(t *testing.T) time.Duration {
-	v := os.Getenv("MESHDNS_BUDGET_PHASE")
-	if v == "" {
-		return 8 * time.Second
-	}
-	d, err := time.ParseDuration(v)
-	if err != nil {
-		t.Fatalf("MESHDNS_BUDGET_PHASE=%q: %v", v, err)
-	}
-	return d
-}
 
 // quietRun is what the quiet workload saw in one phase.
 type quietRun struct {
@@ -39,8 +24,8 @@ type quietRun struct {
 // quiet workload's latency and the agent's memory are measured alone first, then
 // beside the noisy one, in the same run; the figures go to bench/RESULTS.md.
 func TestNoisyWorkloadSpendsOnlyItsOwnBudget(t *testing.T) {
-	const budget = 500 // upstream queries a second per workload
-	d := budgetDuration(t)
+	const budget = 500                                         // upstream queries a second per workload
+	d := envDuration(t, "MESHDNS_BUDGET_PHASE", 8*time.Second) // each phase
 	a := startAgentWith(t, dnsfake.RateLimited(nxOrAnswers, 2000, 2*time.Millisecond), "--log-level", "warn",
 		"--workload-qps", strconv.Itoa(budget), "--workload-max-pending", "128")
 	server := netip.MustParseAddrPort(a.dnsAddr)

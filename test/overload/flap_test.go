@@ -15,16 +15,16 @@ import (
 	"github.com/meshdns/meshdns-ebpf/internal/dnsfake"
 )
 
-// flapDuration is how long TestNoisyWorkloadBehindARateLimitingUpstream loads the
-// agent: MESHDNS_FLAP_SOAK (a Go duration; `make soak` passes 10m), default 10 s.
-func flapDuration(t *testing.T) time.Duration {
-	v := os.Getenv("MESHDNS_FLAP_SOAK")
+// envDuration is the Go duration in the environment variable name, or def when it is
+// unset: how long a load runs (`make soak` sets them to its SOAK).
+func envDuration(t *testing.T, name string, def time.Duration) time.Duration {
+	v := os.Getenv(name)
 	if v == "" {
-		return 10 * time.Second
+		return def
 	}
 	d, err := time.ParseDuration(v)
 	if err != nil {
-		t.Fatalf("MESHDNS_FLAP_SOAK=%q: %v", v, err)
+		t.Fatalf("%s=%q: %v", name, v, err)
 	}
 	return d
 }
@@ -40,7 +40,7 @@ func flapDuration(t *testing.T) time.Duration {
 // OVERLOAD_AGENT=<older binary> runs the same load against another build; what it
 // counts from the log (a build before the transitions metric) is printed the same way.
 func TestNoisyWorkloadBehindARateLimitingUpstream(t *testing.T) {
-	d := flapDuration(t)
+	d := envDuration(t, "MESHDNS_FLAP_SOAK", 10*time.Second)
 	a := startAgentWith(t, dnsfake.RateLimited(nxOrAnswers, 2000, 2*time.Millisecond), "--log-level", "info")
 	server := netip.MustParseAddrPort(a.dnsAddr)
 	search := []string{".default.svc.cluster.local.", ".svc.cluster.local.", ".cluster.local.", "."}
