@@ -23,7 +23,15 @@ import (
 // orderFlags put a link in front of every program that runs for the cgroup's
 // sockets on its hook (a variable: a test gives it a flag every kernel
 // refuses, to run an older kernel's refusal on this one).
-var orderFlags uint32 = unix.BPF_F_BEFORE | unix.BPF_F_PREORDER
+var orderFlags uint32 = FlagBefore | FlagPreorder
+
+// The kernel's flags for ordered cgroup programs (include/uapi/linux/bpf.h),
+// spelt here so the package also builds where x/sys/unix lacks them (the
+// non-Linux builds of `make vet`).
+const (
+	FlagBefore   = 1 << 3 // BPF_F_BEFORE
+	FlagPreorder = 1 << 6 // BPF_F_PREORDER
+)
 
 // UnorderedEnv, set to 1 in the agent's environment, makes the datapath attach
 // as on a kernel without ordered cgroup programs (a test switch: the coexistence

@@ -18,7 +18,6 @@ import (
 
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/link"
-	"golang.org/x/sys/unix"
 )
 
 // Options says what the load balancer translates and where it attaches.
@@ -73,7 +72,7 @@ func Attach(path string, opts Options) (_ *LB, err error) {
 	defer dir.Close()
 	var flags uint32
 	if opts.First {
-		flags = unix.BPF_F_BEFORE | unix.BPF_F_PREORDER
+		flags = flagBefore | flagPreorder
 	}
 	p := lb.objs.socklbPrograms
 	for _, h := range []struct {
@@ -147,3 +146,10 @@ func (lb *LB) Close() error {
 	errs = append(errs, lb.objs.Close())
 	return errors.Join(errs...)
 }
+
+// BPF_F_BEFORE and BPF_F_PREORDER (include/uapi/linux/bpf.h), spelt here so
+// the package builds where x/sys/unix lacks them.
+const (
+	flagBefore   = 1 << 3
+	flagPreorder = 1 << 6
+)
