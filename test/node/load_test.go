@@ -195,9 +195,14 @@ func (r loadResult) between(from, to int64) tally {
 		default:
 			tl.wrong++
 		}
-		if kind == "original" && len(tl.orig) < 3 {
-			tl.orig = append(tl.orig, f)
-		} else if kind != "original" && len(tl.bad) < 8 {
+		switch {
+		case kind == "original":
+			if len(tl.orig) < 3 {
+				tl.orig = append(tl.orig, f)
+			}
+		case kind != "lost":
+			tl.bad = append(tl.bad, f) // every wrong source and wrong answer: each is a failure
+		case len(tl.bad) < 8:
 			tl.bad = append(tl.bad, f)
 		}
 	}
