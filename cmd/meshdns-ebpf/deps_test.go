@@ -1,10 +1,11 @@
 package main
 
 import (
-	"os/exec"
 	"slices"
 	"strings"
 	"testing"
+
+	"github.com/meshdns/meshdns-ebpf/internal/testenv"
 )
 
 // The Kubernetes API packages the agent reads (internal/kubeclient's
@@ -21,22 +22,7 @@ var allowedKubeAPI = []string{
 // reads. The graph is the one `go build ./cmd/meshdns-ebpf` links here
 // (GOFLAGS and the build environment included).
 func TestAgentLinksOnlyTheKubernetesAPIsItReads(t *testing.T) {
-	out, err := exec.Command("go", "list", "-deps", "-f", `{{.ImportPath}} {{join .Imports " "}}`, ".").Output()
-	if err != nil {
-		if ee, ok := err.(*exec.ExitError); ok {
-			t.Fatalf("go list -deps: %v\n%s", err, ee.Stderr)
-		}
-		t.Fatalf("go list -deps: %v", err)
-	}
-	importers := map[string][]string{} // package -> the packages of the graph importing it
-	var graph []string
-	for line := range strings.Lines(strings.TrimSpace(string(out))) {
-		fields := strings.Fields(line)
-		graph = append(graph, fields[0])
-		for _, imp := range fields[1:] {
-			importers[imp] = append(importers[imp], fields[0])
-		}
-	}
+	graph, importers := testenv.ImportGraph(t)
 	if !slices.Contains(graph, "k8s.io/client-go/rest") {
 		t.Fatalf("the graph (%d packages) lacks k8s.io/client-go/rest: not the agent's", len(graph))
 	}

@@ -1,10 +1,11 @@
 package agentclient
 
 import (
-	"os/exec"
 	"slices"
 	"strings"
 	"testing"
+
+	"github.com/meshdns/meshdns-ebpf/internal/testenv"
 )
 
 // The CLI's client reads what a running agent publishes (its state file,
@@ -15,22 +16,7 @@ import (
 func TestClientDoesNotLinkTheAgent(t *testing.T) {
 	const self = "github.com/meshdns/meshdns-ebpf/internal/agentclient"
 	const forbidden = "github.com/meshdns/meshdns-ebpf/internal/agent"
-	out, err := exec.Command("go", "list", "-deps", "-f", `{{.ImportPath}} {{join .Imports " "}}`, ".").Output()
-	if err != nil {
-		if ee, ok := err.(*exec.ExitError); ok {
-			t.Fatalf("go list -deps: %v\n%s", err, ee.Stderr)
-		}
-		t.Fatalf("go list -deps: %v", err)
-	}
-	importers := map[string][]string{} // package -> the packages of the graph importing it
-	var graph []string
-	for line := range strings.Lines(strings.TrimSpace(string(out))) {
-		fields := strings.Fields(line)
-		graph = append(graph, fields[0])
-		for _, imp := range fields[1:] {
-			importers[imp] = append(importers[imp], fields[0])
-		}
-	}
+	graph, importers := testenv.ImportGraph(t)
 	if !slices.Contains(graph, self) {
 		t.Fatalf("the graph (%d packages) lacks %s: not the client's", len(graph), self)
 	}
