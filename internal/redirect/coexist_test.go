@@ -149,32 +149,13 @@ func testForeignProgramsListed(t *testing.T, unordered bool) {
 // a kernel that orders cgroup programs, the new agent replaces each by a link
 // in front, pinned in its place, and the old one is gone from the hook.
 func TestAdoptionPutsOursFirst(t *testing.T) {
-	n := newTestNet(t)
-	foreign := attachForeign(t, n.cg.Path, "other_lb", ebpf.AttachCGroupInet4Connect)
-	cfg := n.config()
-	cfg.Unordered = true
-	cfg.Detach = false
-	first, err := New(cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	n.startDatapath(t, first)
-	if err := first.Close(); err != nil {
-		t.Fatal(err)
-	}
-	progs, err := QueryCgroupPrograms(n.cg.Path, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if c := connect4IDs(progs); len(c) != 2 || c[0] != foreign {
-		t.Fatalf("before the restart connect4 runs %v, want the foreign program %d first", c, foreign)
-	}
+	n, foreign := pinnedBehindForeign(t)
 
 	d := n.start(t, n.config()) // ordered; detaches at the end
 	if got := d.Ordering(); !got.Supported || got.Relinked != 1 {
 		t.Errorf("ordering %+v, want supported with connect4's link (the one behind another program) relinked", got)
 	}
-	progs, err = d.CgroupPrograms()
+	progs, err := d.CgroupPrograms()
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -207,6 +188,35 @@ func TestAdoptionPutsOursFirst(t *testing.T) {
 	wantCaptured(t, rs[0], 4, 0, hp(ns1, 53), hp(ns1, 53))
 }
 
+// pinnedBehindForeign is what a restart may find: another datapath's connect4
+// program on the test cgroup, and behind it our links, attached without order
+// and left pinned by a first agent that stopped. It returns the foreign
+// program's ID.
+func pinnedBehindForeign(t *testing.T) (*testNet, uint32) {
+	t.Helper()
+	n := newTestNet(t)
+	foreign := attachForeign(t, n.cg.Path, "other_lb", ebpf.AttachCGroupInet4Connect)
+	cfg := n.config()
+	cfg.Unordered = true
+	cfg.Detach = false
+	first, err := New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	n.startDatapath(t, first)
+	if err := first.Close(); err != nil {
+		t.Fatal(err)
+	}
+	progs, err := QueryCgroupPrograms(n.cg.Path, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c := connect4IDs(progs); len(c) != 2 || c[0] != foreign {
+		t.Fatalf("before the restart connect4 runs %v, want the foreign program %d first", c, foreign)
+	}
+	return n, foreign
+}
+
 func connect4IDs(progs []CgroupProgram) []uint32 {
 	var ids []uint32
 	for _, p := range progs {
@@ -221,19 +231,7 @@ func connect4IDs(progs []CgroupProgram) []uint32 {
 // behind another program starts anyway: the links keep their place, the
 // refusal is reported, and capture works for what reaches ours.
 func TestAdoptionWithoutOrderedAttach(t *testing.T) {
-	n := newTestNet(t)
-	foreign := attachForeign(t, n.cg.Path, "other_lb", ebpf.AttachCGroupInet4Connect)
-	cfg := n.config()
-	cfg.Unordered = true
-	cfg.Detach = false
-	first, err := New(cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	n.startDatapath(t, first)
-	if err := first.Close(); err != nil {
-		t.Fatal(err)
-	}
+	n, foreign := pinnedBehindForeign(t)
 	saved := orderFlags
 	orderFlags = 1 << 30 // no kernel knows this flag: EINVAL, as before Linux 6.16
 	t.Cleanup(func() { orderFlags = saved })
