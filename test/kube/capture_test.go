@@ -12,8 +12,6 @@ import (
 	"testing"
 	"time"
 
-	corev1 "k8s.io/api/core/v1"
-
 	"github.com/meshdns/meshdns-ebpf/internal/agenttest"
 	"github.com/meshdns/meshdns-ebpf/internal/kubetest"
 	"github.com/meshdns/meshdns-ebpf/internal/testenv"
@@ -28,8 +26,7 @@ func TestCaptureClusterDNS(t *testing.T) {
 	testenv.RequirePrivileged(t, "ip", "nsenter", "setpriv", "getent", "dig")
 	c := startCluster(t)
 	// kube-dns exists in every cluster: pods' resolv.conf names its IP.
-	kubeDNS := c.CreateService(t, kubetest.Service{Namespace: "kube-system", Name: "kube-dns", Ports: []corev1.ServicePort{
-		{Name: "dns", Port: 53, Protocol: corev1.ProtocolUDP}, {Name: "dns-tcp", Port: 53, Protocol: corev1.ProtocolTCP}}})
+	kubeDNS := c.createKubeDNS(t)
 	dnsIP := kubeDNS.Spec.ClusterIP
 	web := c.CreateService(t, kubetest.Service{Namespace: "default", Name: "web"})
 	c.EnsureNamespace(t, "other")

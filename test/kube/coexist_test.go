@@ -10,8 +10,6 @@ import (
 	"testing"
 	"time"
 
-	corev1 "k8s.io/api/core/v1"
-
 	"github.com/meshdns/meshdns-ebpf/internal/kubetest"
 	"github.com/meshdns/meshdns-ebpf/internal/redirect"
 	"github.com/meshdns/meshdns-ebpf/internal/redirect/socklb"
@@ -29,8 +27,7 @@ import (
 func TestCaptureClusterDNSBesideSocketLB(t *testing.T) {
 	testenv.RequirePrivileged(t, "ip", "nsenter", "setpriv", "getent", "dig")
 	c := startCluster(t)
-	kubeDNS := c.CreateService(t, kubetest.Service{Namespace: "kube-system", Name: "kube-dns", Ports: []corev1.ServicePort{
-		{Name: "dns", Port: 53, Protocol: corev1.ProtocolUDP}, {Name: "dns-tcp", Port: 53, Protocol: corev1.ProtocolTCP}}})
+	kubeDNS := c.createKubeDNS(t)
 	dnsIP := netip.MustParseAddr(kubeDNS.Spec.ClusterIP)
 	coreDNSIP := netip.MustParseAddr("10.99.53.10") // not link-local: an EndpointSlice refuses those
 	c.CreatePod(t, kubetest.Pod{Namespace: "kube-system", Name: "coredns-0", Node: node,

@@ -19,6 +19,7 @@ import (
 	"time"
 
 	"github.com/miekg/dns"
+	corev1 "k8s.io/api/core/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
@@ -65,6 +66,15 @@ func startCluster(t *testing.T) *cluster {
 	}
 	cp.BindClusterRole(t, role.Name, agentUser)
 	return &cluster{ControlPlane: cp, kubeconfig: cp.Kubeconfig(t, agentUser)}
+}
+
+// createKubeDNS creates the cluster DNS Service every cluster has (pods'
+// resolv.conf names its cluster IP): kube-system/kube-dns on port 53, UDP and
+// TCP.
+func (c *cluster) createKubeDNS(t *testing.T) *corev1.Service {
+	t.Helper()
+	return c.CreateService(t, kubetest.Service{Namespace: "kube-system", Name: "kube-dns", Ports: []corev1.ServicePort{
+		{Name: "dns", Port: 53, Protocol: corev1.ProtocolUDP}, {Name: "dns-tcp", Port: 53, Protocol: corev1.ProtocolTCP}}})
 }
 
 // agent is the meshdns-ebpf binary running as resolver only (--mode off) on
