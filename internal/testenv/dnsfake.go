@@ -27,6 +27,7 @@ type FakeDNS struct {
 	records map[string][]netip.Addr
 	delays  map[string]time.Duration
 	silent  map[string]bool
+	fresh   map[string]*freshName
 }
 
 // Query is one query a FakeDNS saw.
@@ -36,7 +37,7 @@ type Query = dnsfake.Query
 // TCP) inside ns (nil: the test's own namespace) until the test ends.
 func StartFakeDNS(t testing.TB, ns *Netns, addr string, records map[string][]netip.Addr) *FakeDNS {
 	t.Helper()
-	f := &FakeDNS{records: map[string][]netip.Addr{}, delays: map[string]time.Duration{}, silent: map[string]bool{}}
+	f := &FakeDNS{records: map[string][]netip.Addr{}, delays: map[string]time.Duration{}, silent: map[string]bool{}, fresh: map[string]*freshName{}}
 	for name, ips := range records {
 		f.records[dns.CanonicalName(name)] = ips
 	}
@@ -45,6 +46,9 @@ func StartFakeDNS(t testing.TB, ns *Netns, addr string, records map[string][]net
 		s, err := dnsfake.Listen(dnsfake.Config{Addr: addr, Respond: func(proto string, req *dns.Msg) []*dns.Msg {
 			if len(req.Question) == 1 && f.isSilent(req.Question[0].Name) {
 				return nil // a black hole: the query is recorded, never answered
+			}
+			if m, ok := f.freshAnswer(req); ok {
+				return []*dns.Msg{m}
 			}
 			return answer(proto, req)
 		}})
