@@ -101,9 +101,15 @@ func (b *budgets) limitsFor(k workload.Key) BudgetLimits {
 	return b.lim
 }
 
-// setLimits gives e the limits lim (at now); its tokens are capped by the new burst.
+// setLimits gives e the limits lim (at now). A larger burst adds the difference to
+// its tokens (a raised budget applies at once, not only as the rate refills it); a
+// smaller one caps them.
 func (e *bucket) setLimits(lim BudgetLimits, now int64) {
-	e.lim, e.burst, e.checked = lim, lim.burstTokens(), now
+	burst := lim.burstTokens()
+	if burst > e.burst {
+		e.tokens += burst - e.burst
+	}
+	e.lim, e.burst, e.checked = lim, burst, now
 	e.tokens = min(e.tokens, e.burst)
 }
 
@@ -132,8 +138,7 @@ func (b *budgets) acquire(k workload.Key) bool {
 				return true // bounded: a workload past the bound is not limited
 			}
 			e = &bucket{last: now}
-			e.setLimits(lim, now)
-			e.tokens = e.burst
+			e.setLimits(lim, now) // a full bucket
 			sh.m[id] = e
 		}
 	}

@@ -130,4 +130,14 @@ func TestWorkloadBudgetOverrides(t *testing.T) {
 		last, _ = burst(t, ts.addr, big.String(), "p", 5, 300*time.Millisecond)
 		return last[dns.RcodeRefused] >= 4
 	}, "5 misses after the override fell to burst 1: rcodes %v, want at least 4 REFUSED", &last)
+
+	// Raised again, the workload has its larger burst at once (not only as its
+	// rate refills it).
+	mu.Lock()
+	bigLimits = BudgetLimits{QPS: 0.001, Burst: 30}
+	mu.Unlock()
+	testenv.Eventually(t, 10*time.Second, func() bool {
+		last, _ = burst(t, ts.addr, big.String(), "r", 20, 300*time.Millisecond)
+		return last[dns.RcodeNameError] == 20
+	}, "20 misses after the override rose to burst 30: rcodes %v, want 20 NXDOMAIN", &last)
 }
