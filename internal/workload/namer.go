@@ -156,8 +156,11 @@ func (n *Namer) Known(k Key) (Identity, bool) {
 	_, ok := n.paths[k.Cgroup]
 	n.mu.Unlock()
 	if !ok {
-		n.Learn(k)
-		return Identity{}, false
+		// Learn names it at once when the sender's /proc entry says
+		// which cgroup it is (no walk), else queues it.
+		if n.Learn(k); !n.isKnown(k.Cgroup) {
+			return Identity{}, false
+		}
 	}
 	return n.nameCgroup(k), true
 }
