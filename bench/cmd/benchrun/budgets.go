@@ -85,6 +85,7 @@ type budgetPhase struct {
 	noisy   *dnsfake.Paced
 	upRate  float64 // upstream queries a second (after the settle time when loaded)
 	upFails float64 // the agent's failed upstream attempts in the phase (each retried)
+	agentUp float64 // the agent's upstream attempts a second, same window as upRate
 	hwm     uint64  // the agent's VmHWM in the phase (reset at its start)
 	loadAvg string
 }
@@ -165,9 +166,11 @@ func budgets(c budgetsConfig) error {
 			settle = min(c.settle, c.phase/2)
 		}
 		time.Sleep(settle) // the phase's length: the load runs meanwhile
-		upBefore, t0 := up.Count(), time.Now()
+		upBefore, reqBefore, t0 := up.Count(), sumMetric(admin, "meshdns_upstream_requests_total"), time.Now()
 		time.Sleep(c.phase - settle)
-		r.upRate = float64(up.Count()-upBefore) / time.Since(t0).Seconds()
+		el := time.Since(t0).Seconds()
+		r.upRate = float64(up.Count()-upBefore) / el
+		r.agentUp = (sumMetric(admin, "meshdns_upstream_requests_total") - reqBefore) / el
 		close(stop)
 		r.quiet = <-qc
 		if noisy {
@@ -330,15 +333,15 @@ func printBudgets(w io.Writer, c budgetsConfig, pinned string, serverCPU int, ba
 		c.budget, c.maxPending, serverCPU, pinned, c.upstreamQPS, c.upstreamLatency, c.quietPause, int(time.Second/c.quietPause), c.timeout,
 		c.noisyQPS, c.phase, min(c.settle, c.phase/2), base.loadAvg, endLoad)
 	p("")
-	p("| phase | quiet answered / SERVFAIL+REFUSED / timed out | quiet p50 | quiet p99 | upstream rate | failed upstream attempts | agent VmHWM |")
+	p("| phase | quiet answered / SERVFAIL+REFUSED / timed out | quiet p50 | quiet p99 | upstream rate (seen by it / sent by the agent) | failed upstream attempts | agent VmHWM |")
 	p("|---|---|---|---|---|---|---|")
 	for _, r := range []struct {
 		name string
 		ph   budgetPhase
 	}{{"baseline (quiet alone)", base}, {"loaded (quiet + noisy)", loud}} {
 		q := r.ph.quiet
-		p("| %s | %d / %d / %d | %s | %s | %.0f/s | %.0f | %.1f MiB |", r.name, len(q.Latencies), q.Failed, q.Lost,
-			q.Percentile(0.5).Round(time.Microsecond), q.Percentile(0.99).Round(time.Microsecond), r.ph.upRate, r.ph.upFails, float64(r.ph.hwm)/(1<<20))
+		p("| %s | %d / %d / %d | %s | %s | %.0f/s / %.0f/s | %.0f | %.1f MiB |", r.name, len(q.Latencies), q.Failed, q.Lost,
+			q.Percentile(0.5).Round(time.Microsecond), q.Percentile(0.99).Round(time.Microsecond), r.ph.upRate, r.ph.agentUp, r.ph.upFails, float64(r.ph.hwm)/(1<<20))
 	}
 	p("")
 	p("Noisy workload: sent %d, answers %v.", loud.noisy.Sent, loud.noisy.Answers)
