@@ -44,12 +44,16 @@ func New(def resolver.BudgetLimits, objs Objects, namer Namer, log *slog.Logger)
 	if log == nil {
 		log = slog.Default()
 	}
-	return &Source{def: def, objs: objs, namer: namer, log: log, reported: map[string]string{},
+	s := &Source{def: def, objs: objs, namer: namer, log: log, reported: map[string]string{},
 		errors: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "meshdns_budget_override_errors_total",
 			Help: "Pods (kind=pod) and Namespaces (kind=namespace) found with a bad meshdns.io/upstream-* annotation, once per object and value: their override is ignored whole and the next one down (the Namespace's, then the flags') applies.",
 		}, []string{"kind"}),
 	}
+	for _, kind := range []string{"pod", "namespace"} {
+		s.errors.WithLabelValues(kind) // exported at 0 from the start
+	}
+	return s
 }
 
 // LimitsFor implements resolver.BudgetOverrides: the budget of k's pod from its

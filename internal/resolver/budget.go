@@ -126,7 +126,11 @@ func (b *budgets) acquire(k workload.Key) bool {
 	defer sh.mu.Unlock()
 	e := sh.m[id]
 	if e == nil || (b.ov != nil && now-e.checked >= int64(budgetRecheck)) {
-		// Ask the overrides without the lock (other workloads of the shard go on).
+		// Ask the overrides without the lock (other workloads of the shard go on);
+		// the workload's other queries meanwhile keep its current limits.
+		if e != nil {
+			e.checked = now
+		}
 		sh.mu.Unlock()
 		lim := b.limitsFor(k)
 		sh.mu.Lock()
