@@ -106,7 +106,7 @@ vet:
 	  if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
 
 # The tests of concurrent state on the query path, under the race detector.
-RACE_TESTS := HealthFlips|RateLimitingUpstream|SilentUpstream|PanicInAResolution|PanicOnTheQueryPath|WorkloadBudgets|RecoveredCounts
+RACE_TESTS := HealthFlips|RateLimitingUpstream|SilentUpstream|PanicInAResolution|PanicOnTheQueryPath|WorkloadBudget|RecoveredCounts
 
 test: test-deps check-generate vet
 	@rm -f out/image-test.txt out/node-e2e.txt
