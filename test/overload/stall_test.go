@@ -71,9 +71,14 @@ func TestUpstreamStallKeepsTableAnswers(t *testing.T) {
 			time.Sleep(stall)
 		}
 		close(stop)
-		noisy := <-pc
-		t.Logf("noisy (stalled %v): sent %d, answers %v", stalled, noisy.Sent, noisy.Answers)
-		return <-q
+		if noisy := <-pc; noisy != nil {
+			t.Logf("noisy (stalled %v): sent %d, answers %v", stalled, noisy.Sent, noisy.Answers)
+		}
+		p := <-q
+		if p == nil {
+			t.Fatal("the quiet workload's prober failed")
+		}
+		return p
 	}
 	base := phase(false)
 	staleBefore := a.metricValue(t, `meshdns_cache_hits_total{type="stale"}`)
