@@ -22,7 +22,7 @@ export GOTOOLCHAIN := local
 # type: 82 MB instead of 51 MB for the agent (docs/istio.md).
 export GOFLAGS := -buildvcs=false -tags=grpcnotrace
 
-.PHONY: all build run test deps test-deps kube-bin tools-bin istiod-bin node-bin node-e2e unit generate check-generate vet bench soak fuzz clean \
+.PHONY: all build run test deps test-deps kube-bin tools-bin istiod-bin node-bin node-e2e unit generate check-generate vet bench bench-budgets soak fuzz clean \
 	image image-lock image-push
 
 # The image (docs/kubernetes.md). `make image` builds it from deploy/image/debs.lock
@@ -106,7 +106,7 @@ vet:
 	  if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
 
 # The tests of concurrent state on the query path, under the race detector.
-RACE_TESTS := HealthFlips|RateLimitingUpstream|SilentUpstream|PanicInAResolution|PanicOnTheQueryPath|WorkloadBudgets|RecoveredCounts
+RACE_TESTS := HealthFlips|RateLimitingUpstream|SilentUpstream|PanicInAResolution|PanicOnTheQueryPath|WorkloadBudget|RecoveredCounts
 
 test: test-deps check-generate vet
 	@rm -f out/image-test.txt out/node-e2e.txt
@@ -118,6 +118,10 @@ test: test-deps check-generate vet
 
 bench: build
 	bench/run.sh
+
+# Only the per-workload budgets lane of the benchmark (a few minutes).
+bench-budgets:
+	bench/run.sh budgets
 
 # `make fuzz` (not part of `make test`): every fuzz target for FUZZTIME, one at a
 # time on one core. FuzzServeDNS: any message gets a well-formed reply within its

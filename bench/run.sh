@@ -20,6 +20,11 @@
 #   BENCH_KUBE_MESH=N      its mesh run: N ServiceEntries + N Services over two clusters (default 10000; 0 skips)
 #   BENCH_KUBE_ISTIOD=N    its istiod run: the NDS source beside the Kubernetes source at N Services (default 10000; 0 skips)
 # Extra arguments are passed to benchrun (see `benchrun -h`), e.g. -reps 5 -duration 20s.
+#
+# bench/run.sh budgets [flags]: only the per-workload budgets lane (`benchrun
+# budgets`, a few minutes; make bench-budgets): the agent on CPU 1, the load
+# generators and the upstream on CPU 0; prints its section (flags: benchrun
+# budgets -h).
 set -euo pipefail
 
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -42,6 +47,15 @@ log() { printf 'bench: %s\n' "$*" >&2; }
 if [ "$(nproc)" -lt 2 ]; then
 	log "need at least 2 cores (server and load generator on different cores); have $(nproc)"
 	exit 1
+fi
+
+if [ "${1:-}" = budgets ]; then
+	shift
+	command -v taskset >/dev/null 2>&1 || { log "budgets: taskset is missing (util-linux)"; exit 1; }
+	log "building benchrun and bin/meshdns-ebpf"
+	go build -o "$work/bin/benchrun" ./bench/cmd/benchrun
+	go build -o "$repo/bin/meshdns-ebpf" ./cmd/meshdns-ebpf
+	exec taskset -c 0 "$work/bin/benchrun" budgets -meshdns "$repo/bin/meshdns-ebpf" -work "$work" -gen-cpu 0 -server-cpu 1 "$@"
 fi
 
 missing=()

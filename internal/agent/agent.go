@@ -17,6 +17,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/collectors"
 
 	"github.com/meshdns/meshdns-ebpf/internal/agentstate"
+	"github.com/meshdns/meshdns-ebpf/internal/budgetoverride"
 	"github.com/meshdns/meshdns-ebpf/internal/ctzone"
 	"github.com/meshdns/meshdns-ebpf/internal/handover"
 	"github.com/meshdns/meshdns-ebpf/internal/kubelife"
@@ -377,6 +378,13 @@ func (a *Agent) startResolver(ctx context.Context, reg *prometheus.Registry) (er
 		flows = a.dp.Flows()
 	}
 	a.work.configure(&rc, flows)
+	if a.pods != nil {
+		// Budgets of their own for pods and namespaces that ask for one
+		// (meshdns.io/upstream-* annotations).
+		ov := budgetoverride.New(cfg.WorkloadBudget, a.pods, a.work.namer, a.log.With("component", "budgets"))
+		reg.MustRegister(ov)
+		rc.BudgetOverrides = ov
+	}
 	if a.inherit != nil {
 		rc.Inherited, a.inherit.Listeners = a.inherit.Listeners, nil
 	}

@@ -21,6 +21,10 @@ type Probe struct {
 	Latencies []time.Duration
 	Lost      int // no answer within the timeout
 	Failed    int // answered SERVFAIL or REFUSED (MixProber)
+	// ByName is the same split by query name, and Addrs counts each answer's first
+	// A record ("" for none) by name (MixProber).
+	ByName map[string]*Probe
+	Addrs  map[string]map[string]int
 }
 
 // Percentile returns the q-quantile (0..1) of the answered queries' latency.
@@ -55,7 +59,12 @@ func MixProber(server string, local netip.Addr, names []string, timeout, pause t
 		return nil, err
 	}
 	defer c.Close()
-	p := &Probe{}
+	p := &Probe{ByName: map[string]*Probe{}, Addrs: map[string]map[string]int{}}
+	for _, n := range names {
+		if p.ByName[n] == nil {
+			p.ByName[n], p.Addrs[n] = &Probe{}, map[string]int{}
+		}
+	}
 	buf := make([]byte, 4096)
 	for i := 0; ; i++ {
 		select {
@@ -63,8 +72,10 @@ func MixProber(server string, local netip.Addr, names []string, timeout, pause t
 			return p, nil
 		default:
 		}
+		name := names[i%len(names)]
+		byName := p.ByName[name]
 		m := new(dns.Msg)
-		m.SetQuestion(names[i%len(names)], dns.TypeA)
+		m.SetQuestion(name, dns.TypeA)
 		m.Id = uint16(i)
 		pkt, _ := m.Pack()
 		start := time.Now()
@@ -76,19 +87,38 @@ func MixProber(server string, local netip.Addr, names []string, timeout, pause t
 			n, err := c.Read(buf)
 			if err != nil {
 				p.Lost++
+				byName.Lost++
 				break
 			}
 			if n >= 4 && binary.BigEndian.Uint16(buf) == uint16(i) {
 				if rc := buf[3] & 0xf; rc == dns.RcodeServerFailure || rc == dns.RcodeRefused {
 					p.Failed++
+					byName.Failed++
 				} else {
-					p.Latencies = append(p.Latencies, time.Since(start))
+					el := time.Since(start)
+					p.Latencies = append(p.Latencies, el)
+					byName.Latencies = append(byName.Latencies, el)
 				}
+				p.Addrs[name][firstA(buf[:n])]++
 				break
 			}
 		}
 		time.Sleep(pause)
 	}
+}
+
+// firstA is the address of the first A record of the answer pkt, "" when none.
+func firstA(pkt []byte) string {
+	m := new(dns.Msg)
+	if m.Unpack(pkt) != nil {
+		return ""
+	}
+	for _, rr := range m.Answer {
+		if a, ok := rr.(*dns.A); ok {
+			return a.A.String()
+		}
+	}
+	return ""
 }
 
 // Paced is the outcome of PacedUDP.

@@ -124,6 +124,12 @@ func (c *Client) Pods(namespace string) Resource[*corev1.Pod, *corev1.PodList] {
 		func() *corev1.Pod { return &corev1.Pod{} }, func() *corev1.PodList { return &corev1.PodList{} }}
 }
 
+// Namespaces (cluster-scoped).
+func (c *Client) Namespaces() Resource[*corev1.Namespace, *corev1.NamespaceList] {
+	return Resource[*corev1.Namespace, *corev1.NamespaceList]{c.core, "namespaces", "",
+		func() *corev1.Namespace { return &corev1.Namespace{} }, func() *corev1.NamespaceList { return &corev1.NamespaceList{} }}
+}
+
 // Secrets of namespace ("" for all).
 func (c *Client) Secrets(namespace string) Resource[*corev1.Secret, *corev1.SecretList] {
 	return Resource[*corev1.Secret, *corev1.SecretList]{c.core, "secrets", namespace,

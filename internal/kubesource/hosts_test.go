@@ -181,3 +181,27 @@ func TestTransformPod(t *testing.T) {
 		}
 	}
 }
+
+// The compact Pod and Namespace keep their meshdns.io/ annotations (upstream
+// budget overrides) and no others.
+func TestTransformKeepsOwnAnnotations(t *testing.T) {
+	ann := map[string]string{"meshdns.io/upstream-qps": "50", "kubectl.kubernetes.io/last-applied-configuration": "{...}", "app": "x"}
+	want := "map[meshdns.io/upstream-qps:50]"
+	p, err := transformPod(&corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: "a", Namespace: "ns", Annotations: ann}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := fmt.Sprint(p.(*pod).ann); got != want {
+		t.Errorf("pod annotations %s, want %s", got, want)
+	}
+	n, err := transformNamespace(&corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "ns", Annotations: ann}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := fmt.Sprint(n.(*namespace).ann); got != want {
+		t.Errorf("namespace annotations %s, want %s", got, want)
+	}
+	if p, _ := transformPod(&corev1.Pod{}); p.(*pod).ann != nil {
+		t.Errorf("a pod without annotations keeps %v", p.(*pod).ann)
+	}
+}

@@ -61,6 +61,7 @@ type pod struct {
 	uid        string
 	ips        []netip.Addr
 	containers map[string]string // container id (without the runtime prefix) -> name
+	ann        map[string]string // its meshdns.io/ annotations (nil: none)
 }
 
 // DeepCopyObject implements runtime.Object; the object is immutable.
@@ -209,6 +210,41 @@ func transformSlice(obj any) (any, error) {
 	return out, nil
 }
 
+// namespace is a Namespace's meshdns.io/ annotations (per-workload budget
+// overrides, internal/budgetoverride).
+type namespace struct {
+	kubeclient.Meta
+	ann map[string]string
+}
+
+// DeepCopyObject implements runtime.Object; the object is immutable.
+func (n *namespace) DeepCopyObject() runtime.Object { return n }
+
+// annotationPrefix is the annotations the compact objects keep.
+const annotationPrefix = "meshdns.io/"
+
+// ownAnnotations returns the meshdns.io/ annotations of ann, nil when none.
+func ownAnnotations(ann map[string]string) map[string]string {
+	var out map[string]string
+	for k, v := range ann {
+		if strings.HasPrefix(k, annotationPrefix) {
+			if out == nil {
+				out = map[string]string{}
+			}
+			out[k] = v
+		}
+	}
+	return out
+}
+
+func transformNamespace(obj any) (any, error) {
+	n, ok := obj.(*corev1.Namespace)
+	if !ok {
+		return obj, nil
+	}
+	return &namespace{Meta: kubeclient.Meta{Name: n.Name}, ann: ownAnnotations(n.Annotations)}, nil
+}
+
 // transformPod keeps a Pod's IPs, and none for a Pod whose IPs are not its
 // own (host network) or no longer its own (finished).
 func transformPod(obj any) (any, error) {
@@ -220,6 +256,7 @@ func transformPod(obj any) (any, error) {
 	if m := p.Annotations[corev1.MirrorPodAnnotationKey]; m != "" {
 		out.uid = m // a static Pod's mirror: kubelet's cgroup carries the static Pod's UID
 	}
+	out.ann = ownAnnotations(p.Annotations)
 	for _, list := range [][]corev1.ContainerStatus{p.Status.InitContainerStatuses, p.Status.ContainerStatuses, p.Status.EphemeralContainerStatuses} {
 		for _, cs := range list {
 			if _, id, ok := strings.Cut(cs.ContainerID, "://"); ok && id != "" {

@@ -63,7 +63,35 @@ func (s *Source) findPod(match func(*pod) bool) (workload.Pod, bool) {
 	return workload.Pod{}, false
 }
 
-// podIndex holds the pod informer's store once Run made it.
+// PodAnnotations returns the meshdns.io/ annotations of this node's Pod
+// namespace/name (nil: none, or no such Pod): internal/budgetoverride's
+// Objects.
+func (s *Source) PodAnnotations(namespace, name string) map[string]string {
+	if st := s.pods.get(); st != nil {
+		if o, ok, _ := st.GetByKey(namespace + "/" + name); ok {
+			if p, ok := o.(*pod); ok {
+				return p.ann
+			}
+		}
+	}
+	return nil
+}
+
+// NamespaceAnnotations returns the meshdns.io/ annotations of Namespace name
+// (nil: none, or not known): internal/budgetoverride's Objects.
+func (s *Source) NamespaceAnnotations(name string) map[string]string {
+	if st := s.namespaces.get(); st != nil {
+		if o, ok, _ := st.GetByKey(name); ok {
+			if n, ok := o.(*namespace); ok {
+				return n.ann
+			}
+		}
+	}
+	return nil
+}
+
+// podIndex holds an informer's store (the pods', the namespaces') once Run
+// made it.
 type podIndex struct {
 	mu sync.Mutex
 	st cache.Store

@@ -55,6 +55,9 @@ type Source struct {
 	log    *slog.Logger
 	client *kubeclient.Client
 	pods   podIndex
+	// namespaces holds the namespace informer's store (with NodeName: the
+	// Namespaces' budget annotations for this node's pods)
+	namespaces podIndex
 	// backends: one Service's endpoint addresses for the datapath (backends.go)
 	backends backendWatch
 }
@@ -162,6 +165,22 @@ func (s *Source) Run(ctx context.Context, sink names.Sink) error {
 		regs = append(regs, reg)
 		informers = append(informers, podInf)
 		s.pods.set(podInf.GetStore())
+
+		// Namespaces: their meshdns.io/ annotations (upstream budgets of
+		// their pods, internal/budgetoverride).
+		nsInf := s.informer(h, "namespaces", &corev1.Namespace{}, transformNamespace,
+			func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) {
+				return s.client.Namespaces().List(ctx, o)
+			},
+			func(ctx context.Context, o metav1.ListOptions) (watch.Interface, error) {
+				return s.client.Namespaces().Watch(ctx, o)
+			}, nil)
+		if reg, err = nsInf.AddEventHandler(cache.ResourceEventHandlerFuncs{}); err != nil {
+			return err
+		}
+		regs = append(regs, reg)
+		informers = append(informers, nsInf)
+		s.namespaces.set(nsInf.GetStore())
 	}
 
 	var wg sync.WaitGroup

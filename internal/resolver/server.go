@@ -80,6 +80,9 @@ type Config struct {
 	// WorkloadBudget is each workload's budget of queries that go upstream (rate
 	// and in flight; zero: none). Over it a miss is answered REFUSED at once.
 	WorkloadBudget BudgetLimits
+	// BudgetOverrides, when set, gives workloads budgets of their own instead of
+	// WorkloadBudget (budget.go).
+	BudgetOverrides BudgetOverrides
 	// MaxTCPConns bounds open TCP connections (default 1024): at the bound the
 	// connection idle the longest is closed for a new one.
 	MaxTCPConns int
@@ -216,7 +219,7 @@ func New(cfg Config) (*Server, error) {
 		readerNice:    cfg.ReaderNice,
 		senders:       cfg.Senders,
 		panics:        cfg.Panics,
-		budgets:       newBudgets(cfg.WorkloadBudget),
+		budgets:       newBudgets(cfg.WorkloadBudget, cfg.BudgetOverrides),
 		talkers:       cfg.Talkers,
 		tap:           cfg.Tap,
 	}

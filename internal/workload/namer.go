@@ -145,6 +145,26 @@ func (n *Namer) Name(k Key) Identity {
 	return Identity{Workload: Unknown}
 }
 
+// Known names k's sender without blocking: like Name, but a cgroup not named
+// yet is not looked for here (Learn is told of it, so a later call names it)
+// and reports false. For callers on the query path (per-workload budgets).
+func (n *Namer) Known(k Key) (Identity, bool) {
+	if k.Cgroup == 0 {
+		return n.Name(k), true
+	}
+	n.mu.Lock()
+	_, ok := n.paths[k.Cgroup]
+	n.mu.Unlock()
+	if !ok {
+		// Learn names it at once when the sender's /proc entry says
+		// which cgroup it is (no walk), else queues it.
+		if n.Learn(k); !n.isKnown(k.Cgroup) {
+			return Identity{}, false
+		}
+	}
+	return n.nameCgroup(k), true
+}
+
 func (n *Namer) nameCgroup(k Key) Identity {
 	path := n.cgroupPath(k.Cgroup, k.PID)
 	id := Identity{Workload: path, Cgroup: path}

@@ -1,6 +1,8 @@
 package workload
 
 import (
+	"net/netip"
+	"strings"
 	"testing"
 	"time"
 )
@@ -29,4 +31,28 @@ func TestLearnKnownCgroupTakesNoLock(t *testing.T) {
 	}
 	n.mu.Unlock()
 	<-done
+}
+
+type fakePods map[string]Pod
+
+func (f fakePods) PodByUID(uid string) (Pod, bool) { p, ok := f[uid]; return p, ok }
+func (f fakePods) PodByIP(netip.Addr) (Pod, bool)  { return Pod{}, false }
+
+// Known never names a cgroup itself: an unnamed one reports false (and is
+// queued for the background naming); once named it is the pod's.
+func TestKnownDoesNotWalk(t *testing.T) {
+	const uid = "0c4f7e2a-1b2c-4d5e-8f90-123456789abc"
+	n := NewNamer(fakePods{uid: {Namespace: "team-a", Name: "api-0", UID: uid}})
+	k := Key{Cgroup: 4343}
+	if id, ok := n.Known(k); ok {
+		t.Fatalf("Known of a cgroup not named yet = %+v, true; want false", id)
+	}
+	if len(n.learn) != 1 {
+		t.Errorf("Known of a cgroup not named yet queued %d keys to learn, want 1", len(n.learn))
+	}
+	n.remember(k.Cgroup, "/kubepods.slice/kubepods-pod"+strings.ReplaceAll(uid, "-", "_")+".slice/cri-containerd-abc.scope")
+	id, ok := n.Known(k)
+	if !ok || id.Namespace != "team-a" || id.Pod != "api-0" {
+		t.Errorf("Known of the named cgroup = %+v, %v; want team-a/api-0", id, ok)
+	}
 }

@@ -462,7 +462,17 @@ func TestShippedRolesTellUninstallFromRestart(t *testing.T) {
 		t.Cleanup(func() { w.Close() })
 		return w, log
 	}
-	for _, name := range []string{"ClusterRoleBinding/meshdns-ebpf-lifecycle", "RoleBinding/meshdns-ebpf-lifecycle"} {
+	// The agent's namespace is readable through the lifecycle ClusterRole and through
+	// the main one's namespaces rule (every namespace's budget annotations): without
+	// it means without the lifecycle binding and that rule.
+	for _, tc := range []struct {
+		name        string
+		noNamespace bool // the main ClusterRole without its namespaces rule too
+	}{
+		{"ClusterRoleBinding/meshdns-ebpf-lifecycle", true},
+		{"RoleBinding/meshdns-ebpf-lifecycle", false},
+	} {
+		name := tc.name
 		t.Run("without "+name, func(t *testing.T) {
 			var binding []object
 			for _, o := range objs {
@@ -478,6 +488,22 @@ func TestShippedRolesTellUninstallFromRestart(t *testing.T) {
 					t.Errorf("restore %s: %v", name, err)
 				}
 			}()
+			if tc.noNamespace {
+				role := find[*rbacv1.ClusterRole](t, objs, "ClusterRole", "meshdns-ebpf")
+				less := role.DeepCopy()
+				less.Rules = slices.DeleteFunc(less.Rules, func(r rbacv1.PolicyRule) bool { return slices.Contains(r.Resources, "namespaces") })
+				if len(less.Rules) != len(role.Rules)-1 {
+					t.Fatalf("ClusterRole meshdns-ebpf: want one namespaces rule in %v", role.Rules)
+				}
+				if err := apply(t, cp, []object{{obj: less, kind: "ClusterRole", name: less.Name}}); err != nil {
+					t.Fatal(err)
+				}
+				defer func() {
+					if err := apply(t, cp, []object{{obj: role, kind: "ClusterRole", name: role.Name}}); err != nil {
+						t.Errorf("restore the ClusterRole: %v", err)
+					}
+				}()
+			}
 			w, log := watchAs(t)
 			if !testenv.WaitFor(30*time.Second, func() bool { return strings.Contains(log.String(), "cannot watch the agent's own") }) {
 				t.Errorf("without %s the agent did not say what it cannot watch:\n%s", name, log.String())

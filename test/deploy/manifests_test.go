@@ -169,6 +169,7 @@ func TestDefaultInstall(t *testing.T) {
 
 	cr := find[*rbacv1.ClusterRole](t, objs, "ClusterRole", "meshdns-ebpf")
 	wantRules := []string{
+		"/namespaces[]: get,list,watch",
 		"/pods[]: get,list,watch",
 		"/services[]: get,list,watch",
 		"apiextensions.k8s.io/customresourcedefinitions[serviceentries.networking.istio.io]: get,list,watch",

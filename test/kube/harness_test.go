@@ -43,6 +43,8 @@ var agentRole = []rbacv1.PolicyRule{
 	{APIGroups: []string{""}, Resources: []string{"services"}, Verbs: []string{"get", "list", "watch"}},
 	{APIGroups: []string{"discovery.k8s.io"}, Resources: []string{"endpointslices"}, Verbs: []string{"get", "list", "watch"}},
 	{APIGroups: []string{""}, Resources: []string{"pods"}, Verbs: []string{"get", "list", "watch"}},
+	// Namespaces' upstream budget annotations.
+	{APIGroups: []string{""}, Resources: []string{"namespaces"}, Verbs: []string{"get", "list", "watch"}},
 	// The ServiceEntry source: Istio's CRD (that one object) and ServiceEntries.
 	{APIGroups: []string{"apiextensions.k8s.io"}, Resources: []string{"customresourcedefinitions"},
 		ResourceNames: []string{"serviceentries.networking.istio.io"}, Verbs: []string{"get", "list", "watch"}},

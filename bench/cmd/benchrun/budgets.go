@@ -1,0 +1,361 @@
+//go:build linux
+
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"io"
+	"math/rand/v2"
+	"net"
+	"net/http"
+	"net/netip"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"runtime"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/miekg/dns"
+
+	"github.com/meshdns/meshdns-ebpf/bench/internal/procstat"
+	"github.com/meshdns/meshdns-ebpf/internal/dnsfake"
+)
+
+// `benchrun budgets` (bench/run.sh budgets): per-workload upstream budgets, the
+// issue's setup. The agent (--mode off, --workload-qps) behind an upstream that
+// answers 2,000 qps after 2 ms and drops the rest; a quiet workload (a table name
+// and three external names in turn, one query at a time with a 5 ms pause: at most
+// 200 qps) alone (baseline), then beside a noisy workload sending 20,000 qps of
+// random *.nx.test names through a pod's ndots:5 search path (loaded), in the same
+// run. It prints the quiet workload's p99 ratio, its SERVFAIL/REFUSED and
+// timeouts, the upstream rate against the budget and the agent's VmHWM ratio, each
+// against the issue's target.
+
+// budgetsConfig is the budgets mode's flags.
+type budgetsConfig struct {
+	meshBin, work       string
+	phase, settle       time.Duration
+	budget, maxPending  int
+	noisyQPS            int
+	serverCPU, genCPU   int
+	upstreamQPS         int
+	upstreamLatency     time.Duration
+	quietPause, timeout time.Duration
+}
+
+const (
+	budgetsTable = "productpage.default.svc.cluster.local."
+	budgetsYAML  = "table:\n  productpage.default.svc.cluster.local:\n    ips: [\"240.240.0.10\"]\n    registry: Kubernetes\n"
+)
+
+// ndots5 is a pod's search path (namespace default) after the name itself is
+// not tried first (fewer than 5 dots): three search suffixes, then the name.
+var ndots5 = []string{".default.svc.cluster.local.", ".svc.cluster.local.", ".cluster.local.", "."}
+
+func runBudgets(args []string) int {
+	var c budgetsConfig
+	fs := flag.NewFlagSet("budgets", flag.ExitOnError)
+	fs.StringVar(&c.meshBin, "meshdns", "bin/meshdns-ebpf", "the agent binary")
+	fs.StringVar(&c.work, "work", filepath.Join(os.TempDir(), "meshdns-bench"), "scratch directory")
+	fs.DurationVar(&c.phase, "phase", 20*time.Second, "length of each phase (baseline, loaded)")
+	fs.DurationVar(&c.settle, "settle", 3*time.Second, "start of the loaded phase left out of the upstream rate (the budget's burst)")
+	fs.IntVar(&c.budget, "budget", 500, "--workload-qps: upstream queries a second per workload")
+	fs.IntVar(&c.maxPending, "max-pending", 128, "--workload-max-pending")
+	fs.IntVar(&c.noisyQPS, "noisy-qps", 20000, "the noisy workload's rate")
+	fs.IntVar(&c.upstreamQPS, "upstream-qps", 2000, "the upstream's cap (queries above it are dropped)")
+	fs.DurationVar(&c.upstreamLatency, "upstream-latency", 2*time.Millisecond, "the upstream's latency")
+	fs.DurationVar(&c.quietPause, "quiet-pause", 5*time.Millisecond, "the quiet workload's pause between queries (5 ms: at most 200 qps)")
+	fs.DurationVar(&c.timeout, "timeout", 2*time.Second, "the quiet workload's timeout per query")
+	fs.IntVar(&c.serverCPU, "server-cpu", 1, "core the agent is pinned to")
+	fs.IntVar(&c.genCPU, "gen-cpu", 0, "core the load generators and the upstream (this process) are pinned to")
+	_ = fs.Parse(args)
+	if err := budgets(c); err != nil {
+		fmt.Fprintln(os.Stderr, "benchrun budgets:", err)
+		return 1
+	}
+	return 0
+}
+
+// budgetPhase is what one phase measured.
+type budgetPhase struct {
+	quiet   *dnsfake.Probe
+	noisy   *dnsfake.Paced
+	upRate  float64 // upstream queries a second (after the settle time when loaded)
+	upFails float64 // the agent's failed upstream attempts in the phase (each retried)
+	agentUp float64 // the agent's upstream attempts a second, same window as upRate
+	hwm     uint64  // the agent's VmHWM in the phase (reset at its start)
+	loadAvg string
+}
+
+func budgets(c budgetsConfig) error {
+	pinned := pinSelf(c.genCPU)
+	logDir := filepath.Join(c.work, "logs")
+	dir := filepath.Join(c.work, "budgets")
+	for _, d := range []string{logDir, dir} {
+		if err := os.MkdirAll(d, 0o755); err != nil {
+			return err
+		}
+	}
+	names := filepath.Join(dir, "names.yaml")
+	if err := os.WriteFile(names, []byte(budgetsYAML), 0o644); err != nil {
+		return err
+	}
+	up, err := dnsfake.Listen(dnsfake.Config{Addr: upstreamIP + ":0", NoRecord: true,
+		Respond: dnsfake.RateLimited(budgetUpstream, c.upstreamQPS, c.upstreamLatency)})
+	if err != nil {
+		return fmt.Errorf("upstream: %w", err)
+	}
+	defer up.Close()
+	dnsAddr, admin := freeAddr(), freeAddr()
+	serverCPU := c.serverCPU
+	if onlineCPUs() < 2 {
+		serverCPU = 0
+	}
+	agent, err := start("meshdns-budgets", serverCPU, []string{c.meshBin, "run", "--mode", "off", "--listen", dnsAddr,
+		"--upstream", up.Addr.String(), "--names", names, "--admin", admin, "--state-dir", dir, "--authoritative=true",
+		"--log-level", "warn", "--workload-qps", strconv.Itoa(c.budget), "--workload-max-pending", strconv.Itoa(c.maxPending)}, nil, logDir)
+	if err != nil {
+		return err
+	}
+	defer agent.stop()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	for _, n := range []string{"ext1.example.org.", "ext2.example.org.", "ext3.example.org."} {
+		if err := waitAnswer(ctx, agent, dnsAddr, n, netip.MustParseAddr("192.0.2.1")); err != nil {
+			return fmt.Errorf("agent: %w (log %s)", err, filepath.Join(logDir, "meshdns-budgets.log"))
+		}
+	}
+	if err := waitAnswer(ctx, agent, dnsAddr, budgetsTable, netip.MustParseAddr("240.240.0.10")); err != nil {
+		return fmt.Errorf("agent: %w", err)
+	}
+	server := netip.MustParseAddrPort(dnsAddr)
+	quietNames := []string{budgetsTable, "ext1.example.org.", budgetsTable, "ext2.example.org.", budgetsTable, "ext3.example.org."}
+	phase := func(noisy bool) (budgetPhase, error) {
+		var r budgetPhase
+		r.loadAvg, _ = loadAvg()
+		if err := os.WriteFile(fmt.Sprintf("/proc/%d/clear_refs", agent.pid()), []byte("5"), 0); err != nil {
+			return r, fmt.Errorf("reset the agent's VmHWM: %w", err)
+		}
+		failsBefore := sumMetric(admin, "meshdns_upstream_failures_total")
+		stop := make(chan struct{})
+		pc := make(chan *dnsfake.Paced, 1)
+		if noisy {
+			go func() {
+				p, err := dnsfake.PacedUDP(server, netip.MustParseAddr("127.0.0.1"), c.noisyQPS, func(i int) string {
+					return fmt.Sprintf("n%d-%d.nx.test%s", i/len(ndots5), rand.Uint32(), ndots5[i%len(ndots5)])
+				}, stop)
+				if err != nil {
+					fmt.Fprintln(os.Stderr, "benchrun budgets: noisy workload:", err)
+				}
+				pc <- p
+			}()
+		}
+		qc := make(chan *dnsfake.Probe, 1)
+		go func() {
+			p, err := dnsfake.MixProber(dnsAddr, netip.MustParseAddr("127.0.0.3"), quietNames, c.timeout, c.quietPause, stop)
+			if err != nil {
+				fmt.Fprintln(os.Stderr, "benchrun budgets: quiet workload:", err)
+			}
+			qc <- p
+		}()
+		settle := time.Duration(0)
+		if noisy {
+			settle = min(c.settle, c.phase/2)
+		}
+		time.Sleep(settle) // the phase's length: the load runs meanwhile
+		upBefore, reqBefore, t0 := up.Count(), sumMetric(admin, "meshdns_upstream_requests_total"), time.Now()
+		time.Sleep(c.phase - settle)
+		el := time.Since(t0).Seconds()
+		r.upRate = float64(up.Count()-upBefore) / el
+		r.agentUp = (sumMetric(admin, "meshdns_upstream_requests_total") - reqBefore) / el
+		close(stop)
+		r.quiet = <-qc
+		if noisy {
+			r.noisy = <-pc
+		}
+		r.upFails = sumMetric(admin, "meshdns_upstream_failures_total") - failsBefore
+		m, err := procstat.Memory(agent.pid())
+		if err != nil {
+			return r, err
+		}
+		r.hwm = m.HWM
+		if r.quiet == nil || (noisy && r.noisy == nil) {
+			return r, fmt.Errorf("a load generator failed")
+		}
+		return r, nil
+	}
+	fmt.Fprintf(os.Stderr, "benchrun budgets: baseline (quiet alone), %s\n", c.phase)
+	base, err := phase(false)
+	if err != nil {
+		return err
+	}
+	fmt.Fprintf(os.Stderr, "benchrun budgets: loaded (quiet beside noisy), %s\n", c.phase)
+	loud, err := phase(true)
+	if err != nil {
+		return err
+	}
+	if agent.exited() {
+		return fmt.Errorf("the agent exited (log %s)", filepath.Join(logDir, "meshdns-budgets.log"))
+	}
+	endLoad, _ := loadAvg()
+	printBudgets(os.Stdout, c, pinned, serverCPU, base, loud, endLoad)
+	return nil
+}
+
+// budgetUpstream answers *.nx.test NXDOMAIN (with an SOA: cacheable) and any
+// other name with one A record, 192.0.2.1, TTL 300.
+func budgetUpstream(_ string, req *dns.Msg) []*dns.Msg {
+	m := new(dns.Msg)
+	m.SetReply(req)
+	q := req.Question[0]
+	if strings.HasSuffix(strings.ToLower(q.Name), ".nx.test.") {
+		m.Rcode = dns.RcodeNameError
+		m.Ns = []dns.RR{dnsfake.SOA("nx.test.", 60)}
+		return []*dns.Msg{m}
+	}
+	if q.Qtype == dns.TypeA {
+		m.Answer = []dns.RR{&dns.A{Hdr: dns.RR_Header{Name: q.Name, Rrtype: dns.TypeA, Class: dns.ClassINET, Ttl: 300}, A: net.IPv4(192, 0, 2, 1)}}
+	}
+	return []*dns.Msg{m}
+}
+
+// pinSelf pins this process to cpu: it re-executes itself under taskset unless it
+// already runs on that core alone (run.sh starts it so). It returns how it runs.
+func pinSelf(cpu int) string {
+	allowed := cpusAllowed()
+	if onlineCPUs() < 2 {
+		return "not pinned (one CPU): the generators, the upstream and the agent share it"
+	}
+	if allowed == strconv.Itoa(cpu) {
+		return fmt.Sprintf("load generators and upstream (benchrun) on CPU %d", cpu)
+	}
+	self, err := os.Executable()
+	if err == nil {
+		if ts, err := exec.LookPath("taskset"); err == nil {
+			argv := append([]string{ts, "-c", strconv.Itoa(cpu), self}, os.Args[1:]...)
+			err = syscall.Exec(ts, argv, os.Environ())
+			fmt.Fprintln(os.Stderr, "benchrun budgets: taskset:", err)
+		}
+	}
+	return fmt.Sprintf("load generators and upstream NOT pinned (CPUs %s)", allowed)
+}
+
+// onlineCPUs counts the machine's online CPUs (runtime.NumCPU counts those
+// this process may run on: one once pinned).
+func onlineCPUs() int {
+	b, err := os.ReadFile("/sys/devices/system/cpu/online")
+	if err != nil {
+		return runtime.NumCPU()
+	}
+	return countCPUs(strings.TrimSpace(string(b)))
+}
+
+// sumMetric sums the samples of metric family name on the agent's /metrics (-1 on error).
+func sumMetric(admin, name string) float64 {
+	c := http.Client{Timeout: 2 * time.Second}
+	resp, err := c.Get("http://" + admin + "/metrics")
+	if err != nil {
+		return -1
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	sum := 0.0
+	for _, l := range strings.Split(string(b), "\n") {
+		if strings.HasPrefix(l, name+" ") || strings.HasPrefix(l, name+"{") {
+			if v, err := strconv.ParseFloat(l[strings.LastIndexByte(l, ' ')+1:], 64); err == nil {
+				sum += v
+			}
+		}
+	}
+	return sum
+}
+
+// cpusAllowed is this process's Cpus_allowed_list.
+func cpusAllowed() string {
+	b, err := os.ReadFile("/proc/self/status")
+	if err != nil {
+		return "?"
+	}
+	for _, l := range strings.Split(string(b), "\n") {
+		if v, ok := strings.CutPrefix(l, "Cpus_allowed_list:"); ok {
+			return strings.TrimSpace(v)
+		}
+	}
+	return "?"
+}
+
+// freeAddr is a free loopback UDP and TCP port on 127.0.0.1.
+func freeAddr() string {
+	for {
+		l, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			continue
+		}
+		addr := l.Addr().String()
+		l.Close()
+		if pc, err := net.ListenPacket("udp", addr); err == nil {
+			pc.Close()
+			return addr
+		}
+	}
+}
+
+// budgetTarget is one of the issue's targets, as measured.
+type budgetTarget struct {
+	name, measured string
+	ok             bool
+}
+
+// budgetTargets judges the loaded phase against the baseline: the quiet p99 within
+// 1.2x, no quiet SERVFAIL/REFUSED or timeout, the upstream rate within the budget
+// ±5%, VmHWM within 10%.
+func budgetTargets(budget int, base, loud budgetPhase) []budgetTarget {
+	p99a, p99b := base.quiet.Percentile(0.99), loud.quiet.Percentile(0.99)
+	ratio := float64(p99b) / float64(max(p99a, 1))
+	lo, hi := float64(budget)*0.95, float64(budget)*1.05
+	hwmRatio := float64(loud.hwm) / float64(max(base.hwm, 1))
+	return []budgetTarget{
+		{"quiet p99 within 1.2x of its baseline", fmt.Sprintf("%.2fx (%s vs %s)", ratio, p99b.Round(time.Microsecond), p99a.Round(time.Microsecond)), ratio <= 1.2},
+		{"0 SERVFAIL or timeouts for the quiet workload", fmt.Sprintf("%d SERVFAIL/REFUSED, %d timed out", loud.quiet.Failed, loud.quiet.Lost), loud.quiet.Failed+loud.quiet.Lost == 0},
+		{fmt.Sprintf("noisy upstream rate within its budget ±5%% (%.0f-%.0f/s)", lo, hi), fmt.Sprintf("%.0f/s", loud.upRate), loud.upRate >= lo && loud.upRate <= hi},
+		{"agent VmHWM within 10% of the baseline", fmt.Sprintf("%.2fx (%.1f vs %.1f MiB)", hwmRatio, float64(loud.hwm)/(1<<20), float64(base.hwm)/(1<<20)), hwmRatio <= 1.10},
+	}
+}
+
+func printBudgets(w io.Writer, c budgetsConfig, pinned string, serverCPU int, base, loud budgetPhase, endLoad string) {
+	p := func(format string, a ...any) { fmt.Fprintf(w, format+"\n", a...) }
+	p("Budgets (`bench/run.sh budgets`): agent `--workload-qps %d --workload-max-pending %d` on CPU %d; %s. "+
+		"Upstream %d qps cap (drops above), %s latency. Quiet: a table name and three external names in turn, %s pause (at most %d qps), %s timeout. "+
+		"Noisy: %d qps of random `*.nx.test` names through an ndots:5 search path (three search suffixes answered NXDOMAIN from the table's zone, the fourth upstream). "+
+		"Each phase %s; the upstream rate of the loaded phase leaves out its first %s (the budget's burst). Load average %s at the start, %s at the end.",
+		c.budget, c.maxPending, serverCPU, pinned, c.upstreamQPS, c.upstreamLatency, c.quietPause, int(time.Second/c.quietPause), c.timeout,
+		c.noisyQPS, c.phase, min(c.settle, c.phase/2), base.loadAvg, endLoad)
+	p("")
+	p("| phase | quiet answered / SERVFAIL+REFUSED / timed out | quiet p50 | quiet p99 | upstream rate (seen by it / sent by the agent) | failed upstream attempts | agent VmHWM |")
+	p("|---|---|---|---|---|---|---|")
+	for _, r := range []struct {
+		name string
+		ph   budgetPhase
+	}{{"baseline (quiet alone)", base}, {"loaded (quiet + noisy)", loud}} {
+		q := r.ph.quiet
+		p("| %s | %d / %d / %d | %s | %s | %.0f/s / %.0f/s | %.0f | %.1f MiB |", r.name, len(q.Latencies), q.Failed, q.Lost,
+			q.Percentile(0.5).Round(time.Microsecond), q.Percentile(0.99).Round(time.Microsecond), r.ph.upRate, r.ph.agentUp, r.ph.upFails, float64(r.ph.hwm)/(1<<20))
+	}
+	p("")
+	p("Noisy workload: sent %d, answers %v.", loud.noisy.Sent, loud.noisy.Answers)
+	p("")
+	p("| target | measured | |")
+	p("|---|---|---|")
+	for _, t := range budgetTargets(c.budget, base, loud) {
+		v := "**FAIL**"
+		if t.ok {
+			v = "**pass**"
+		}
+		p("| %s | %s | %s |", t.name, t.measured, v)
+	}
+}

@@ -1,0 +1,42 @@
+//go:build linux
+
+package main
+
+import (
+	"testing"
+	"time"
+
+	"github.com/meshdns/meshdns-ebpf/internal/dnsfake"
+)
+
+// The budgets lane judges each of the targets on its own.
+func TestBudgetTargets(t *testing.T) {
+	probe := func(p99 time.Duration, failed, lost int) *dnsfake.Probe {
+		p := &dnsfake.Probe{Failed: failed, Lost: lost}
+		for range 100 {
+			p.Latencies = append(p.Latencies, p99)
+		}
+		return p
+	}
+	base := budgetPhase{quiet: probe(time.Millisecond, 0, 0), hwm: 100 << 20}
+	for _, tc := range []struct {
+		name string
+		loud budgetPhase
+		want [4]bool
+	}{
+		{"all met", budgetPhase{quiet: probe(1100*time.Microsecond, 0, 0), upRate: 520, hwm: 105 << 20}, [4]bool{true, true, true, true}},
+		{"p99 1.3x", budgetPhase{quiet: probe(1300*time.Microsecond, 0, 0), upRate: 500, hwm: 100 << 20}, [4]bool{false, true, true, true}},
+		{"one timeout", budgetPhase{quiet: probe(time.Millisecond, 0, 1), upRate: 500, hwm: 100 << 20}, [4]bool{true, false, true, true}},
+		{"one SERVFAIL", budgetPhase{quiet: probe(time.Millisecond, 1, 0), upRate: 500, hwm: 100 << 20}, [4]bool{true, false, true, true}},
+		{"rate 6% over", budgetPhase{quiet: probe(time.Millisecond, 0, 0), upRate: 530, hwm: 100 << 20}, [4]bool{true, true, false, true}},
+		{"rate 6% under", budgetPhase{quiet: probe(time.Millisecond, 0, 0), upRate: 470, hwm: 100 << 20}, [4]bool{true, true, false, true}},
+		{"memory 1.2x", budgetPhase{quiet: probe(time.Millisecond, 0, 0), upRate: 500, hwm: 120 << 20}, [4]bool{true, true, true, false}},
+	} {
+		got := budgetTargets(500, base, tc.loud)
+		for i, g := range got {
+			if g.ok != tc.want[i] {
+				t.Errorf("%s: %q (%s): pass %v, want %v", tc.name, g.name, g.measured, g.ok, tc.want[i])
+			}
+		}
+	}
+}
