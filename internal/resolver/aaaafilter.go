@@ -50,10 +50,9 @@ func (w *worker) filterAAAA(r *request, out []byte, cname string) (b []byte, don
 		return nil, false
 	}
 	a := upstream.Answer{Records: soa, Authority: 1, RecursionAvailable: true}
-	name, kind := r.lname, tap.Table
+	kind := tap.Table
 	if r.msg != nil {
 		b = s.pack(s.answerMsg(r.msg, r.opt, r.limit, r.prefix, &a), out)
-		name = question(r.msg)
 	} else {
 		b = encodeWire(out, r.pkt[:r.qend], r.edns, r.do, r.limit, s.ttl, cname, &a)
 		if b == nil {
@@ -64,7 +63,5 @@ func (w *worker) filterAAAA(r *request, out []byte, cname string) (b []byte, don
 		}
 	}
 	s.aaaaFiltered.Inc()
-	s.record(r.proto, r.qtype, dns.RcodeSuccess, srcTable, r.start)
-	s.observeReq(r, name, r.qtype, dns.RcodeSuccess, kind, len(b))
-	return b, true
+	return r.answered(b, dns.RcodeSuccess, srcTable, kind), true
 }

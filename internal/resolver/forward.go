@@ -116,13 +116,11 @@ func (w *worker) forwardWire(r *request, out []byte, name, cname string) []byte 
 		if b == nil {
 			b = s.truncated(out, r.pkt[:r.qend], r.edns, r.do, r.limit, cname, &a)
 		}
-		s.record(r.proto, r.qtype, rcodeOf(&a, r.edns), srcCache, r.start)
 		kind := tap.Cache
 		if cname != "" {
 			kind = tap.Autopath
 		}
-		s.observeReq(r, r.lname, r.qtype, rcodeOf(&a, r.edns), kind, len(b))
-		return b
+		return r.answered(b, rcodeOf(&a, r.edns), srcCache, kind)
 	}
 	p := s.newPending(r)
 	if p == nil {
@@ -149,13 +147,11 @@ func (w *worker) forwardMsg(r *request, out []byte) []byte {
 	q := upstream.Query{Name: r.lname, Qtype: r.qtype, Qclass: r.qclass, DO: r.do, CD: r.cd, ClientID: r.msg.Id}
 	if a, ok := s.fwd.Cached(&q); ok {
 		b := s.pack(s.answerMsg(r.msg, r.opt, r.limit, r.prefix, &a), out)
-		s.record(r.proto, r.qtype, a.Rcode, srcCache, r.start)
 		kind := tap.Cache
 		if r.autopath {
 			kind = tap.Autopath
 		}
-		s.observeReq(r, question(r.msg), r.qtype, a.Rcode, kind, len(b))
-		return b
+		return r.answered(b, a.Rcode, srcCache, kind)
 	}
 	p := s.newPending(r)
 	if p == nil {
@@ -213,7 +209,7 @@ func (w *worker) overload(r *request, out []byte) []byte {
 		m.SetRcode(r.msg, rc)
 		m.RecursionAvailable = true
 		ri := reqInfo{proto: r.proto, opt: r.opt}
-		s.finish(m, &ri)
+		s.limitMsg(m, &ri)
 		b = s.pack(m, out)
 	} else {
 		b = writeHeader(out, r, false, rc, 0, 0, 0)
@@ -221,13 +217,7 @@ func (w *worker) overload(r *request, out []byte) []byte {
 			b = appendOPT(b, r.do, rc)
 		}
 	}
-	s.record(r.proto, r.qtype, rc, srcError, r.start)
-	name := r.lname
-	if r.msg != nil {
-		name = question(r.msg)
-	}
-	s.observeReq(r, name, r.qtype, rc, kind, len(b))
-	return b
+	return r.answered(b, rc, srcError, kind)
 }
 
 // done is the Forwarder's callback: encode the answer and send it to the client. A
@@ -258,20 +248,19 @@ func (p *pending) done(a upstream.Answer, err error) {
 	} else {
 		b = s.pack(s.answerMsg(p.msg, p.opt, p.limit, p.prefix, &a), out)
 	}
-	// Counted before sending, as on the inline path: a client that has its answer
-	// sees it in the metrics.
-	rc := rcodeOf(&a, p.edns || p.opt != nil)
-	s.record(p.proto, p.qtype, rc, src, unixTime(p.start))
-	kind, up := tap.Upstream, a.Server
+	// The callback's one exit: finished before sending, as on the inline path, so a
+	// client that has its answer sees it in the metrics.
+	o := outcome{who: p.who, port: p.port, proto: p.proto, start: unixTime(p.start), name: p.qname, qtype: p.qtype,
+		rcode: rcodeOf(&a, p.edns || p.opt != nil), src: src, kind: tap.Upstream, size: len(b), up: a.Server}
 	switch {
 	case src == srcError:
-		kind, up = tap.Failed, netip.AddrPort{}
+		o.kind, o.up = tap.Failed, netip.AddrPort{}
 	case src == srcStale:
-		kind = tap.Fallback
+		o.kind = tap.Fallback
 	case p.cname != "":
-		kind = tap.Autopath
+		o.kind = tap.Autopath
 	}
-	s.observe(p.who, p.port, p.proto, p.qname, p.qtype, rc, kind, unixTime(p.start), len(b), up)
+	s.finish(&o)
 	p.reply.send(b)
 }
 

@@ -528,8 +528,8 @@ func (s *Server) chaos(resp *dns.Msg, q *dns.Question) *dns.Msg {
 	return resp
 }
 
-// finish adds the OPT record and truncates to what the client accepts.
-func (s *Server) finish(resp *dns.Msg, ri *reqInfo) {
+// limitMsg adds the OPT record and truncates to what the client accepts.
+func (s *Server) limitMsg(resp *dns.Msg, ri *reqInfo) {
 	if ri.opt != nil {
 		// A fresh OPT each time: packing writes the extended rcode into it.
 		resp.Extra = append(resp.Extra[:len(resp.Extra):len(resp.Extra)], newOPT(ri.opt.Do()))

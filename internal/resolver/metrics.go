@@ -143,8 +143,8 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 	return m, nil
 }
 
-// record counts one answered query: the request, the response and its latency. Every
-// path calls it once per response; it is the only place metrics are recorded.
+// record counts one answered query: the request, the response and its latency. Only
+// finish calls it, once per response.
 func (s *Server) record(p proto, qtype uint16, rcode int, src source, start time.Time) {
 	m := s.m
 	m.requests[p][qtypeIndex(qtype)].Inc()
@@ -152,7 +152,7 @@ func (s *Server) record(p proto, qtype uint16, rcode int, src source, start time
 	m.duration[src].Observe(time.Since(start).Seconds())
 }
 
-// recordDrop counts a message deliberately not answered.
+// recordDrop counts a message deliberately not answered (finish calls it).
 func (s *Server) recordDrop(p proto) {
 	s.m.requests[p][nQtypes-1].Inc()
 	s.m.dropped.Inc()

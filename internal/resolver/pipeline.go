@@ -22,8 +22,9 @@ import (
 // Table and cache answers are written inline, from pre-packed records, without
 // unpacking, allocating, locking or starting a goroutine. A query that needs the
 // upstream is handed to the Forwarder with a callback that encodes and sends the
-// answer later; the transport is free at once. Metrics are recorded in one place
-// (Server.record), for every answer and every drop.
+// answer later; the transport is free at once. Each stage writes the outcome on the
+// request; serve's one exit (and the callback's, for a forwarded answer) records it
+// once (finish.go).
 
 // maxUDPResponse caps UDP responses whatever size a client advertises.
 const maxUDPResponse = 4096
@@ -51,6 +52,14 @@ type request struct {
 	p             *pending // the pending query, when pending
 	prefix        []dns.RR // unpacked path: records before the forwarded answer (an alias chase)
 	autopath      bool     // unpacked path: the forwarded name is a search-path expansion's (the tap)
+
+	// The outcome, written by the stage that answers (answered, drop) and recorded
+	// by finish at serve's exit.
+	dropped bool
+	rcode   int
+	src     source
+	kind    tap.Answer
+	size    int
 }
 
 // worker is the per-thread scratch space of the query path: one per UDP reader or TCP
@@ -61,6 +70,7 @@ type worker struct {
 	perm  [maxFastAddrs]uint8
 	soa   soaCache
 	req   request
+	o     outcome // serve's exit: what finish records
 	q     upstream.Query
 	// unpacked counts messages that took the unpacked path (tests check which path
 	// served a query).
@@ -71,9 +81,20 @@ func newWorker(s *Server) *worker { return &worker{s: s} }
 
 // serve answers one received message. It returns the response written into out (which
 // must hold maxUDPResponse bytes for UDP, 65535 for TCP), or nil when there is nothing
-// to send now: the message is dropped, or its answer comes later through c. A panic
-// while serving it is answered SERVFAIL (see panicked).
-func (w *worker) serve(pkt, out []byte, c *client, start time.Time) (resp []byte) {
+// to send now: the message is dropped, or its answer comes later through c. It is the
+// path's one exit: the outcome is recorded here (finish), unless the answer is
+// pending (its callback records it).
+func (w *worker) serve(pkt, out []byte, c *client, start time.Time) []byte {
+	b := w.serveGuarded(pkt, out, c, start)
+	if o := w.req.outcome(&w.o); o != nil {
+		w.s.finish(o)
+	}
+	return b
+}
+
+// serveGuarded is serveQuery; a panic while serving is answered SERVFAIL (see
+// panicked).
+func (w *worker) serveGuarded(pkt, out []byte, c *client, start time.Time) (resp []byte) {
 	defer func() {
 		if v := recover(); v != nil {
 			resp = w.panicked(v, out)
@@ -84,12 +105,10 @@ func (w *worker) serve(pkt, out []byte, c *client, start time.Time) (resp []byte
 
 // serveQuery is serve's work: decode, answer from the table or the cache, or forward.
 func (w *worker) serveQuery(pkt, out []byte, c *client, start time.Time) []byte {
-	s := w.s
 	r := &w.req
 	*r = request{pkt: pkt, proto: c.proto, client: c, start: start}
 	if len(pkt) < 12 {
-		s.recordDrop(c.proto) // no header: there is no ID to answer to
-		return nil
+		return r.drop() // no header: there is no ID to answer to
 	}
 	if !w.decodeWire(r) {
 		return w.serveUnpacked(r, out)
@@ -259,21 +278,17 @@ func (w *worker) serveUnpacked(r *request, out []byte) []byte {
 	if err := msg.Unpack(r.pkt); err != nil {
 		b := formErr(r.pkt, out)
 		if b == nil {
-			s.recordDrop(r.proto)
-			return nil
+			return r.drop()
 		}
-		s.record(r.proto, 0, dns.RcodeFormatError, srcError, r.start)
-		s.observeReq(r, "", 0, dns.RcodeFormatError, tap.Error, len(b))
-		return b
+		return r.answered(b, dns.RcodeFormatError, srcError, tap.Error)
 	}
 	r.msg = msg
 	ri := reqInfo{proto: r.proto, client: r.client.addr}
 	resp, fwd := s.local(msg, &ri)
 	r.opt = ri.opt
 	r.limit = ri.sizeLimit()
-	qt := uint16(0)
 	if len(msg.Question) > 0 {
-		qt = msg.Question[0].Qtype
+		r.qtype = msg.Question[0].Qtype
 	}
 	switch {
 	case fwd:
@@ -292,8 +307,7 @@ func (w *worker) serveUnpacked(r *request, out []byte) []byte {
 		}
 		return w.forwardMsg(r, out)
 	case resp == nil:
-		s.recordDrop(r.proto)
-		return nil
+		return r.drop()
 	}
 	src := srcTable
 	if ri.autopath {
@@ -303,9 +317,8 @@ func (w *worker) serveUnpacked(r *request, out []byte) []byte {
 	case dns.RcodeFormatError, dns.RcodeNotImplemented, dns.RcodeRefused, dns.RcodeBadVers:
 		src = srcError
 	}
-	s.finish(resp, &ri)
+	s.limitMsg(resp, &ri)
 	b := s.pack(resp, out)
-	s.record(r.proto, qt, resp.Rcode, src, r.start)
 	kind := tap.Table
 	switch {
 	case src == srcError:
@@ -313,8 +326,7 @@ func (w *worker) serveUnpacked(r *request, out []byte) []byte {
 	case ri.autopath:
 		kind = tap.Autopath
 	}
-	s.observeReq(r, question(msg), qt, resp.Rcode, kind, len(b))
-	return b
+	return r.answered(b, resp.Rcode, src, kind)
 }
 
 // pack packs resp into out (a SERVFAIL header if it does not pack).

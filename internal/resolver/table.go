@@ -171,9 +171,7 @@ func (w *worker) tableWire(r *request, out []byte) (b []byte, done bool) {
 	if target != "" {
 		src, kind = srcAutopath, tap.Autopath
 	}
-	s.record(r.proto, qtype, rcode, src, r.start)
-	s.observeReq(r, lname, qtype, rcode, kind, len(b))
-	return b, true
+	return r.answered(b, rcode, src, kind), true
 }
 
 // autopathCandidate is a cheap pre-check (no allocation) that the name
