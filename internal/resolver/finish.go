@@ -84,13 +84,18 @@ func (r *request) outcome(o *outcome) *outcome {
 	if r.pending {
 		return nil
 	}
-	name := r.lname
-	if r.msg != nil {
-		name = question(r.msg)
-	}
-	*o = outcome{who: r.client.who, port: r.client.port, proto: r.proto, start: r.start, name: name, qtype: r.qtype,
+	*o = outcome{who: r.client.who, port: r.client.port, proto: r.proto, start: r.start, name: r.tapName(), qtype: r.qtype,
 		drop: r.dropped, rcode: r.rcode, src: r.src, kind: r.kind, size: r.size}
 	return o
+}
+
+// tapName is the question's name as the tap shows it: lower case for a query
+// decodeWire took (whichever encoder rendered it), else the client's spelling.
+func (r *request) tapName() string {
+	if r.qend == 0 && r.msg != nil {
+		return question(r.msg)
+	}
+	return r.lname
 }
 
 // question is the name of a message's question, or "".

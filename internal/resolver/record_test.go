@@ -339,3 +339,21 @@ func (h *recordHarness) check(st recordStep, before, after recordCounts, replies
 		t.Errorf("%s: tap rcodes %v, the replies' %v", st.name, gotRcodes, wantRcodes)
 	}
 }
+
+// A message decodeWire reads part of before giving up (here an OPT whose extended
+// rcode bits are set) is decoded from the unpacked message alone: its OPT is
+// answered with ours and the table's answer, as for every message decodeWire does
+// not take.
+func TestDecodeWireGivesUpCleanly(t *testing.T) {
+	h := newRecordHarness(t)
+	pkt := pack(t, msgQuery("ProductPage.ns1.svc.cluster.local.", dns.TypeA, true))
+	pkt[len(pkt)-11+5] = 1 // the OPT's upper rcode bits, in a query: not the common query
+	b := h.w.serve(pkt, h.out, h.client("127.0.0.1", protoUDP, 1), time.Now())
+	resp := new(dns.Msg)
+	if err := resp.Unpack(b); err != nil {
+		t.Fatal(err)
+	}
+	if resp.IsEdns0() == nil || resp.Rcode != dns.RcodeSuccess || len(resp.Answer) != 1 || h.w.unpacked != 1 {
+		t.Fatalf("response (unpacked %d):\n%s\nwant one A record and an OPT", h.w.unpacked, resp)
+	}
+}
