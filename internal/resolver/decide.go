@@ -47,13 +47,8 @@ type decision struct {
 
 	host  *nametable.Host // whose records answer
 	addrs bool            // the host's addresses of the question's type (A, AAAA, ANY both)
-	pod   netip.Addr      // a pod record's address, owned by the question
-	ptr   []string        // PTR targets, owned by the question
-
-	srv                 bool   // the host's SRV records
-	self                string // the target of an SRV record of a port without its own
-	portName, portProto string // only this port's SRV record ("": every port)
-	extra               []srvTarget
+	srv   bool            // the host's SRV records (more says which)
+	more  *decisionMore   // PTR, pod record and SRV details (nil: none; the common answer needs none)
 
 	soa       *dns.SOA // a negative answer's SOA (authority section)
 	soaAnswer bool     // ... in the answer section instead (SOA of the cluster domain)
@@ -61,6 +56,16 @@ type decision struct {
 	forward  bool   // the rest is the upstream's: forward fwd
 	fwd      string // the name to forward (the question's, an alias target, an external name)
 	filtered bool   // the AAAA filter: the forwarded part is NODATA with soa instead
+}
+
+// decisionMore is the part of a decision that only the dns.Msg encoder renders.
+type decisionMore struct {
+	pod netip.Addr // a pod record's address, owned by the question
+	ptr []string   // PTR targets, owned by the question
+
+	self                string // the target of an SRV record of a port without its own
+	portName, portProto string // only this port's SRV record ("": every port)
+	extra               []srvTarget
 }
 
 // source is the metric label of a decision answered without the upstream.
@@ -103,7 +108,7 @@ func (w *worker) decide(r *request) *decision {
 func (s *Server) decideTable(d *decision, t *nametable.Table, name string, qtype uint16, client netip.Addr) {
 	if qtype == dns.TypePTR {
 		if targets := t.PTR(name); targets != nil {
-			d.aa, d.ptr = true, targets
+			d.aa, d.more = true, &decisionMore{ptr: targets}
 			return
 		}
 	}
@@ -176,12 +181,12 @@ func (s *Server) decideName(d *decision, t *nametable.Table, qtype uint16, name 
 	case dns.TypeANY:
 		d.addrs, empty = true, len(h.V4) == 0 && len(h.V6) == 0
 	case dns.TypeSRV:
-		d.self = h.Name
+		m := &decisionMore{self: h.Name}
 		if wild {
-			d.self = name
+			m.self = name
 		}
-		d.srv, empty = true, len(h.Ports) == 0
-		d.extra = srvExtra(t, h, d.self, "", "", client)
+		m.extra = srvExtra(t, h, m.self, "", "", client)
+		d.srv, d.more, empty = true, m, len(h.Ports) == 0
 	}
 	if empty {
 		d.soa = t.SOA(h)
@@ -242,7 +247,7 @@ func (s *Server) decidePod(d *decision, t *nametable.Table, qtype uint16, lname 
 	ip = ip.Unmap()
 	switch {
 	case ip.Is4() && (qtype == dns.TypeA || qtype == dns.TypeANY), ip.Is6() && (qtype == dns.TypeAAAA || qtype == dns.TypeANY):
-		d.pod = ip
+		d.more = &decisionMore{pod: ip}
 	default:
 		d.soa = t.DomainSOA()
 	}
@@ -264,13 +269,12 @@ func (s *Server) decideSRV(d *decision, t *nametable.Table, lname string, client
 	if n == nil || !hasPort(n.Host, portName, protoName) {
 		return false
 	}
-	d.aa, d.srv, d.host = true, true, n.Host
-	d.self = n.Host.Name
+	m := &decisionMore{self: n.Host.Name, portName: portName, portProto: protoName}
 	if wild {
-		d.self = rest
+		m.self = rest
 	}
-	d.portName, d.portProto = portName, protoName
-	d.extra = srvExtra(t, n.Host, d.self, portName, protoName, client)
+	m.extra = srvExtra(t, n.Host, m.self, portName, protoName, client)
+	d.aa, d.srv, d.host, d.more = true, true, n.Host, m
 	return true
 }
 
@@ -289,8 +293,7 @@ func (s *Server) decideAutopath(d *decision, t *nametable.Table, qtype uint16, n
 	case dns.TypeA, dns.TypeAAAA, dns.TypeANY:
 		d.addrs = true
 	case dns.TypeSRV:
-		d.srv, d.self = true, target
-		d.extra = srvExtra(t, h, target, "", "", client)
+		d.srv, d.more = true, &decisionMore{self: target, extra: srvExtra(t, h, target, "", "", client)}
 	}
 }
 

@@ -54,7 +54,11 @@ func (s *Server) renderMsg(resp *dns.Msg, d *decision, q *dns.Question) {
 	if len(d.chain) > 0 {
 		owner = d.chain[len(d.chain)-1].target
 	}
-	for _, target := range d.ptr {
+	var more decisionMore
+	if d.more != nil {
+		more = *d.more
+	}
+	for _, target := range more.ptr {
 		resp.Answer = append(resp.Answer, &dns.PTR{
 			Hdr: dns.RR_Header{Name: q.Name, Rrtype: dns.TypePTR, Class: dns.ClassINET, Ttl: s.ttl},
 			Ptr: target,
@@ -71,11 +75,11 @@ func (s *Server) renderMsg(resp *dns.Msg, d *decision, q *dns.Question) {
 			resp.Answer = append(resp.Answer, s.addrRRs(d.host.V6, owner, true)...)
 		}
 	}
-	if d.pod.IsValid() {
-		resp.Answer = append(resp.Answer, s.addrRRs([]netip.Addr{d.pod}, q.Name, false)...)
+	if more.pod.IsValid() {
+		resp.Answer = append(resp.Answer, s.addrRRs([]netip.Addr{more.pod}, q.Name, false)...)
 	}
 	if d.srv {
-		answer, extra := s.srvRRs(d, owner)
+		answer, extra := s.srvRRs(d.host, &more, owner)
 		resp.Answer = append(resp.Answer, answer...)
 		resp.Extra = extra
 	}
@@ -115,10 +119,9 @@ func (s *Server) chainRRs(d *decision, qname string, clone bool) []dns.RR {
 	return rrs
 }
 
-// srvRRs returns the SRV records of d's host (one per port, or d's port only),
-// owned by owner, and the addresses of their targets for the additional section.
-func (s *Server) srvRRs(d *decision, owner string) (answer, extra []dns.RR) {
-	h := d.host
+// srvRRs returns the SRV records of host h (one per port, or d's port only), owned
+// by owner, and the addresses of their targets for the additional section.
+func (s *Server) srvRRs(h *nametable.Host, d *decisionMore, owner string) (answer, extra []dns.RR) {
 	for i := range h.Ports {
 		p := &h.Ports[i]
 		if d.portName != "" && (p.Name != d.portName || p.Protocol != d.portProto) {

@@ -26,7 +26,7 @@ const maxFastAddrs = 64
 // the dns.Msg encoder renders the same decision then.
 func (w *worker) encodeTableWire(r *request, d *decision, out []byte) []byte {
 	if r.qend == 0 || (r.qtype != dns.TypeA && r.qtype != dns.TypeAAAA) ||
-		d.ptr != nil || d.srv || d.pod.IsValid() || d.soaAnswer || len(d.chain) > 1 {
+		d.more != nil || d.srv || d.soaAnswer || len(d.chain) > 1 {
 		return nil
 	}
 	var target string

@@ -68,25 +68,14 @@ func (s *Server) observe(who workload.Key, port uint16, p proto, name string, qt
 // answered writes the outcome of a query answered while it is served: the response
 // b, its rcode and where it came from. It returns b.
 func (r *request) answered(b []byte, rcode int, src source, kind tap.Answer) []byte {
-	r.rcode, r.src, r.kind, r.size = rcode, src, kind, len(b)
+	r.o.rcode, r.o.src, r.o.kind, r.o.size = rcode, src, kind, len(b)
 	return b
 }
 
 // drop writes the outcome of a message that is not answered. It returns nil.
 func (r *request) drop() []byte {
-	r.dropped = true
+	r.o.drop = true
 	return nil
-}
-
-// outcome is r's outcome for finish; none (nil) while its answer is pending, for
-// the callback gives that.
-func (r *request) outcome(o *outcome) *outcome {
-	if r.pending {
-		return nil
-	}
-	*o = outcome{who: r.client.who, port: r.client.port, proto: r.proto, start: r.start, name: r.tapName(), qtype: r.qtype,
-		drop: r.dropped, rcode: r.rcode, src: r.src, kind: r.kind, size: r.size}
-	return o
 }
 
 // tapName is the question's name as the tap shows it: lower case for a query

@@ -27,7 +27,7 @@ func (w *worker) panicked(v any, out []byte) []byte {
 		r.p.release()
 	}
 	r.pending, r.p = false, nil
-	r.dropped = false
+	r.o.drop = false
 	return r.answered(servfailWire(r, out), dns.RcodeServerFailure, srcError, tap.Failed)
 }
 

@@ -6,7 +6,6 @@ import (
 	"github.com/miekg/dns"
 
 	"github.com/meshdns/meshdns-ebpf/internal/resolver/upstream"
-	"github.com/meshdns/meshdns-ebpf/internal/tap"
 )
 
 // The one query path. Every transport (the UDP readers, the TCP connections, ServeDNS)
@@ -55,13 +54,9 @@ type request struct {
 	p             *pending // the pending query, when pending
 	prefix        []dns.RR // dns.Msg encoder: the decision's CNAME chain, before the forwarded answer
 
-	// The outcome, written by the stage that answers (answered, drop) and recorded
-	// by finish at serve's exit.
-	dropped bool
-	rcode   int
-	src     source
-	kind    tap.Answer
-	size    int
+	// o is the outcome, written by the stage that answers (answered, drop) and
+	// recorded by finish at serve's exit.
+	o outcome
 }
 
 // worker is the per-thread scratch space of the query path: one per UDP reader or TCP
@@ -74,7 +69,6 @@ type worker struct {
 	req   request
 	dec   decision       // decide's answer for req
 	chain [maxChain]link // dec.chain's storage
-	o     outcome        // serve's exit: what finish records
 	q     upstream.Query
 	// unpacked counts messages unpacked with miekg/dns, decided counts decisions
 	// (tests check which path served a query, and that each is decided once).
@@ -93,7 +87,9 @@ func newWorker(s *Server) *worker { return &worker{s: s} }
 // pending (its callback records it).
 func (w *worker) serve(pkt, out []byte, c *client, start time.Time) []byte {
 	b := w.serveGuarded(pkt, out, c, start)
-	if o := w.req.outcome(&w.o); o != nil {
+	if r := &w.req; !r.pending {
+		o := &r.o
+		o.who, o.port, o.proto, o.start, o.name, o.qtype = c.who, c.port, c.proto, start, r.tapName(), r.qtype
 		w.s.finish(o)
 	}
 	return b
