@@ -7,7 +7,6 @@ import (
 	"github.com/miekg/dns"
 
 	"github.com/meshdns/meshdns-ebpf/internal/nametable"
-	"github.com/meshdns/meshdns-ebpf/internal/tap"
 )
 
 // The decide step: one question (lower-cased name, type, the client's address) and
@@ -66,22 +65,6 @@ type decisionMore struct {
 	self                string // the target of an SRV record of a port without its own
 	portName, portProto string // only this port's SRV record ("": every port)
 	extra               []srvTarget
-}
-
-// source is the metric label of a decision answered without the upstream.
-func (d *decision) source() source {
-	if d.autopath {
-		return srcAutopath
-	}
-	return srcTable
-}
-
-// kind is the tap's answer kind of a decision answered without the upstream.
-func (d *decision) kind() tap.Answer {
-	if d.autopath {
-		return tap.Autopath
-	}
-	return tap.Table
 }
 
 // decide makes r's decision (w.dec, valid until the next query). It takes one table

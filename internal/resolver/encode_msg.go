@@ -41,7 +41,7 @@ func (w *worker) encodeTableMsg(r *request, d *decision, out []byte) []byte {
 	resp := newReply(req)
 	s.renderMsg(resp, d, &req.Question[0])
 	s.limitMsg(resp, &reqInfo{proto: r.proto, opt: r.opt})
-	return r.answered(s.pack(resp, out), resp.Rcode, d.source(), d.kind())
+	return r.answeredTable(s.pack(resp, out), d)
 }
 
 // renderMsg writes decision d into resp, the reply to question q: the CNAME chain,

@@ -49,6 +49,21 @@ func (s *Server) finish(o *outcome) {
 	s.observe(o.who, o.port, o.proto, o.name, o.qtype, o.rcode, o.kind, o.start, o.size, o.up)
 }
 
+// record counts one answered query: the request, the response and its latency. Only
+// finish calls it, once per response.
+func (s *Server) record(p proto, qtype uint16, rcode int, src source, start time.Time) {
+	m := s.m
+	m.requests[p][qtypeIndex(qtype)].Inc()
+	m.responses[rcodeIndex(rcode)][src].Inc()
+	m.duration[src].Observe(time.Since(start).Seconds())
+}
+
+// recordDrop counts a message deliberately not answered (finish calls it).
+func (s *Server) recordDrop(p proto) {
+	s.m.requests[p][nQtypes-1].Inc()
+	s.m.dropped.Inc()
+}
+
 // observe tells the talkers and the tap of one answered query: who sent it
 // and from which port, the question, the rcode the client got, where the
 // answer came from, when the query arrived, the answer's size and the upstream
@@ -63,28 +78,6 @@ func (s *Server) observe(who workload.Key, port uint16, p proto, name string, qt
 		Qtype: qtype, Rcode: uint16(rcode), Size: uint16(min(size, 65535)), Answer: a, TCP: p == protoTCP}
 	ev.SetName(name)
 	s.tap.Publish(&ev)
-}
-
-// answered writes the outcome of a query answered while it is served: the response
-// b, its rcode and where it came from. It returns b.
-func (r *request) answered(b []byte, rcode int, src source, kind tap.Answer) []byte {
-	r.o.rcode, r.o.src, r.o.kind, r.o.size = rcode, src, kind, len(b)
-	return b
-}
-
-// drop writes the outcome of a message that is not answered. It returns nil.
-func (r *request) drop() []byte {
-	r.o.drop = true
-	return nil
-}
-
-// tapName is the question's name as the tap shows it: lower case for a query
-// decodeWire took (whichever encoder rendered it), else the client's spelling.
-func (r *request) tapName() string {
-	if r.qend == 0 && r.msg != nil {
-		return question(r.msg)
-	}
-	return r.lname
 }
 
 // question is the name of a message's question, or "".

@@ -153,7 +153,11 @@ func (w *worker) filtered(r *request, d *decision, out []byte, wire bool, cname 
 		b = s.pack(s.answerMsg(r.msg, r.opt, r.limit, r.prefix, &a), out)
 	}
 	s.aaaaFiltered.Inc()
-	return r.answered(b, dns.RcodeSuccess, srcTable, d.kind())
+	kind := tap.Table
+	if d.autopath {
+		kind = tap.Autopath
+	}
+	return r.answered(b, dns.RcodeSuccess, srcTable, kind)
 }
 
 // forwardWire answers a wire-decoded query from the cache, or starts its upstream

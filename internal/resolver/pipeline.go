@@ -3,6 +3,8 @@ package resolver
 import (
 	"time"
 
+	"github.com/meshdns/meshdns-ebpf/internal/tap"
+
 	"github.com/miekg/dns"
 
 	"github.com/meshdns/meshdns-ebpf/internal/resolver/upstream"
@@ -106,6 +108,37 @@ func (w *worker) serveGuarded(pkt, out []byte, c *client, start time.Time) (resp
 	return w.serveQuery(pkt, out, c, start)
 }
 
+// answered writes the outcome of a query answered while it is served: the response
+// b, its rcode and where it came from. It returns b.
+func (r *request) answered(b []byte, rcode int, src source, kind tap.Answer) []byte {
+	r.o.rcode, r.o.src, r.o.kind, r.o.size = rcode, src, kind, len(b)
+	return b
+}
+
+// drop writes the outcome of a message that is not answered. It returns nil.
+func (r *request) drop() []byte {
+	r.o.drop = true
+	return nil
+}
+
+// tapName is the question's name as the tap shows it: lower case for a query
+// decodeWire took (whichever encoder rendered it), else the client's spelling.
+func (r *request) tapName() string {
+	if r.qend == 0 && r.msg != nil {
+		return question(r.msg)
+	}
+	return r.lname
+}
+
+// answeredTable writes the outcome of a decision answered without the upstream.
+func (r *request) answeredTable(b []byte, d *decision) []byte {
+	src, kind := srcTable, tap.Table
+	if d.autopath {
+		src, kind = srcAutopath, tap.Autopath
+	}
+	return r.answered(b, d.rcode, src, kind)
+}
+
 // serveQuery is serve's work: decode, decide, then render the decision (encode) or
 // hand it to the forward stage.
 func (w *worker) serveQuery(pkt, out []byte, c *client, start time.Time) []byte {
@@ -131,7 +164,7 @@ func (w *worker) encode(r *request, d *decision, out []byte) []byte {
 	}
 	if !w.forceMsg {
 		if b := w.encodeTableWire(r, d, out); b != nil {
-			return r.answered(b, d.rcode, d.source(), d.kind())
+			return r.answeredTable(b, d)
 		}
 	}
 	return w.encodeTableMsg(r, d, out)
