@@ -136,13 +136,15 @@ func (s *Server) decideTable(d *decision, t *nametable.Table, name string, qtype
 	d.forward, d.fwd = true, name
 }
 
-// underDomain reports whether name is the cluster domain or under it (a name with
-// escapes, which only the unpacked decoder lets through, is compared label by label).
+// underDomain reports whether name is the cluster domain or under it. A name under it
+// ends in the domain's own labels, which need no escapes; a name with escapes (only the
+// unpacked decoder lets them through: in x\.cluster.local. the first label is
+// "x.cluster") is then compared label by label.
 func (s *Server) underDomain(name string) bool {
-	if strings.IndexByte(name, '\\') >= 0 {
-		return dns.IsSubDomain(s.domain, name)
+	if !strings.HasSuffix(name, s.dotDomain) && name != s.domain {
+		return false
 	}
-	return strings.HasSuffix(name, s.dotDomain) || name == s.domain
+	return strings.IndexByte(name, '\\') < 0 || dns.IsSubDomain(s.domain, name)
 }
 
 // decideName decides for a name the table knows (wild: by a wildcard, whose records

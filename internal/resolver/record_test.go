@@ -357,3 +357,22 @@ func TestDecodeWireGivesUpCleanly(t *testing.T) {
 		t.Fatalf("response (unpacked %d):\n%s\nwant one A record and an OPT", h.w.unpacked, resp)
 	}
 }
+
+// A name that only looks as if it were under the cluster domain (an escaped dot:
+// one label "x.cluster", then "local") is not answered NXDOMAIN by the authoritative
+// rule: it is forwarded.
+func TestEscapedNameOutsideTheDomain(t *testing.T) {
+	h := newRecordHarness(t)
+	b := h.w.serve(pack(t, msgQuery(`x\.cluster.local.`, dns.TypeTXT, false)), h.out, h.client("127.0.0.1", protoUDP, 1), time.Now())
+	if b == nil {
+		b = <-h.replies
+	}
+	resp := new(dns.Msg)
+	if err := resp.Unpack(b); err != nil {
+		t.Fatal(err)
+	}
+	var ev tap.Event
+	if !h.sub.Next(&ev) || ev.Answer != tap.Upstream || resp.Rcode != dns.RcodeSuccess {
+		t.Fatalf("answered %s by %s, want forwarded:\n%s", dns.RcodeToString[resp.Rcode], ev.Answer, resp)
+	}
+}
