@@ -372,7 +372,7 @@ func diffCheck(w *diffWorld, q diffQuestion) string {
 	c := &client{proto: q.proto, addr: q.client}
 	c.reply.sync = ch
 	r := &wk.req
-	*r = request{pkt: q.pkt, proto: q.proto, client: c, start: time.Now()}
+	*r = request{pkt: q.pkt, proto: q.proto, client: c, start: time.Now(), o: &wk.o}
 	if !wk.decodeWire(r) {
 		if _, done := wk.decodeMsg(r, w.out); done {
 			return "" // screened: never decided

@@ -72,7 +72,7 @@ func (w *worker) encodeTableWire(r *request, d *decision, out []byte) []byte {
 	if soa != nil {
 		ns = 1
 	}
-	b := writeHeader(out, r, d.aa, d.rcode, an, ns, 0)
+	b := writeEchoHeader(out, r.pkt[:r.qend], r.edns, d.aa, d.rcode, an, ns, 0)
 	ttl := w.s.ttl
 	owner := uint16(0xc000 | 12)
 	if target != "" {
@@ -134,14 +134,19 @@ func (w *worker) soaWire(t *nametable.Table, soa *dns.SOA) []byte {
 // writeHeader starts a wire response: the client's ID, opcode, question and RD/CD bits,
 // QR and RA set, the given AA bit and rcode, and the section counts.
 func writeHeader(out []byte, r *request, aa bool, rcode int, an, ns, ar uint16) []byte {
-	b := out[:r.qend]
-	copy(b, r.pkt[:r.qend])
-	b[2] = 0x80 | r.pkt[2]&0x01 // QR, RD
+	return writeEchoHeader(out, r.pkt[:r.qend], r.edns, aa, rcode, an, ns, ar)
+}
+
+// writeEchoHeader is writeHeader from the echoed header and question alone.
+func writeEchoHeader(out, echo []byte, edns, aa bool, rcode int, an, ns, ar uint16) []byte {
+	b := out[:len(echo)]
+	copy(b, echo)
+	b[2] = 0x80 | echo[2]&0x01 // QR, RD
 	if aa {
 		b[2] |= 0x04
 	}
-	b[3] = 0x80 | r.pkt[3]&0x10 | byte(rcode&0xf) // RA, CD
-	if r.edns {
+	b[3] = 0x80 | echo[3]&0x10 | byte(rcode&0xf) // RA, CD
+	if edns {
 		ar++
 	}
 	binary.BigEndian.PutUint16(b[6:], an)
@@ -213,8 +218,7 @@ func encodeWire(out, echo []byte, edns, do bool, limit int, ttl uint32, cname st
 	if cname != "" {
 		an++
 	}
-	r := request{pkt: echo, qend: len(echo), edns: edns}
-	b := writeHeader(out, &r, a.Authoritative && cname == "", rc, an, ns, ar)
+	b := writeEchoHeader(out, echo, edns, a.Authoritative && cname == "", rc, an, ns, ar)
 	if a.AuthenticData && (do || echo[3]&0x20 != 0) && cname == "" {
 		b[3] |= 0x20
 	}

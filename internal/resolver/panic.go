@@ -27,7 +27,6 @@ func (w *worker) panicked(v any, out []byte) []byte {
 		r.p.release()
 	}
 	r.pending, r.p = false, nil
-	r.o.drop = false
 	return r.answered(servfailWire(r, out), dns.RcodeServerFailure, srcError, tap.Failed)
 }
 

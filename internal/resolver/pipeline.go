@@ -56,9 +56,10 @@ type request struct {
 	p             *pending // the pending query, when pending
 	prefix        []dns.RR // dns.Msg encoder: the decision's CNAME chain, before the forwarded answer
 
-	// o is the outcome, written by the stage that answers (answered, drop) and
-	// recorded by finish at serve's exit.
-	o outcome
+	// o is the outcome (the worker's), written by the stage that answers (answered,
+	// drop) and recorded by finish at serve's exit. Not part of the request's value:
+	// each exit writes every field finish reads.
+	o *outcome
 }
 
 // worker is the per-thread scratch space of the query path: one per UDP reader or TCP
@@ -69,6 +70,7 @@ type worker struct {
 	perm  [maxFastAddrs]uint8
 	soa   soaCache
 	req   request
+	o     outcome        // req.o
 	dec   decision       // decide's answer for req
 	chain [maxChain]link // dec.chain's storage
 	q     upstream.Query
@@ -85,33 +87,36 @@ func newWorker(s *Server) *worker { return &worker{s: s} }
 // serve answers one received message. It returns the response written into out (which
 // must hold maxUDPResponse bytes for UDP, 65535 for TCP), or nil when there is nothing
 // to send now: the message is dropped, or its answer comes later through c. It is the
-// path's one exit: the outcome is recorded here (finish), unless the answer is
-// pending (its callback records it).
-func (w *worker) serve(pkt, out []byte, c *client, start time.Time) []byte {
-	b := w.serveGuarded(pkt, out, c, start)
-	if r := &w.req; !r.pending {
-		o := &r.o
-		o.who, o.port, o.proto, o.start, o.name, o.qtype = c.who, c.port, c.proto, start, r.tapName(), r.qtype
-		w.s.finish(o)
-	}
-	return b
-}
-
-// serveGuarded is serveQuery; a panic while serving is answered SERVFAIL (see
-// panicked).
-func (w *worker) serveGuarded(pkt, out []byte, c *client, start time.Time) (resp []byte) {
+// path's one exit: the outcome is recorded here (exit), unless the answer is pending
+// (its callback records it). A panic while serving (recording included) is answered
+// SERVFAIL (see panicked) and recorded as such.
+func (w *worker) serve(pkt, out []byte, c *client, start time.Time) (resp []byte) {
 	defer func() {
 		if v := recover(); v != nil {
 			resp = w.panicked(v, out)
+			bestEffort(func() { w.exit(c, start) })
 		}
 	}()
-	return w.serveQuery(pkt, out, c, start)
+	resp = w.serveQuery(pkt, out, c, start)
+	w.exit(c, start)
+	return resp
+}
+
+// exit finishes the query being served: its outcome, written by the stage that
+// answered it, is recorded once. A pending query is finished by its callback.
+func (w *worker) exit(c *client, start time.Time) {
+	if r := &w.req; !r.pending {
+		o := r.o
+		o.who, o.port, o.proto, o.start, o.name, o.qtype = c.who, c.port, c.proto, start, r.tapName(), r.qtype
+		w.s.finish(o)
+	}
 }
 
 // answered writes the outcome of a query answered while it is served: the response
 // b, its rcode and where it came from. It returns b.
 func (r *request) answered(b []byte, rcode int, src source, kind tap.Answer) []byte {
-	r.o.rcode, r.o.src, r.o.kind, r.o.size = rcode, src, kind, len(b)
+	o := r.o
+	o.drop, o.rcode, o.src, o.kind, o.size = false, rcode, src, kind, len(b)
 	return b
 }
 
@@ -143,7 +148,7 @@ func (r *request) answeredTable(b []byte, d *decision) []byte {
 // hand it to the forward stage.
 func (w *worker) serveQuery(pkt, out []byte, c *client, start time.Time) []byte {
 	r := &w.req
-	*r = request{pkt: pkt, proto: c.proto, client: c, start: start}
+	*r = request{pkt: pkt, proto: c.proto, client: c, start: start, o: &w.o}
 	if len(pkt) < 12 {
 		return r.drop() // no header: there is no ID to answer to
 	}
