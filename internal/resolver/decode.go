@@ -46,7 +46,7 @@ func (w *worker) decodeWire(r *request) bool {
 			case ch >= 'A' && ch <= 'Z':
 				ch += 'a' - 'A'
 			default:
-				return false // needs escaping: the unpacked path
+				return false // needs escaping: decodeMsg
 			}
 			w.lname[ln] = ch
 			ln++

@@ -15,8 +15,8 @@ import (
 // table decision (encodeTableWire) or a forwarded answer's packed records
 // (encodeWire), without miekg/dns and without allocating.
 
-// maxFastAddrs is the most addresses the wire table path writes; larger answers take
-// the unpacked path.
+// maxFastAddrs is the most addresses the wire encoder writes; it declines larger
+// answers (the dns.Msg encoder renders them).
 const maxFastAddrs = 64
 
 // encodeTableWire renders a decision answered from the table straight into out, for
@@ -198,7 +198,7 @@ func headerOnly(id uint16, opcode, rcode int, out []byte) []byte {
 // encodeWire writes the response to a wire-decoded query from a forwarded answer: the
 // client's header bits and question (echo), an optional CNAME from the question to
 // cname, the answer's packed records and our OPT. It returns nil when the response
-// does not fit limit (the caller truncates through the unpacked path).
+// does not fit limit (the caller truncates with the dns.Msg encoder: truncated).
 func encodeWire(out, echo []byte, edns, do bool, limit int, ttl uint32, cname string, a *upstream.Answer) []byte {
 	size := len(echo) + len(a.Records)
 	if cname != "" {

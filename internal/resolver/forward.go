@@ -83,9 +83,9 @@ type pending struct {
 	autopath bool   // a search-path expansion (the tap)
 	echo     [maxEcho]byte
 	nEcho    int
-	msg      *dns.Msg // the unpacked request, on the unpacked path
+	msg      *dns.Msg // the unpacked request, when the dns.Msg encoder renders the answer
 	opt      *dns.OPT
-	prefix   []dns.RR // unpacked path: records before the forwarded answer
+	prefix   []dns.RR // dns.Msg encoder: the decision's CNAME chain, before the forwarded answer
 
 	claimed atomic.Bool // the answer is being given (claim)
 }

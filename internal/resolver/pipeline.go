@@ -70,7 +70,7 @@ type worker struct {
 	perm  [maxFastAddrs]uint8
 	soa   soaCache
 	req   request
-	o     outcome        // req.o
+	o     outcome        // the outcome req.o points to
 	dec   decision       // decide's answer for req
 	chain [maxChain]link // dec.chain's storage
 	q     upstream.Query
