@@ -5,6 +5,7 @@ import (
 	"strings"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/miekg/dns"
 
@@ -12,6 +13,7 @@ import (
 	"github.com/meshdns/meshdns-ebpf/internal/nametable"
 	"github.com/meshdns/meshdns-ebpf/internal/panicguard"
 	"github.com/meshdns/meshdns-ebpf/internal/resolver/upstream"
+	"github.com/meshdns/meshdns-ebpf/internal/talkers"
 )
 
 // panickyTable is a TableSource that panics while on.
@@ -118,5 +120,32 @@ func TestPanicOnTheQueryPathAnswersServfail(t *testing.T) {
 	}
 	if n := ts.s.limits.total.Load(); n != 0 {
 		t.Errorf("%d pending upstream slots still held after the panics", n)
+	}
+}
+
+// A panic while recording a query (here the talkers' count, the finish step) is
+// recovered as any other on the query path: the client gets SERVFAIL and the reader
+// lives on.
+func TestPanicWhileRecordingAnswersServfail(t *testing.T) {
+	ts := startServer(t, testFile(), func(c *Config) {
+		c.Talkers = &talkers.Counter{} // not made by a Tracker: counting into it panics
+		var err error
+		if c.Panics, err = panicguard.New(c.Registerer, c.Logger); err != nil {
+			t.Fatal(err)
+		}
+	})
+	w := newWorker(ts.s)
+	pkt, _ := query("productpage.ns1.svc.cluster.local.", dns.TypeA)().Pack()
+	out := make([]byte, maxUDPResponse)
+	b := w.serve(pkt, out, &client{proto: protoUDP, addr: netip.MustParseAddr("127.0.0.1")}, time.Now())
+	resp := new(dns.Msg)
+	if err := resp.Unpack(b); err != nil {
+		t.Fatal(err)
+	}
+	if resp.Rcode != dns.RcodeServerFailure {
+		t.Fatalf("rcode %s, want SERVFAIL", dns.RcodeToString[resp.Rcode])
+	}
+	if got := metrictest.Value(t, ts.reg, "meshdns_panics_total", "stage", panicguard.StageServe); got != 1 {
+		t.Errorf("meshdns_panics_total{stage=serve} = %v, want 1", got)
 	}
 }
