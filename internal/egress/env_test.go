@@ -69,20 +69,25 @@ func TestMain(m *testing.M) {
 // runClient is the client's main: each argument is kind/addr:port with kind
 // tcp (connect), udpc (connected UDP: connect, send) or udp (unconnected:
 // sendto); it prints "kind/addr:port ok" or the errno's name per argument.
-// "loop N kind/addr:port" connects N times (for the benchmark) and prints
-// nothing unless one fails.
+// "loop N kind/addr:port" tries N times (for the benchmark) and prints the
+// CPU time the loop took ("cpu_ns <ns>"), or the first failure.
 func runClient(args []string) int {
 	if len(args) == 3 && args[0] == "loop" {
 		n, err := strconv.Atoi(args[1])
 		if err != nil {
 			return 2
 		}
+		var before, after unix.Rusage
+		_ = unix.Getrusage(unix.RUSAGE_SELF, &before)
 		for range n {
 			if err := attempt(args[2]); err != nil {
 				fmt.Printf("%s %v\n", args[2], err)
 				return 1
 			}
 		}
+		_ = unix.Getrusage(unix.RUSAGE_SELF, &after)
+		cpu := func(r *unix.Rusage) int64 { return r.Utime.Nano() + r.Stime.Nano() }
+		fmt.Printf("cpu_ns %d\n", cpu(&after)-cpu(&before))
 		return 0
 	}
 	for _, a := range args {
@@ -163,7 +168,7 @@ type envOpts struct {
 	egress  Config // the Egress's config (Datapath is set)
 }
 
-func newEnv(t *testing.T, o envOpts) *env {
+func newEnv(t testing.TB, o envOpts) *env {
 	t.Helper()
 	testenv.RequirePrivileged(t, "ip", "setpriv")
 	e := &env{cg: testenv.NewCgroup(t), net: testenv.NewNetns(t, "mdinet"), bpffs: testenv.NewBPFFS(t)}
@@ -184,7 +189,7 @@ func newEnv(t *testing.T, o envOpts) *env {
 
 // listen opens TCP (accepting and closing) and UDP (reading) listeners on the
 // wildcard addresses of the namespace, both families, both ports.
-func (e *env) listen(t *testing.T) {
+func (e *env) listen(t testing.TB) {
 	t.Helper()
 	for _, p := range []int{port, otherPort} {
 		for _, nw := range []string{"tcp4", "tcp6"} {
@@ -243,7 +248,7 @@ func (e *env) dpConfig(detach bool) redirect.Config {
 // startDatapath starts a datapath on the test's cgroup and pins, in the
 // namespace (as an agent there would). detach: Close removes everything;
 // otherwise it is left pinned for the next one (the test removes the pins).
-func (e *env) startDatapath(t *testing.T, detach bool) {
+func (e *env) startDatapath(t testing.TB, detach bool) {
 	t.Helper()
 	d, err := redirect.New(e.dpConfig(detach))
 	if err != nil {
@@ -272,7 +277,7 @@ func (e *env) startDatapath(t *testing.T, detach bool) {
 
 // serve registers the fake resolver as the agent's resolver socket, and
 // counts its reads as its progress: an agent that serves.
-func (e *env) serve(t *testing.T) {
+func (e *env) serve(t testing.TB) {
 	t.Helper()
 	udp, tcp := e.resolver.Conns()
 	ap := netip.AddrPortFrom(target4, basePort)
@@ -282,7 +287,7 @@ func (e *env) serve(t *testing.T) {
 	e.resolver.OnRead(e.dp.Dequeued)
 }
 
-func (e *env) startEgress(t *testing.T, cfg Config) {
+func (e *env) startEgress(t testing.TB, cfg Config) {
 	t.Helper()
 	cfg.Datapath = e.dp
 	eg, err := New(cfg)
@@ -301,7 +306,7 @@ func (e *env) startEgress(t *testing.T, cfg Config) {
 }
 
 // workload makes a child cgroup of the test's, selected as id with r.
-func (e *env) workload(t *testing.T, name string, id WorkloadID, r Rule) *testenv.Cgroup {
+func (e *env) workload(t testing.TB, name string, id WorkloadID, r Rule) *testenv.Cgroup {
 	t.Helper()
 	cg := e.cg.Child(t, name)
 	if err := e.eg.SetWorkload(cg.ID(t), id, r); err != nil {
@@ -312,7 +317,7 @@ func (e *env) workload(t *testing.T, name string, id WorkloadID, r Rule) *testen
 
 // try runs the client in cg as userUID with one attempt per target
 // (kind/addr:port) and returns each target's result: "ok" or an errno name.
-func (e *env) try(t *testing.T, cg *testenv.Cgroup, targets ...string) map[string]string {
+func (e *env) try(t testing.TB, cg *testenv.Cgroup, targets ...string) map[string]string {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
@@ -335,7 +340,7 @@ func (e *env) try(t *testing.T, cg *testenv.Cgroup, targets ...string) map[strin
 }
 
 // want checks that each target of cg got the result in want ("ok", "EPERM").
-func (e *env) want(t *testing.T, cg *testenv.Cgroup, want map[string]string) {
+func (e *env) want(t testing.TB, cg *testenv.Cgroup, want map[string]string) {
 	t.Helper()
 	targets := make([]string, 0, len(want))
 	for k := range want {
@@ -354,7 +359,7 @@ func dst(kind string, a netip.Addr, p uint16) string {
 }
 
 // counts returns workload id's counters.
-func (e *env) counts(t *testing.T, id WorkloadID) Counts {
+func (e *env) counts(t testing.TB, id WorkloadID) Counts {
 	t.Helper()
 	c, err := e.eg.Counts()
 	if err != nil {
@@ -364,7 +369,7 @@ func (e *env) counts(t *testing.T, id WorkloadID) Counts {
 }
 
 // nextEvent waits for the next event.
-func (e *env) nextEvent(t *testing.T) Event {
+func (e *env) nextEvent(t testing.TB) Event {
 	t.Helper()
 	select {
 	case ev, ok := <-e.eg.Events():
