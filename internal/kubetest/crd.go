@@ -37,6 +37,44 @@ var ServiceEntryGVR = schema.GroupVersionResource{Group: "networking.istio.io", 
 
 var crdGVR = schema.GroupVersionResource{Group: "apiextensions.k8s.io", Version: "v1", Resource: "customresourcedefinitions"}
 
+// EgressPolicyCRD is the name of the DNSEgressPolicy CRD, and
+// EgressPolicyCRDFile its file in the repository (what kubectl apply and the
+// chart install).
+const (
+	EgressPolicyCRD     = "dnsegresspolicies.meshdns.io"
+	EgressPolicyCRDFile = "deploy/kubernetes/crds/dnsegresspolicies.yaml"
+)
+
+// EgressPolicyGVR is the resource of DNSEgressPolicies.
+var EgressPolicyGVR = schema.GroupVersionResource{Group: "meshdns.io", Version: "v1alpha1", Resource: "dnsegresspolicies"}
+
+// InstallEgressPolicyCRD installs the repository's DNSEgressPolicy CRD and waits
+// until the API server serves it and its first-creates window (see
+// InstallServiceEntryCRD) is over.
+func (cp *ControlPlane) InstallEgressPolicyCRD(t testing.TB) {
+	t.Helper()
+	root, err := RepoRoot()
+	if err != nil {
+		t.Fatalf("kubetest: %v", err)
+	}
+	cp.InstallCRDs(t, filepath.Join(root, EgressPolicyCRDFile))
+	ctx, cancel := opContext(t)
+	defer cancel()
+	probe := &unstructured.Unstructured{Object: map[string]any{
+		"apiVersion": EgressPolicyGVR.GroupVersion().String(),
+		"kind":       "DNSEgressPolicy",
+		"metadata":   map[string]any{"name": "kubetest-probe", "namespace": "default"},
+		"spec":       map[string]any{"egress": []any{map[string]any{"names": []any{"probe.kubetest.invalid"}}}},
+	}}
+	if err := waitFor(func() error {
+		_, err := cp.dynamic.Resource(EgressPolicyGVR).Namespace("default").Create(ctx, probe,
+			metav1.CreateOptions{DryRun: []string{metav1.DryRunAll}})
+		return err
+	}); err != nil {
+		t.Fatalf("kubetest: dry-run create of a DNSEgressPolicy: %v", err)
+	}
+}
+
 // istioCRDFile is where Istio keeps its generated CRDs in the istio.io/api module.
 const istioCRDFile = "kubernetes/customresourcedefinitions.gen.yaml"
 
