@@ -92,6 +92,8 @@ type Controller struct {
 	nextID  egress.WorkloadID
 	errs    atomic.Int64 // sync failures
 
+	granted, notAllowed, grantErrs atomic.Int64 // Grant's results
+
 	// byID is what Grant reads: workload id → its policy and name.
 	byID atomic.Pointer[map[egress.WorkloadID]*Selected]
 	// unallowed remembers, per workload, the names it was answered but may

@@ -29,14 +29,17 @@ func (c *Controller) Grant(wl uint32, name string, addrs []netip.Addr, ttl time.
 	}
 	allowed, ok := sel.Policy.Allows(name)
 	if !ok {
+		c.notAllowed.Add(1)
 		c.unallowed.note(egress.WorkloadID(wl), name, addrs)
 		return false, nil
 	}
 	var buf [maxPorts]egress.Port
 	ports := convertPorts(buf[:0], allowed)
 	if err := c.cfg.Grants.Grant(egress.WorkloadID(wl), name, addrs, ports, ttl); err != nil {
+		c.grantErrs.Add(1)
 		return false, err
 	}
+	c.granted.Add(1)
 	return true, nil
 }
 
