@@ -15,7 +15,7 @@ import (
 type fakeCounter map[egress.WorkloadID]egress.Counts
 
 func (f fakeCounter) Counts() (map[egress.WorkloadID]egress.Counts, error) { return f, nil }
-func (f fakeCounter) EventsLost() uint64                                     { return 3 }
+func (f fakeCounter) EventsLost() uint64                                   { return 3 }
 
 // TestCollectorBoundsWorkloadSeries: the busiest workloads get series of their
 // own, the rest (and workloads no longer selected) are summed into (other), and
