@@ -1,6 +1,7 @@
 package egressctl
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"net/netip"
@@ -14,6 +15,7 @@ import (
 
 	"github.com/meshdns/meshdns-ebpf/internal/egress"
 	"github.com/meshdns/meshdns-ebpf/internal/egresspolicy"
+	"github.com/meshdns/meshdns-ebpf/internal/tap"
 )
 
 // fakeDatapath records what the controller writes.
@@ -282,4 +284,63 @@ func inodeOf(t *testing.T, p string) uint64 {
 		t.Fatal(err)
 	}
 	return fi.Sys().(*syscall.Stat_t).Ino
+}
+
+type fakeTap struct {
+	mu     sync.Mutex
+	events []tap.Event
+}
+
+func (f *fakeTap) Active() bool { return true }
+func (f *fakeTap) Publish(ev *tap.Event) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.events = append(f.events, *ev)
+}
+
+func (f *fakeTap) len() int {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return len(f.events)
+}
+
+// TestForwardEventsNamesTheUnallowedName: a denied connect to an address the
+// workload was answered for a name it may not use is published with that name;
+// one to an address no answer named, without.
+func TestForwardEventsNamesTheUnallowedName(t *testing.T) {
+	root, _ := cgroupTree(t, podA)
+	fake := newFake()
+	c, err := New(Config{Datapath: fake, Grants: fake, CgroupRoot: root,
+		Pods: func() []Pod { return []Pod{{Namespace: "ns", Name: "p", UID: "11111111-1111-1111-1111-111111111111"}} }})
+	if err != nil {
+		t.Fatal(err)
+	}
+	c.SetPolicies("kubernetes", policySet(t, egresspolicy.Policy{Source: "DNSEgressPolicy", Name: "ns/all", Namespace: "ns",
+		Egress: []egresspolicy.Rule{{Names: []string{"ok.test"}}}}))
+	if err := c.Sync(); err != nil {
+		t.Fatal(err)
+	}
+	wl := c.Selected()[0].ID
+	bad := netip.MustParseAddr("198.18.1.1")
+	c.Grant(uint32(wl), "exfil.test.", []netip.Addr{bad}, time.Second) //nolint:errcheck // the fake does not fail
+	events := make(chan egress.Event, 2)
+	events <- egress.Event{Time: time.Now(), Cgroup: 77, Workload: wl, Dst: netip.AddrPortFrom(bad, 443), Proto: egress.ProtoTCP, Verdict: egress.Denied}
+	events <- egress.Event{Time: time.Now(), Cgroup: 77, Workload: wl, Dst: netip.MustParseAddrPort("198.18.2.2:53"), Proto: egress.ProtoUDP, Verdict: egress.Audited}
+	close(events)
+	ft := &fakeTap{}
+	c.ForwardEvents(context.Background(), events, ft)
+	if ft.len() != 2 {
+		t.Fatalf("published %d events, want 2", ft.len())
+	}
+	for i, want := range []struct {
+		a    tap.Answer
+		name string
+		dst  string
+		tcp  bool
+	}{{tap.Denied, "exfil.test.", "198.18.1.1:443", true}, {tap.Audited, "", "198.18.2.2:53", false}} {
+		ev := ft.events[i]
+		if ev.Answer != want.a || ev.Name() != want.name || ev.Dst.String() != want.dst || ev.TCP != want.tcp || ev.Key.Cgroup != 77 {
+			t.Errorf("event %d: %+v (name %q), want %+v", i, ev, ev.Name(), want)
+		}
+	}
 }
