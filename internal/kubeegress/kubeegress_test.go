@@ -3,19 +3,15 @@ package kubeegress
 import (
 	"context"
 	"log/slog"
-	"os"
-	"path/filepath"
 	"strings"
 	"sync"
 	"testing"
 	"time"
 
-	rbacv1 "k8s.io/api/rbac/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/fields"
 	"k8s.io/client-go/dynamic"
-	"sigs.k8s.io/yaml"
 
 	"github.com/prometheus/client_golang/prometheus"
 
@@ -26,32 +22,6 @@ import (
 )
 
 var quiet = slog.New(slog.DiscardHandler)
-
-// shippedRules are the rules of the shipped ClusterRole meshdns-ebpf-egress
-// (deploy/kubernetes/egress-rbac.yaml): the test runs the source with
-// exactly those.
-func shippedRules(t *testing.T) []rbacv1.PolicyRule {
-	t.Helper()
-	root, err := kubetest.RepoRoot()
-	if err != nil {
-		t.Fatal(err)
-	}
-	b, err := os.ReadFile(filepath.Join(root, "deploy", "kubernetes", "egress-rbac.yaml"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	for doc := range strings.SplitSeq(string(b), "\n---\n") {
-		var cr rbacv1.ClusterRole
-		if err := yaml.Unmarshal([]byte(doc), &cr); err != nil {
-			t.Fatal(err)
-		}
-		if cr.Kind == "ClusterRole" && cr.Name == "meshdns-ebpf-egress" {
-			return cr.Rules
-		}
-	}
-	t.Fatal("deploy/kubernetes/egress-rbac.yaml has no ClusterRole meshdns-ebpf-egress")
-	return nil
-}
 
 func policy(ns, name string, spec map[string]any) *unstructured.Unstructured {
 	return &unstructured.Unstructured{Object: map[string]any{
@@ -142,7 +112,7 @@ func waitAccepted(t *testing.T, dc dynamic.Interface, ns, name, want string) str
 func TestPoliciesAgainstTheAPIServer(t *testing.T) {
 	cp := kubetest.Start(t, kubetest.Options{Users: []string{"agent"}})
 	cp.InstallEgressPolicyCRD(t)
-	cp.Grant(t, "agent", "", "meshdns-ebpf-egress", shippedRules(t))
+	cp.Grant(t, "agent", "", "meshdns-ebpf-egress", kubetest.ShippedRules(t, "egress-rbac.yaml", "meshdns-ebpf-egress"))
 	cp.EnsureNamespace(t, "shop")
 	dc := cp.DynamicClient()
 	ctx := kubetest.OpContext(t)

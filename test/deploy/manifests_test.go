@@ -181,7 +181,8 @@ func TestDefaultInstall(t *testing.T) {
 		t.Errorf("ClusterRole rules:\n got %q\nwant %q", got, wantRules)
 	}
 	egress := find[*rbacv1.ClusterRole](t, objs, "ClusterRole", "meshdns-ebpf-egress")
-	wantEgress := []string{"/events[]: create", "meshdns.io/dnsegresspolicies/status[]: patch", "meshdns.io/dnsegresspolicies[]: get,list,watch"}
+	wantEgress := []string{"/configmaps[istio]: get,list,watch", "/events[]: create", "meshdns.io/dnsegresspolicies/status[]: patch",
+		"meshdns.io/dnsegresspolicies[]: get,list,watch", "networking.istio.io/sidecars[]: get,list,watch"}
 	if got := ruleSet(egress.Rules); !slices.Equal(got, wantEgress) {
 		t.Errorf("ClusterRole meshdns-ebpf-egress rules:\n got %q\nwant %q", got, wantEgress)
 	}
