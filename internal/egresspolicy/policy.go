@@ -83,9 +83,13 @@ type Policy struct {
 	Name   string
 
 	// Kubernetes: the policy's namespace and the pods of it its
-	// selector selects (an empty selector selects every pod).
-	Namespace   string
-	PodSelector Selector
+	// selector selects (an empty selector selects every pod). No
+	// namespace (and no Unit): the pods of every namespace but
+	// ExcludeNamespaces (a mesh-wide policy, such as Istio's
+	// REGISTRY_ONLY in the mesh config).
+	Namespace         string
+	ExcludeNamespaces []string
+	PodSelector       Selector
 	// VM: a systemd unit ("app.service") or a cgroup path (starting
 	// with "/"). A policy with Unit selects only that workload and
 	// never a pod.
@@ -127,6 +131,7 @@ func (p *Policy) clone() *Policy {
 	c := *p
 	c.ix = index{}
 	c.PodSelector = p.PodSelector.clone()
+	c.ExcludeNamespaces = slices.Clone(p.ExcludeNamespaces)
 	c.Egress = make([]Rule, len(p.Egress))
 	for i, r := range p.Egress {
 		c.Egress[i] = Rule{Names: slices.Clone(r.Names), Ports: slices.Clone(r.Ports)}
@@ -146,6 +151,9 @@ type Workload struct {
 func (p *Policy) selects(w Workload) bool {
 	if p.Unit != "" || w.Unit != "" {
 		return p.Unit == w.Unit
+	}
+	if p.Namespace == "" {
+		return !slices.Contains(p.ExcludeNamespaces, w.Namespace) && p.PodSelector.Matches(w.Labels)
 	}
 	return p.Namespace == w.Namespace && p.PodSelector.Matches(w.Labels)
 }

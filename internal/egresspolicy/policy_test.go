@@ -50,6 +50,7 @@ func TestValidateNamesEveryProblemWithItsField(t *testing.T) {
 			p.PodSelector = Selector{MatchLabels: map[string]string{"a": "b"}}
 		}, []string{"podSelector"}},
 		{"bad unit", func(p *Policy) { p.Namespace, p.Unit = "", "app" }, []string{"unit"}},
+		{"exclusions of one namespace", func(p *Policy) { p.ExcludeNamespaces = []string{"x"} }, []string{"excludeNamespaces"}},
 		{"many at once", func(p *Policy) {
 			p.Mode = "x"
 			p.Egress = append(p.Egress, Rule{Names: []string{"ok.com", "a.*.b"}, Ports: []Port{{-1, TCP}}})
@@ -259,6 +260,33 @@ func TestSelectAndCombine(t *testing.T) {
 	// internal + all: cluster-internal in scope if any says so.
 	if p, _ := s.Select(Workload{Namespace: "ns", Labels: map[string]string{"app": "db"}}); !p.ClusterInternal || p.Mode != Enforce {
 		t.Errorf("db: %+v", p)
+	}
+
+	// A policy of every namespace, but one.
+	mesh := valid()
+	mesh.Name, mesh.Namespace, mesh.ExcludeNamespaces = "mesh", "", []string{"open"}
+	mesh.Egress = []Rule{{Names: []string{"*.svc.cluster.local"}}}
+	ms := mustSet(t, mesh, web)
+	for _, tc := range []struct {
+		w    Workload
+		want string
+	}{
+		{Workload{Namespace: "any"}, "test mesh"},
+		{Workload{Namespace: "open"}, ""},
+		{Workload{Unit: "app.service"}, ""},
+		{Workload{Namespace: "ns", Labels: map[string]string{"app": "web"}}, "test mesh, test ns/web"},
+	} {
+		p, ok := ms.Select(tc.w)
+		got := ""
+		if ok {
+			got = p.ID()
+			if p.Source == "combined" {
+				got = p.Name
+			}
+		}
+		if got != tc.want {
+			t.Errorf("%+v: selected by %q, want %q", tc.w, got, tc.want)
+		}
 	}
 
 	var empty *Set

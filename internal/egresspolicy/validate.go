@@ -61,6 +61,9 @@ func (p *Policy) Validate() error {
 			ps.add("unit", "%q is neither a systemd unit (app.service) nor a cgroup path (/...)", p.Unit)
 		}
 	}
+	if len(p.ExcludeNamespaces) > 0 && (p.Namespace != "" || p.Unit != "") {
+		ps.add("excludeNamespaces", "only a policy of every namespace excludes namespaces")
+	}
 	validateSelector(&ps, "podSelector", p.PodSelector)
 	if len(p.Egress) == 0 {
 		ps.add("egress", "no rules: a policy allows at least one name")

@@ -8,7 +8,6 @@ import (
 	"testing"
 	"time"
 
-	rbacv1 "k8s.io/api/rbac/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/fields"
@@ -23,14 +22,6 @@ import (
 )
 
 var quiet = slog.New(slog.DiscardHandler)
-
-// agentRules are what the source needs: read the policies, write their
-// status, create Events (the shipped ClusterRole's egress rules).
-var agentRules = []rbacv1.PolicyRule{
-	{APIGroups: []string{Group}, Resources: []string{"dnsegresspolicies"}, Verbs: []string{"get", "list", "watch"}},
-	{APIGroups: []string{Group}, Resources: []string{"dnsegresspolicies/status"}, Verbs: []string{"patch"}},
-	{APIGroups: []string{""}, Resources: []string{"events"}, Verbs: []string{"create"}},
-}
 
 func policy(ns, name string, spec map[string]any) *unstructured.Unstructured {
 	return &unstructured.Unstructured{Object: map[string]any{
@@ -121,7 +112,7 @@ func waitAccepted(t *testing.T, dc dynamic.Interface, ns, name, want string) str
 func TestPoliciesAgainstTheAPIServer(t *testing.T) {
 	cp := kubetest.Start(t, kubetest.Options{Users: []string{"agent"}})
 	cp.InstallEgressPolicyCRD(t)
-	cp.Grant(t, "agent", "", "meshdns-ebpf-egress", agentRules)
+	cp.Grant(t, "agent", "", "meshdns-ebpf-egress", kubetest.ShippedRules(t, "egress-rbac.yaml", "meshdns-ebpf-egress"))
 	cp.EnsureNamespace(t, "shop")
 	dc := cp.DynamicClient()
 	ctx := kubetest.OpContext(t)

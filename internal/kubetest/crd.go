@@ -118,6 +118,25 @@ func (cp *ControlPlane) InstallServiceEntryCRD(t testing.TB) {
 	}
 }
 
+// SidecarCRD is the name of Istio's Sidecar CustomResourceDefinition.
+const SidecarCRD = "sidecars.networking.istio.io"
+
+// InstallIstioCRD installs Istio's CRD name (such as SidecarCRD), exactly as the
+// istio.io/api module of go.mod ships it, and waits until it is Established.
+func (cp *ControlPlane) InstallIstioCRD(t testing.TB, name string) {
+	t.Helper()
+	crd, err := istioCRD(name)
+	if err != nil {
+		t.Fatalf("kubetest: %v", err)
+	}
+	ctx, cancel := opContext(t)
+	defer cancel()
+	if _, err := cp.dynamic.Resource(crdGVR).Create(ctx, crd.DeepCopy(), metav1.CreateOptions{}); err != nil {
+		t.Fatalf("kubetest: create CRD %s: %v", name, err)
+	}
+	cp.waitEstablished(t, name)
+}
+
 // UninstallServiceEntryCRD deletes the ServiceEntry CRD and waits until it (and
 // with it every ServiceEntry) is gone and its resource is no longer served.
 func (cp *ControlPlane) UninstallServiceEntryCRD(t testing.TB) {
@@ -232,11 +251,26 @@ func loadIstioCRDs() (map[string]*unstructured.Unstructured, error) {
 // readCRDs returns the CustomResourceDefinitions of a multi-document YAML
 // file, in file order.
 func readCRDs(path string) ([]*unstructured.Unstructured, error) {
-	b, err := os.ReadFile(path)
+	objs, err := readObjects(path)
 	if err != nil {
 		return nil, fmt.Errorf("read CRDs: %w", err)
 	}
 	var crds []*unstructured.Unstructured
+	for _, u := range objs {
+		if u.GetKind() == "CustomResourceDefinition" {
+			crds = append(crds, u)
+		}
+	}
+	return crds, nil
+}
+
+// readObjects reads every object of a YAML (or JSON) file.
+func readObjects(path string) ([]*unstructured.Unstructured, error) {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return nil, err
+	}
+	var objs []*unstructured.Unstructured
 	dec := utilyaml.NewYAMLOrJSONDecoder(bytes.NewReader(b), 4096)
 	for {
 		var obj map[string]any
@@ -245,12 +279,11 @@ func readCRDs(path string) ([]*unstructured.Unstructured, error) {
 		} else if err != nil {
 			return nil, fmt.Errorf("decode %s: %w", path, err)
 		}
-		u := &unstructured.Unstructured{Object: obj}
-		if obj != nil && u.GetKind() == "CustomResourceDefinition" {
-			crds = append(crds, u)
+		if obj != nil {
+			objs = append(objs, &unstructured.Unstructured{Object: obj})
 		}
 	}
-	return crds, nil
+	return objs, nil
 }
 
 // moduleDir returns the directory of module path (at the version the main go.mod
