@@ -207,6 +207,9 @@ func TestGrantsSurviveRestart(t *testing.T) {
 		t.Fatal(err)
 	}
 	e.want(t, pod, map[string]string{dst("tcp", inet3, port): "ok"})
+	if got := e.eg.Workloads(); len(got) != 1 || got[pod.ID(t)] != 20 {
+		t.Errorf("adopted workloads %v, want cgroup %d as 20", got, pod.ID(t))
+	}
 	// RemoveWorkload knows the adopted workload: its cgroup is no longer enforced.
 	if err := e.eg.RemoveWorkload(pod.ID(t)); err != nil {
 		t.Fatal(err)
