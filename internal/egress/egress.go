@@ -225,7 +225,9 @@ func (e *Egress) Close() error {
 		stop()
 	}
 	if rd != nil {
-		err = rd.Close()
+		err = rd.Close() // readEvents closes the channel
+	} else {
+		close(e.events) // never started
 	}
 	e.done.Wait()
 	if err != nil {
@@ -285,6 +287,19 @@ func (e *Egress) SetWorkload(cgroupID uint64, id WorkloadID, r Rule) error {
 	}
 	e.workloads[cgroupID] = id
 	return nil
+}
+
+// Workloads returns the selected cgroups and their workloads: those set
+// since Start and those a previous agent left in the pinned map (adopted by
+// Start), for the caller to reconcile with what it selects now.
+func (e *Egress) Workloads() map[uint64]WorkloadID {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	out := make(map[uint64]WorkloadID, len(e.workloads))
+	for cg, id := range e.workloads {
+		out[cg] = id
+	}
+	return out
 }
 
 // RemoveWorkload unselects cgroupID. When no other cgroup has its workload

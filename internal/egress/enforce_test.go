@@ -207,6 +207,9 @@ func TestGrantsSurviveRestart(t *testing.T) {
 		t.Fatal(err)
 	}
 	e.want(t, pod, map[string]string{dst("tcp", inet3, port): "ok"})
+	if got := e.eg.Workloads(); len(got) != 1 || got[pod.ID(t)] != 20 {
+		t.Errorf("adopted workloads %v, want cgroup %d as 20", got, pod.ID(t))
+	}
 	// RemoveWorkload knows the adopted workload: its cgroup is no longer enforced.
 	if err := e.eg.RemoveWorkload(pod.ID(t)); err != nil {
 		t.Fatal(err)
@@ -254,4 +257,42 @@ func TestGrantQuotaInKernel(t *testing.T) {
 		t.Errorf("grant map holds %d (%v), want workload 30's 2 and workload 31's quota of 40", n, perWL)
 	}
 	e.want(t, a, map[string]string{dst("tcp", inet1, port): "ok", dst("tcp", inet2, port): "ok"})
+}
+
+// A handover: a successor's datapath and Egress start on the same pins while
+// the predecessor runs (its resolver socket still registered and shared),
+// adopt its grants and workloads, and the predecessor hands off and closes:
+// enforcement and grants go on without a gap, and the successor's new grants
+// allow.
+func TestGrantsPassOnHandover(t *testing.T) {
+	e := newEnv(t, envOpts{persist: true})
+	pod := e.workload(t, "pod", 40, enforce)
+	if err := e.eg.Enable(true); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.eg.Grants().Grant(40, "a.test", []netip.Addr{inet1}, nil, time.Minute); err != nil {
+		t.Fatal(err)
+	}
+	old, oldEg := e.dp, e.eg
+	e.startDatapath(t, true) // the successor (removes everything at the end)
+	e.serve(t)
+	e.startEgress(t, Config{})
+	old.Handoff()
+	if err := oldEg.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if err := old.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if total, mine := e.eg.Grants().Len(40); total != 1 || mine != 1 {
+		t.Errorf("the successor adopted %d grants, %d of workload 40; want 1, 1", total, mine)
+	}
+	e.want(t, pod, map[string]string{dst("tcp", inet1, port): "ok", dst("tcp", inet3, port): "EPERM"})
+	if err := e.eg.Grants().Grant(40, "b.test", []netip.Addr{inet3}, nil, time.Minute); err != nil {
+		t.Fatal(err)
+	}
+	e.want(t, pod, map[string]string{dst("tcp", inet3, port): "ok", dst("tcp", inet2, port): "EPERM"})
+	if c := e.counts(t, 40); c.Denied != 2 || c.AllowedGrant != 2 {
+		t.Errorf("counts across the handover %+v, want 2 denied, 2 allowed by grant", c)
+	}
 }

@@ -278,3 +278,23 @@ func benchMap(b *testing.B, n int) *ebpf.Map {
 	b.Cleanup(func() { m.Close() })
 	return m
 }
+
+// Close before or without Start releases nothing and closes the event stream.
+func TestCloseWithoutStart(t *testing.T) {
+	e, err := New(Config{Datapath: new(redirect.Datapath)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := e.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if _, ok := <-e.Events(); ok {
+		t.Error("an event from an Egress never started")
+	}
+	if err := e.Close(); err != nil {
+		t.Errorf("second Close: %v", err)
+	}
+	if err := e.Start(t.Context()); err == nil {
+		t.Error("Start after Close succeeded")
+	}
+}
