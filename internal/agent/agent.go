@@ -66,6 +66,7 @@ type Agent struct {
 	srv       *resolver.Server
 	panics    *panicguard.Counter // panics recovered on the query path (resolver and upstream)
 	dp        *redirect.Datapath
+	egress    *egressPart // DNS-gated egress (--egress; nil without)
 	rules     *ctzone.Rules
 	live      *liveness    // the resolver's liveness (/healthz)
 	liveClose func() error // closes the liveness probe's socket
@@ -108,7 +109,7 @@ func New(cfg Config, log *slog.Logger) (*Agent, error) {
 // complete), prepare the host, take the state lock or the running agent's
 // descriptors, record the state, put the node address in place, then start
 // the name sources, the workload names, the upstream forwarder, the eBPF
-// datapath, the resolver, the iptables capture and the admin endpoints;
+// datapath, DNS-gated egress, the resolver, the iptables capture and the admin endpoints;
 // capture follows the resolver's readiness, and a takeover ends by telling
 // the predecessor that this agent serves.
 func (a *Agent) Start(ctx context.Context) (err error) {
@@ -136,7 +137,7 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 	}
 	reg := a.newRegistry()
 	for _, step := range []func(context.Context, *prometheus.Registry) error{
-		a.startNames, a.startWorkloads, a.startUpstream, a.startDatapath, a.startResolver, a.startIptables, a.startAdmin,
+		a.startNames, a.startWorkloads, a.startUpstream, a.startDatapath, a.startEgress, a.startResolver, a.startIptables, a.startAdmin,
 	} {
 		if err := step(ctx, reg); err != nil {
 			return err

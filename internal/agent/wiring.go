@@ -77,6 +77,7 @@ func (c *Config) redirectConfig(p *startPlan, log *slog.Logger) redirect.Config 
 		ProxyUIDs:       c.ProxyUIDs,
 		UpstreamMark:    c.UpstreamMark,
 		Attribution:     c.Workloads.Attribution,
+		EgressGrants:    c.Egress.MaxGrants,
 		Detach:          !c.Persist,
 		Logger:          log.With("component", "redirect"),
 	}

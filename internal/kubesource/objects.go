@@ -61,6 +61,7 @@ type pod struct {
 	uid        string
 	ips        []netip.Addr
 	containers map[string]string // container id (without the runtime prefix) -> name
+	labels     map[string]string // what egress policies select it by
 }
 
 // DeepCopyObject implements runtime.Object; the object is immutable.
@@ -216,7 +217,7 @@ func transformPod(obj any) (any, error) {
 	if !ok {
 		return obj, nil
 	}
-	out := &pod{Meta: kubeclient.Meta{Name: p.Name, Namespace: internStr(p.Namespace)}, uid: string(p.UID)}
+	out := &pod{Meta: kubeclient.Meta{Name: p.Name, Namespace: internStr(p.Namespace)}, uid: string(p.UID), labels: p.Labels}
 	if m := p.Annotations[corev1.MirrorPodAnnotationKey]; m != "" {
 		out.uid = m // a static Pod's mirror: kubelet's cgroup carries the static Pod's UID
 	}
