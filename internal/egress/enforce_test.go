@@ -2,10 +2,12 @@ package egress
 
 import (
 	"net/netip"
+	"path/filepath"
 	"testing"
 	"time"
 
 	"github.com/meshdns/meshdns-ebpf/internal/redirect"
+	"github.com/meshdns/meshdns-ebpf/internal/testenv"
 )
 
 var enforce = Rule{Enforce: true, FailClosed: true}
@@ -294,5 +296,39 @@ func TestGrantsPassOnHandover(t *testing.T) {
 	e.want(t, pod, map[string]string{dst("tcp", inet3, port): "ok", dst("tcp", inet2, port): "EPERM"})
 	if c := e.counts(t, 40); c.Denied != 2 || c.AllowedGrant != 2 {
 		t.Errorf("counts across the handover %+v, want 2 denied, 2 allowed by grant", c)
+	}
+}
+
+// A resolver that stops reading (frozen: the DNS capture's stalled verdict)
+// counts as no agent: a fail-open workload is let through while it is seen
+// stalled, a fail-closed one is not; once it reads again, both enforce.
+func TestFailOpenWhileResolverStalled(t *testing.T) {
+	e := newEnv(t, envOpts{})
+	open := e.workload(t, "open", 50, Rule{Enforce: true})
+	closed := e.workload(t, "closed", 51, enforce)
+	if err := e.eg.Enable(true); err != nil {
+		t.Fatal(err)
+	}
+	stalled := func() bool {
+		st, err := redirect.ReadStatus(filepath.Join(e.bpffs, "meshdns"))
+		return err == nil && st.Stalled
+	}
+	if !testenv.WaitFor(5*time.Second, func() bool {
+		st, err := redirect.ReadStatus(filepath.Join(e.bpffs, "meshdns"))
+		return err == nil && st.WatchClock
+	}) {
+		testenv.Skip(t, "no watch clock (BPF timers, Linux 5.15): nothing looks at an idle frozen resolver")
+	}
+	e.want(t, open, map[string]string{dst("tcp", inet3, port): "EPERM"})
+	thaw := e.resolver.Freeze()
+	defer thaw()
+	testenv.Eventually(t, 5*time.Second, stalled, "the frozen resolver is not seen stalled")
+	e.want(t, open, map[string]string{dst("tcp", inet3, port): "ok"})
+	e.want(t, closed, map[string]string{dst("tcp", inet3, port): "EPERM"})
+	thaw()
+	testenv.Eventually(t, 5*time.Second, func() bool { return !stalled() }, "the thawed resolver is still seen stalled")
+	e.want(t, open, map[string]string{dst("tcp", inet3, port): "EPERM"})
+	if c := e.counts(t, 50); c.FailOpen != 1 || c.Denied != 2 {
+		t.Errorf("fail-open workload: %+v, want 1 fail_open, 2 denied", c)
 	}
 }
