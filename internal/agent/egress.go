@@ -10,6 +10,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/meshdns/meshdns-ebpf/internal/cgroup2"
 	"github.com/meshdns/meshdns-ebpf/internal/egress"
 	"github.com/meshdns/meshdns-ebpf/internal/egressctl"
 	"github.com/meshdns/meshdns-ebpf/internal/egresspolicy"
@@ -97,7 +98,11 @@ func (a *Agent) startEgress(ctx context.Context, reg *prometheus.Registry) (err 
 	if err := p.eg.Start(ctx); err != nil {
 		return err
 	}
-	cfg := egressctl.Config{Datapath: p.eg, Grants: p.eg.Grants(), CgroupRoot: a.plan.cgroup, Internal: ec.Internal,
+	mount, err := cgroup2.FindMount()
+	if err != nil {
+		return fmt.Errorf("egress: %w", err)
+	}
+	cfg := egressctl.Config{Datapath: p.eg, Grants: p.eg.Grants(), CgroupRoot: a.plan.cgroup, UnitRoot: mount, Internal: ec.Internal,
 		Adopted: p.eg.Workloads(), Logger: log}
 	if a.pods != nil {
 		cfg.Pods = a.egressPods

@@ -12,6 +12,7 @@
 package egressctl
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -61,9 +62,13 @@ const DefaultResync = 2 * time.Second
 type Config struct {
 	Datapath Datapath
 	Grants   Granter
-	// CgroupRoot is the cgroup2 mount (or the subtree) where pods' and units'
+	// CgroupRoot is the cgroup2 directory (the captured subtree) where pods'
 	// cgroups are looked for.
 	CgroupRoot string
+	// UnitRoot is the cgroup2 mount, where a unit's cgroup is looked for
+	// (system.slice/<unit>, else anywhere below); "": CgroupRoot. A policy's
+	// cgroup path is absolute and used as it is.
+	UnitRoot string
 	// Pods lists this node's pods (nil: no Kubernetes, VM units only).
 	Pods func() []Pod
 	// Internal are the cluster-internal prefixes (Pod and Service CIDRs),
@@ -329,13 +334,13 @@ func (c *Controller) selectLocked(set *egresspolicy.Set) (map[uint64]*Selected, 
 	return want, nil
 }
 
-// unitCgroup finds a unit's cgroup: a path ("/system.slice/app.service",
-// under the cgroup root) or a unit name, looked for in system.slice and
-// anywhere below the root.
+// unitCgroup finds a unit's cgroup: an absolute cgroup directory
+// ("/sys/fs/cgroup/app.slice") or a unit name, looked for in system.slice and
+// anywhere below the unit root.
 func (c *Controller) unitCgroup(unit string) (workload.Cgroup, bool) {
-	root := c.cfg.CgroupRoot
+	root := cmp.Or(c.cfg.UnitRoot, c.cfg.CgroupRoot)
 	if strings.HasPrefix(unit, "/") {
-		return cgroupAt(filepath.Join(root, unit))
+		return cgroupAt(filepath.Clean(unit))
 	}
 	if cg, ok := cgroupAt(filepath.Join(root, "system.slice", unit)); ok {
 		return cg, true

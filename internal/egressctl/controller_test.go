@@ -344,3 +344,25 @@ func TestForwardEventsNamesTheUnallowedName(t *testing.T) {
 		}
 	}
 }
+
+// TestUnitsByNameAndByPath: a unit name is found in system.slice or anywhere
+// below the unit root; a cgroup path is taken as it is; a unit that does not
+// run selects nothing.
+func TestUnitsByNameAndByPath(t *testing.T) {
+	root, ids := cgroupTree(t, "system.slice/a.service", "user.slice/user-1000.slice/b.service", "app.slice")
+	c, err := New(Config{Datapath: newFake(), Grants: newFake(), CgroupRoot: filepath.Join(root, "kubepods"), UnitRoot: root})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for unit, want := range map[string]uint64{
+		"a.service":                      ids["system.slice/a.service"],
+		"b.service":                      ids["user.slice/user-1000.slice/b.service"],
+		filepath.Join(root, "app.slice"): ids["app.slice"],
+		"c.service":                      0,
+	} {
+		cg, ok := c.unitCgroup(unit)
+		if ok != (want != 0) || cg.ID != want {
+			t.Errorf("unit %s: %+v %v, want id %d", unit, cg, ok, want)
+		}
+	}
+}
