@@ -113,11 +113,13 @@ func (m *MeshConfig) ownNamespace(inCluster bool) (string, error) {
 //	                ?namespace=NS (or Istio's ?proxyID=POD.NS) sees it
 //	/debug/sources  the name sources and their sync state
 //	/debug/pods     the Pods of this node (UID, namespace, name)
+//	/debug/egress   DNS-gated egress: the selected workloads, their policies,
+//	                grants and decisions (egressctl.Status; 404 without --egress)
 //	/debug/tap      the live stream of answered queries (internal/tap):
 //	                newline-delimited JSON records; filter parameters
 //	                namespace, pod, cgroup, suffix, qtype, rcode, answer,
 //	                min-latency, unanswered
-func (c *Config) debugHandler(store *names.Store, local *kubesource.Source, tapHandler http.Handler) http.Handler {
+func (c *Config) debugHandler(store *names.Store, local *kubesource.Source, tapHandler http.Handler, eg *egressPart) http.Handler {
 	mux := http.NewServeMux()
 	table := func(w http.ResponseWriter) bool {
 		if store.Table() == nil {
@@ -157,6 +159,13 @@ func (c *Config) debugHandler(store *names.Store, local *kubesource.Source, tapH
 			pods = append(pods, local.Pods()...)
 		}
 		writeJSON(w, pods)
+	})
+	mux.HandleFunc("GET /debug/egress", func(w http.ResponseWriter, _ *http.Request) {
+		if eg == nil {
+			http.Error(w, "DNS-gated egress is off (--egress)", http.StatusNotFound)
+			return
+		}
+		writeJSON(w, eg.ctl.Status(eg.eg, eg.eg.Grants()))
 	})
 	return mux
 }

@@ -1,7 +1,9 @@
 package egressctl
 
 import (
+	"encoding/json"
 	"net/netip"
+	"strings"
 	"testing"
 	"time"
 
@@ -76,5 +78,49 @@ func TestCollectorBoundsWorkloadSeries(t *testing.T) {
 		if mf.GetName() == "meshdns_egress_connects_total" && len(mf.GetMetric()) != 2*5 {
 			t.Errorf("%d connect series, want 10 (the top workload and (other), 5 verdicts each)", len(mf.GetMetric()))
 		}
+	}
+}
+
+type fakeGrants struct{}
+
+func (fakeGrants) Len(wl egress.WorkloadID) (int, int) { return 12, int(wl) }
+func (fakeGrants) Limits() (int, int)                  { return 65536, 4096 }
+
+// TestStatusTable: status lists each selected workload with its policy, modes,
+// grants and decisions under upper-case headers, and its JSON round-trips.
+func TestStatusTable(t *testing.T) {
+	root, _ := cgroupTree(t, podA)
+	fake := newFake()
+	c, err := New(Config{Datapath: fake, Grants: fake, CgroupRoot: root, Pods: func() []Pod {
+		return []Pod{{Namespace: "shop", Name: "web", UID: "11111111-1111-1111-1111-111111111111"}}
+	}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	c.SetPolicies("kubernetes", policySet(t, egresspolicy.Policy{Source: "DNSEgressPolicy", Name: "shop/web", Namespace: "shop",
+		FailMode: egresspolicy.FailClosed, Egress: []egresspolicy.Rule{{Names: []string{"ok.test"}}}}))
+	if err := c.Sync(); err != nil {
+		t.Fatal(err)
+	}
+	id := c.Selected()[0].ID
+	st := c.Status(fakeCounter{id: {AllowedGrant: 7, Denied: 2}}, fakeGrants{})
+	var b strings.Builder
+	if err := st.WriteTable(&b); err != nil {
+		t.Fatal(err)
+	}
+	out := b.String()
+	for _, want := range []string{"egress: 1 workloads selected, 12 grants (cap 65536, 4096 per workload)",
+		"WORKLOAD", "FAIL MODE", "shop/web", "DNSEgressPolicy shop/web", "enforce", "fail-closed"} {
+		if !strings.Contains(out, want) {
+			t.Errorf("status table lacks %q:\n%s", want, out)
+		}
+	}
+	js, err := json.Marshal(st)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var back Status
+	if err := json.Unmarshal(js, &back); err != nil || len(back.Workloads) != 1 || back.Workloads[0].Counts.Denied != 2 || back.Workloads[0].Grants != int(id) {
+		t.Errorf("status JSON %s round-trips to %+v (%v)", js, back, err)
 	}
 }
