@@ -1,10 +1,12 @@
 // Package resolver is the DNS server every captured query meets. One query path
 // (pipeline.go) serves every transport: UDP readers that block in raw recvmmsg calls,
 // keeping their scheduler slots, and answer table and cache hits inline (udp_linux.go), TCP connections
-// (tcp.go) and in-process use (ServeDNS). Mesh names are answered from the name table
-// (table.go, handler.go: alt names, autopath, NODATA/NXDOMAIN with SOA, PTR, SRV,
-// shuffling); everything else goes to the Forwarder (forward.go), asynchronously and
-// bounded. Answer semantics are described in docs/resolver.md.
+// (tcp.go) and in-process use (ServeDNS). Each query is decoded (decode.go), decided
+// once from the name table (decide.go: alt names, autopath, NODATA/NXDOMAIN with SOA,
+// PTR, SRV, pod records, the AAAA filter), rendered by the wire encoder
+// (encode_wire.go) or, where it declines, the dns.Msg encoder (encode_msg.go), or
+// forwarded (forward.go: cache, then the Forwarder, asynchronously and bounded), and
+// recorded once (finish.go). Answer semantics are described in docs/resolver.md.
 package resolver
 
 import (
