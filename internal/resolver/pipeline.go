@@ -92,7 +92,9 @@ func (w *worker) serve(pkt, out []byte, c *client, start time.Time) []byte {
 	if r := &w.req; !r.pending {
 		o := &r.o
 		o.who, o.port, o.proto, o.start, o.name, o.qtype = c.who, c.port, c.proto, start, r.tapName(), r.qtype
+		o.egress, o.resp = c.egress, b
 		w.s.finish(o)
+		o.resp = nil
 	}
 	return b
 }
