@@ -21,6 +21,7 @@ import (
 	"github.com/meshdns/meshdns-ebpf/internal/handover"
 	"github.com/meshdns/meshdns-ebpf/internal/kubelife"
 	"github.com/meshdns/meshdns-ebpf/internal/kubesource"
+	"github.com/meshdns/meshdns-ebpf/internal/meshsource"
 	"github.com/meshdns/meshdns-ebpf/internal/names"
 	"github.com/meshdns/meshdns-ebpf/internal/nodeaddr"
 	"github.com/meshdns/meshdns-ebpf/internal/panicguard"
@@ -60,7 +61,8 @@ type Agent struct {
 	st        *agentstate.State
 	nodes     *nodeaddr.Set
 	store     *names.Store
-	pods      *kubesource.Source // the Kubernetes source: this node's Pods (nil without)
+	pods      *kubesource.Source         // the Kubernetes source: this node's Pods (nil without)
+	entries   *meshsource.ServiceEntries // the ServiceEntry source (nil without)
 	work      *workloads
 	fwd       *upstream.Forwarder
 	srv       *resolver.Server
@@ -279,7 +281,7 @@ func (a *Agent) newRegistry() *prometheus.Registry {
 // answer as well as the predecessor does.
 func (a *Agent) startNames(ctx context.Context, reg *prometheus.Registry) (err error) {
 	kubeRest := a.plan.kubeRest
-	if a.store, a.pods, err = a.cfg.newNameStore(reg, kubeRest, a.log); err != nil {
+	if a.store, a.pods, a.entries, err = a.cfg.newNameStore(reg, kubeRest, a.log); err != nil {
 		return err
 	}
 	if err := a.store.Start(ctx); err != nil {

@@ -149,14 +149,16 @@ func (a *Agent) startEgressSources(ctx context.Context, reg *prometheus.Registry
 		if err := ks.Start(ctx); err != nil {
 			return fmt.Errorf("DNSEgressPolicy source: %w", err)
 		}
-		is, err := istioegress.New(rc, istioegress.Options{OnChange: publish("istio"), Domain: a.cfg.ClusterDomain,
-			Logger: a.log.With("component", "egress-istio")})
-		if err != nil {
-			return err
-		}
-		p.sources = append(p.sources, is)
-		if err := is.Start(ctx); err != nil {
-			return fmt.Errorf("istio REGISTRY_ONLY source: %w", err)
+		if a.entries != nil { // REGISTRY_ONLY needs the ServiceEntries (--service-entries)
+			is, err := istioegress.New(rc, istioegress.Options{ServiceEntries: a.entries, OnChange: publish("istio"),
+				Domain: a.cfg.ClusterDomain, Logger: a.log.With("component", "egress-istio")})
+			if err != nil {
+				return err
+			}
+			p.sources = append(p.sources, is)
+			if err := is.Start(ctx); err != nil {
+				return fmt.Errorf("istio REGISTRY_ONLY source: %w", err)
+			}
 		}
 	}
 	log.Info("egress policies enforced", "policy_file", ec.PolicyFile, "kubernetes", a.plan.kubeRest != nil,
