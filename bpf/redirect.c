@@ -7,7 +7,7 @@
  * look as if they came from the nameserver the application asked.
  *
  * Forward (connect4/6: TCP and connected UDP; sendmsg4/6: unconnected UDP):
- *   dst port != 53                                    -> pass, not counted
+ *   dst port != 53                                    -> egress_check (below)
  *   loopback dst and not capture-loopback             -> skip_loopback
  *   dst is one of our targets                         -> pass, not counted
  *   SO_MARK == upstream mark (the resolver itself)    -> skip_resolver
@@ -75,6 +75,26 @@
  * without erasing them: a query its sender gave up on is still attributed if
  * the resolver reads it late, until another socket takes the way or the port.
  *
+ * DNS-gated egress. With FLAG_EGRESS set (the agent sets it while an egress
+ * policy exists; without it the forward programs pay this one flag test), a
+ * connect or sendmsg to any port other than 53 by a task whose cgroup, or one
+ * of its ancestors (EGRESS_LEVELS levels from the root), is in
+ * egress_workloads is decided by egress_check:
+ *   protocol not TCP (MPTCP counts as TCP) nor UDP    -> pass, not counted
+ *   loopback dst, or dst is one of our targets        -> pass, not counted
+ *   no workload for the task's cgroup                 -> pass, not counted
+ *   a live grant (workload, dst) whose ports allow it -> allowed_grant
+ *   dst in egress_internal, rule not internal-in-scope-> allowed_internal
+ *   rule fail-open and the agent is down (no resolver
+ *   socket registered, or the resolver stalled)       -> fail_open
+ *   rule enforce                                      -> denied (EPERM), event
+ *   else (audit)                                      -> audited (allowed), event
+ * Grants are written by the agent before it releases the answer that resolved
+ * them (expiry: bpf_ktime_get_ns time); egress_events is a ring buffer of
+ * denied and audited connects (event_dropped counts what did not fit). A DNS
+ * query redirected from a workload carries its id in the socket's storage and
+ * in its flows entry, so the resolver knows whose answer it grants.
+ *
  * All configuration lives in maps the agent writes; nothing is compiled in. The
  * enums and structs below are exported to Go by bpf2go (-type).
  */
@@ -94,6 +114,12 @@ enum meshdns_limits {
 	FLOW_WAYS = 4,                  /* entries per flows bucket */
 	FLOW_BUCKET_BITS = 13,
 	FLOW_BUCKETS = 1 << FLOW_BUCKET_BITS,
+	EGRESS_MAX_WORKLOADS = 16384, /* selected cgroups */
+	EGRESS_GRANTS = 65536,        /* default grant cap (the agent may set another) */
+	EGRESS_PORTS = 8,             /* (port, protocol) pairs one grant allows; 0 pairs: any */
+	EGRESS_INTERNAL = 256,        /* internal prefixes */
+	EGRESS_LEVELS = 16,           /* cgroup levels walked for a workload */
+	EGRESS_EVENTS_BYTES = 1 << 18, /* events ring buffer */
 };
 
 /* config.flags */
@@ -105,6 +131,31 @@ enum meshdns_flags {
 	FLAG_TARGET4_LOOPBACK = 1 << 4, /* target4 is in 127.0.0.0/8 */
 	FLAG_TARGET6_LOOPBACK = 1 << 5, /* target6 is ::1 */
 	FLAG_ATTRIBUTION = 1 << 6,      /* attribute records flows */
+	FLAG_EGRESS = 1 << 7,           /* egress enforcement: see DNS-gated egress above */
+};
+
+/* egress_rule.flags */
+enum egress_rule_flags {
+	EGRESS_ENFORCE = 1 << 0,           /* deny (else audit: allow and record) */
+	EGRESS_FAIL_CLOSED = 1 << 1,       /* keep enforcing while the agent is down */
+	EGRESS_INTERNAL_IN_SCOPE = 1 << 2, /* internal destinations need a grant too */
+};
+
+/* Columns of egress_stats. */
+enum egress_counter {
+	EGRESS_ALLOWED_GRANT,
+	EGRESS_ALLOWED_INTERNAL,
+	EGRESS_DENIED,
+	EGRESS_AUDITED,
+	EGRESS_FAIL_OPEN,      /* allowed without a grant: fail-open rule, agent down */
+	EGRESS_EVENT_DROPPED,  /* a denied or audited event the ring buffer had no room for */
+	NUM_EGRESS_COUNTERS,
+};
+
+/* egress_event.verdict */
+enum egress_verdict {
+	VERDICT_DENIED = 1,
+	VERDICT_AUDITED = 2,
 };
 
 /* Rows of the stats map. */
@@ -171,6 +222,9 @@ struct meshdns_enums {
 	enum counter counter;
 	enum cgroup_counter cgroup_counter;
 	enum resolver_sock_kind resolver_sock_kind;
+	enum egress_rule_flags egress_rule_flags;
+	enum egress_counter egress_counter;
+	enum egress_verdict egress_verdict;
 };
 struct meshdns_enums *meshdns_enums_anchor __attribute__((unused));
 
@@ -234,6 +288,8 @@ struct sock_origs {
 	__u16 flow_port; /* source port of the socket's flows entry (host byte order); 0: none */
 	__u8 flow_proto; /* its protocol */
 	__u8 pad0;
+	__u32 workload;  /* egress workload of that task; 0: none */
+	__u32 pad1;
 };
 
 /* Who sent from a source address and port (see Attribution above). */
@@ -246,8 +302,9 @@ struct flow_entry {
 	__u64 cgroup_id; /* its cgroup v2 id */
 	__u64 cookie;    /* the socket's cookie */
 	__u64 stamp;     /* bpf_ktime_get_ns of the write; 0: free (socket closed, or never used) */
-	__u64 check;     /* flow_check of the fields from addr to cookie; 0 while being written */
-	__u64 pad1;
+	__u64 check;     /* flow_check of the fields from addr to cookie and workload; 0 while being written */
+	__u32 workload;  /* the sender's egress workload; 0: none */
+	__u32 pad1;
 };
 
 struct flow_bucket {
@@ -261,6 +318,54 @@ struct hook_counters {
 struct cgroup_counters {
 	__u64 counters[NUM_CGROUP_COUNTERS];
 };
+
+/* A selected cgroup's workload (egress_workloads value). */
+struct egress_rule {
+	__u32 workload; /* never 0 */
+	__u32 flags;    /* enum egress_rule_flags */
+};
+
+/* One (port, protocol) a grant allows; port 0: any port, proto 0: any protocol. */
+struct egress_port {
+	__u16 port; /* host byte order */
+	__u8 proto; /* IPPROTO_TCP, IPPROTO_UDP, 0 */
+	__u8 pad0;
+};
+
+struct egress_grant_key {
+	__u32 workload;
+	__u32 addr[4]; /* IPv4 as ::ffff:a.b.c.d */
+};
+
+struct egress_grant {
+	__u64 expiry; /* bpf_ktime_get_ns after which it no longer allows */
+	__u32 nports; /* ports in use; 0: any port and protocol */
+	__u32 pad0;
+	struct egress_port ports[EGRESS_PORTS];
+};
+
+/* egress_internal key: prefixlen counts the bits of addr (IPv4 as ::ffff:a.b.c.d, so 96 + its length). */
+struct egress_lpm_key {
+	__u32 prefixlen;
+	__u32 addr[4];
+};
+
+struct egress_counters {
+	__u64 counters[NUM_EGRESS_COUNTERS];
+};
+
+/* A denied or audited connect or send (egress_events record). */
+struct egress_event {
+	__u64 time;      /* bpf_ktime_get_ns */
+	__u64 cgroup_id; /* the task's cgroup v2 id */
+	__u32 workload;
+	__u32 addr[4];   /* destination; IPv4 as ::ffff:a.b.c.d */
+	__u16 port;      /* destination port, host byte order */
+	__u8 proto;      /* IPPROTO_TCP or IPPROTO_UDP */
+	__u8 verdict;    /* enum egress_verdict */
+};
+/* BTF anchor of the event type (it goes to a ring buffer, which names no type). */
+struct egress_event *egress_event_anchor __attribute__((unused));
 
 struct {
 	__uint(type, BPF_MAP_TYPE_ARRAY);
@@ -341,6 +446,46 @@ struct {
 	__type(value, struct cgroup_counters);
 	__uint(max_entries, 16384);
 } cgroup_stats SEC(".maps");
+
+/* Selected cgroup v2 id -> its workload and rule; written by the agent. */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__type(key, __u64);
+	__type(value, struct egress_rule);
+	__uint(max_entries, EGRESS_MAX_WORKLOADS);
+} egress_workloads SEC(".maps");
+
+/* (workload, address) -> grant; written by the agent before the answer leaves. */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, struct egress_grant_key);
+	__type(value, struct egress_grant);
+	__uint(max_entries, EGRESS_GRANTS);
+} egress_grants SEC(".maps");
+
+/* Cluster-internal prefixes (Pod and Service CIDRs); value unused. */
+struct {
+	__uint(type, BPF_MAP_TYPE_LPM_TRIE);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, struct egress_lpm_key);
+	__type(value, __u32);
+	__uint(max_entries, EGRESS_INTERNAL);
+} egress_internal SEC(".maps");
+
+/* Workload id -> counters. */
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_HASH);
+	__type(key, __u32);
+	__type(value, struct egress_counters);
+	__uint(max_entries, EGRESS_MAX_WORKLOADS);
+} egress_stats SEC(".maps");
+
+/* Denied and audited connects and sends (struct egress_event). */
+struct {
+	__uint(type, BPF_MAP_TYPE_RINGBUF);
+	__uint(max_entries, EGRESS_EVENTS_BYTES);
+} egress_events SEC(".maps");
 
 static __always_inline void count(enum hook hook, enum counter counter)
 {
@@ -592,16 +737,48 @@ static __always_inline int record_orig(struct meshdns_config *cfg, struct sock_o
 	return -1; /* taken meanwhile by another thread of this socket */
 }
 
+/*
+ * The calling task's egress workload: the rule of the deepest of its cgroup's
+ * ancestors (itself included, the root excluded) that is in egress_workloads,
+ * copied into *rule; returns 0 when none is (or egress is off).
+ */
+static __always_inline int find_workload(struct meshdns_config *cfg, struct egress_rule *rule)
+{
+	struct egress_rule *r;
+	int found = 0, level;
+	__u64 id;
+
+	if (!(cfg->flags & FLAG_EGRESS))
+		return 0;
+#pragma unroll
+	for (level = 1; level <= EGRESS_LEVELS; level++) {
+		id = bpf_get_current_ancestor_cgroup_id(level);
+		if (id == 0)
+			break; /* past the task's own cgroup */
+		r = bpf_map_lookup_elem(&egress_workloads, &id);
+		if (r && r->workload != 0) {
+			rule->workload = r->workload;
+			rule->flags = r->flags;
+			found = 1;
+		}
+	}
+	return found;
+}
+
 /* Records in the socket's storage who connects or sends through it. */
-static __always_inline void note_sender(struct sock_origs *st)
+static __always_inline void note_sender(struct meshdns_config *cfg, struct sock_origs *st)
 {
 	__u64 cg = bpf_get_current_cgroup_id();
 	__u32 tgid = bpf_get_current_pid_tgid() >> 32;
+	struct egress_rule rule = {};
 
 	if (st->cgroup_id != cg)
 		st->cgroup_id = cg;
 	if (st->tgid != tgid)
 		st->tgid = tgid;
+	find_workload(cfg, &rule);
+	if (st->workload != rule.workload)
+		st->workload = rule.workload;
 }
 
 /*
@@ -743,8 +920,168 @@ static __always_inline __u16 decide(struct bpf_sock_addr *ctx, __u32 hook, struc
 	}
 	if (be)
 		count(hook, COUNTER_BACKEND_CAPTURED);
-	note_sender(st);
+	note_sender(cfg, st);
 	return cfg->base_port + slot;
+}
+
+static __always_inline void count_egress(__u32 workload, enum egress_counter counter)
+{
+	struct egress_counters *c;
+
+	if (counter >= NUM_EGRESS_COUNTERS)
+		return;
+	c = bpf_map_lookup_elem(&egress_stats, &workload);
+	if (!c) {
+		struct egress_counters init = {};
+		init.counters[counter] = 1;
+		if (bpf_map_update_elem(&egress_stats, &workload, &init, BPF_NOEXIST) == 0)
+			return;
+		c = bpf_map_lookup_elem(&egress_stats, &workload);
+		if (!c)
+			return;
+	}
+	__sync_fetch_and_add(&c->counters[counter], 1);
+}
+
+/* Whether p allows port (host byte order) and proto. */
+static __always_inline int port_allows(const struct egress_port *p, __u16 port, __u8 proto)
+{
+	barrier_var(p);
+	return (p->port == 0 || p->port == port) && (p->proto == 0 || p->proto == proto);
+}
+
+_Static_assert(EGRESS_PORTS == 8, "grant_allows lists every port");
+
+/* Whether a live grant of workload allows dst, port and proto at now. */
+static __always_inline int grant_allows(__u32 workload, const __u32 *dst, __u16 port, __u8 proto, __u64 now)
+{
+	struct egress_grant_key key = {};
+	struct egress_grant *g;
+	__u32 n;
+
+	key.workload = workload;
+	key.addr[0] = dst[0];
+	key.addr[1] = dst[1];
+	key.addr[2] = dst[2];
+	key.addr[3] = dst[3];
+	g = bpf_map_lookup_elem(&egress_grants, &key);
+	if (!g || g->expiry <= now)
+		return 0;
+	n = g->nports;
+	if (n == 0)
+		return 1;
+	return (n > 0 && port_allows(&g->ports[0], port, proto)) || (n > 1 && port_allows(&g->ports[1], port, proto)) ||
+	       (n > 2 && port_allows(&g->ports[2], port, proto)) || (n > 3 && port_allows(&g->ports[3], port, proto)) ||
+	       (n > 4 && port_allows(&g->ports[4], port, proto)) || (n > 5 && port_allows(&g->ports[5], port, proto)) ||
+	       (n > 6 && port_allows(&g->ports[6], port, proto)) || (n > 7 && port_allows(&g->ports[7], port, proto));
+}
+
+/* Whether dst is in an internal prefix. */
+static __always_inline int is_internal(const __u32 *dst)
+{
+	struct egress_lpm_key key = {};
+
+	key.prefixlen = 128;
+	key.addr[0] = dst[0];
+	key.addr[1] = dst[1];
+	key.addr[2] = dst[2];
+	key.addr[3] = dst[3];
+	return bpf_map_lookup_elem(&egress_internal, &key) != 0;
+}
+
+/*
+ * What the capture path would find, without looking itself (no watch is
+ * started or advanced): the resolver is stalled when a program's looks saw
+ * its watch past stall_ns twice, stall_ns / 4 apart (see look).
+ */
+static __always_inline int resolver_seen_stalled(struct meshdns_config *cfg, __u64 now)
+{
+	__u32 zero = 0;
+	struct meshdns_progress *p = bpf_map_lookup_elem(&progress, &zero);
+	__u64 since, suspect;
+
+	if (!p)
+		return 0;
+	since = *(volatile __u64 *)&p->watch_since;
+	if (since == 0 || *(volatile __u64 *)&p->dequeued != *(volatile __u64 *)&p->watch_count)
+		return 0;
+	suspect = *(volatile __u64 *)&p->suspect_since;
+	if (since > now || now - since <= cfg->stall_ns || suspect < since || suspect > now)
+		return 0;
+	return now - suspect > cfg->stall_ns / 4;
+}
+
+/*
+ * Whether no agent serves: slot 0's UDP resolver socket of the first target
+ * family is not registered (the agent died, or stopped and unregistered), or
+ * the resolver stopped dequeuing (frozen, stuck): the DNS capture's fail-open
+ * verdict.
+ */
+static __always_inline int agent_down(struct meshdns_config *cfg, __u64 now)
+{
+	enum resolver_sock_kind family = (cfg->flags & FLAG_TARGET4) ? RESOLVER_FAMILY_V4 : RESOLVER_FAMILY_V6;
+
+	if (!resolver_listening(family, RESOLVER_PROTO_UDP, 0))
+		return 1;
+	return resolver_seen_stalled(cfg, now);
+}
+
+/*
+ * The egress decision for a connect or send to dst (IPv4 as ::ffff:a.b.c.d;
+ * v4 says so) port (host byte order), to a port other than 53. Returns the
+ * program's verdict: 1 allow, 0 deny (the caller gets EPERM).
+ */
+static __always_inline int egress_check(struct bpf_sock_addr *ctx, const __u32 *dst, int v4, __u16 port)
+{
+	struct meshdns_config *cfg = get_config();
+	struct egress_rule rule = {};
+	struct egress_event ev = {};
+	__u32 proto;
+	__u64 now;
+
+	if (!cfg || !(cfg->flags & FLAG_EGRESS))
+		return 1;
+	proto = ctx->protocol;
+	if (proto == IPPROTO_MPTCP)
+		proto = IPPROTO_TCP;
+	if (proto != IPPROTO_TCP && proto != IPPROTO_UDP)
+		return 1;
+	if (v4 ? is_v4_loopback(dst[3]) || ((cfg->flags & FLAG_TARGET4) && dst[3] == cfg->target4)
+	       : is_v6_loopback(dst) || ((cfg->flags & FLAG_TARGET6) && v6_equal(dst, cfg->target6)))
+		return 1;
+	if (!find_workload(cfg, &rule))
+		return 1;
+	now = bpf_ktime_get_ns();
+	if (grant_allows(rule.workload, dst, port, proto, now)) {
+		count_egress(rule.workload, EGRESS_ALLOWED_GRANT);
+		return 1;
+	}
+	if (!(rule.flags & EGRESS_INTERNAL_IN_SCOPE) && is_internal(dst)) {
+		count_egress(rule.workload, EGRESS_ALLOWED_INTERNAL);
+		return 1;
+	}
+	if (!(rule.flags & EGRESS_FAIL_CLOSED) && agent_down(cfg, now)) {
+		count_egress(rule.workload, EGRESS_FAIL_OPEN);
+		return 1;
+	}
+	ev.time = now;
+	ev.cgroup_id = bpf_get_current_cgroup_id();
+	ev.workload = rule.workload;
+	ev.addr[0] = dst[0];
+	ev.addr[1] = dst[1];
+	ev.addr[2] = dst[2];
+	ev.addr[3] = dst[3];
+	ev.port = port;
+	ev.proto = proto;
+	ev.verdict = (rule.flags & EGRESS_ENFORCE) ? VERDICT_DENIED : VERDICT_AUDITED;
+	if (bpf_ringbuf_output(&egress_events, &ev, sizeof(ev), 0) != 0)
+		count_egress(rule.workload, EGRESS_EVENT_DROPPED);
+	if (rule.flags & EGRESS_ENFORCE) {
+		count_egress(rule.workload, EGRESS_DENIED);
+		return 0;
+	}
+	count_egress(rule.workload, EGRESS_AUDITED);
+	return 1;
 }
 
 static __always_inline void count_redirect(struct bpf_sock_addr *ctx, __u32 hook)
@@ -767,15 +1104,15 @@ static __always_inline int forward4(struct bpf_sock_addr *ctx, __u32 hook)
 	__u32 dst[4];
 	__u16 slot_port;
 
-	if (bpf_ntohs((__u16)port) != DNS_PORT)
-		return 1;
-	cfg = get_config();
-	if (!cfg)
-		return 1;
 	dst[0] = 0;
 	dst[1] = 0;
 	dst[2] = bpf_htonl(0x0000ffff);
 	dst[3] = ctx->user_ip4;
+	if (bpf_ntohs((__u16)port) != DNS_PORT)
+		return egress_check(ctx, dst, 1, bpf_ntohs((__u16)port));
+	cfg = get_config();
+	if (!cfg)
+		return 1;
 	slot_port = decide(ctx, hook, cfg, dst, 1);
 	if (!slot_port)
 		return 1;
@@ -793,16 +1130,16 @@ static __always_inline int forward6(struct bpf_sock_addr *ctx, __u32 hook)
 	__u16 slot_port;
 	int v4;
 
-	if (bpf_ntohs((__u16)port) != DNS_PORT)
-		return 1;
-	cfg = get_config();
-	if (!cfg)
-		return 1;
 	dst[0] = ctx->user_ip6[0];
 	dst[1] = ctx->user_ip6[1];
 	dst[2] = ctx->user_ip6[2];
 	dst[3] = ctx->user_ip6[3];
 	v4 = is_v4_mapped(dst); /* a v4 query in disguise */
+	if (bpf_ntohs((__u16)port) != DNS_PORT)
+		return egress_check(ctx, dst, v4, bpf_ntohs((__u16)port));
+	cfg = get_config();
+	if (!cfg)
+		return 1;
 	slot_port = decide(ctx, hook, cfg, dst, v4);
 	if (!slot_port)
 		return 1;
@@ -932,6 +1269,7 @@ static __always_inline __u64 flow_check(const struct flow_entry *e)
 	h = flow_mix(h, (__u64)e->port << 40 | (__u64)e->proto << 32 | e->tgid);
 	h = flow_mix(h, e->cgroup_id);
 	h = flow_mix(h, e->cookie);
+	h = flow_mix(h, e->workload);
 	return h | 1;
 }
 
@@ -1002,6 +1340,7 @@ static __always_inline void flow_write(struct flow_entry *e, const struct flow_e
 	e->cgroup_id = n->cgroup_id;
 	e->cookie = n->cookie;
 	e->stamp = n->stamp;
+	e->workload = n->workload;
 	barrier();
 	e->check = n->check;
 }
@@ -1095,6 +1434,7 @@ int attribute(struct __sk_buff *skb)
 		return 1;
 	n.cgroup_id = st->cgroup_id;
 	n.tgid = st->tgid;
+	n.workload = st->workload;
 	n.cookie = bpf_get_socket_cookie(skb);
 	n.stamp = bpf_ktime_get_ns();
 	record_flow(&n);

@@ -33,6 +33,9 @@ typedef __u32 __be32;
 #define BPF_MAP_TYPE_LRU_PERCPU_HASH 10
 #define BPF_MAP_TYPE_SOCKMAP 15
 #define BPF_MAP_TYPE_SK_STORAGE 24
+#define BPF_MAP_TYPE_RINGBUF 27
+#define BPF_MAP_TYPE_PERCPU_HASH 5
+#define BPF_MAP_TYPE_LPM_TRIE 11
 
 /* map update flags */
 #define BPF_ANY 0
@@ -52,6 +55,7 @@ typedef __u32 __be32;
 #define SOCK_DGRAM 2
 #define IPPROTO_TCP 6
 #define IPPROTO_UDP 17
+#define IPPROTO_MPTCP 262
 #define SOL_SOCKET 1
 #define SO_MARK 36
 #define ETH_P_IP 0x0800
@@ -199,6 +203,8 @@ static long (*bpf_sk_release)(void *sock) = (void *)86;
 static struct bpf_sock *(*bpf_sk_fullsock)(struct bpf_sock *sk) = (void *)95;
 static void *(*bpf_sk_storage_get)(void *map, void *sk, void *value, __u64 flags) = (void *)107;
 static __u64 (*bpf_get_netns_cookie)(void *ctx) = (void *)122;
+static __u64 (*bpf_get_current_ancestor_cgroup_id)(int ancestor_level) = (void *)123;
+static long (*bpf_ringbuf_output)(void *ringbuf, void *data, __u64 size, __u64 flags) = (void *)130;
 static long (*bpf_timer_init)(struct bpf_timer *timer, void *map, __u64 flags) = (void *)169;
 static long (*bpf_timer_set_callback)(struct bpf_timer *timer, void *callback_fn) = (void *)170;
 static long (*bpf_timer_start)(struct bpf_timer *timer, __u64 nsecs, __u64 flags) = (void *)171;

@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"time"
@@ -22,9 +23,10 @@ func runTap(ctx context.Context, args []string, stdout, stderr io.Writer) error 
 	fs.StringVar(&f.Suffix, "suffix", "", "query names equal to this name or under it (svc.cluster.local)")
 	fs.StringVar(&qtypes, "qtype", "", "query types, comma-separated (A,AAAA)")
 	fs.StringVar(&rcodes, "rcode", "", "response codes, comma-separated (NXDOMAIN,SERVFAIL)")
-	fs.StringVar(&answers, "answer", "", "where the answer came from, comma-separated: table, autopath, cache, upstream, fallback (stale), shed (refused), failed (timeout), error, throttled (over the workload's budget)")
+	fs.StringVar(&answers, "answer", "", "where the answer came from, comma-separated: table, autopath, cache, upstream, fallback (stale), shed (refused), failed (timeout), error, throttled (over the workload's budget); denied, audited (egress decisions, see --denied)")
 	fs.DurationVar(&f.MinLatency, "min-latency", 0, "answers that took at least this long (50ms)")
 	fs.BoolVar(&f.Unanswered, "unanswered", false, "queries that got no answer in time: upstream timeouts and failures, shed load, throttled workloads")
+	denied := fs.Bool("denied", false, "egress decisions instead of queries: connects and sends that no grant allowed (denied in enforce mode, audited in audit mode), with the destination and the name it was answered for, if any")
 	limit := fs.Int("n", 0, "stop after this many records (0: until interrupted)")
 	out := outputFlag(fs)
 	if err := parse(fs, args); err != nil {
@@ -32,6 +34,12 @@ func runTap(ctx context.Context, args []string, stdout, stderr io.Writer) error 
 	}
 	if err := checkOutput(*out); err != nil {
 		return err
+	}
+	if *denied {
+		if answers != "" {
+			return errors.New("tap: --denied and --answer select different records: use one")
+		}
+		answers = "denied,audited"
 	}
 	v := f.Values()
 	for k, s := range map[string]string{"qtype": qtypes, "rcode": rcodes, "answer": answers} {

@@ -192,7 +192,7 @@ func (a *adminServer) Close() error {
 // the predecessor's.
 func (a *Agent) startAdmin(ctx context.Context, reg *prometheus.Registry) error {
 	log := a.log.With("component", "admin")
-	debug := a.cfg.debugHandler(a.store, a.pods, a.work.tapHandler(a.log.With("component", "tap")))
+	debug := a.cfg.debugHandler(a.store, a.pods, a.work.tapHandler(a.log.With("component", "tap")), a.egress)
 	if a.cfg.Admin != "" {
 		var dbg http.Handler
 		if loopbackAdmin(a.cfg.Admin) {

@@ -22,6 +22,7 @@ import (
 	"github.com/meshdns/meshdns-ebpf/internal/handover"
 	"github.com/meshdns/meshdns-ebpf/internal/kubelife"
 	"github.com/meshdns/meshdns-ebpf/internal/kubesource"
+	"github.com/meshdns/meshdns-ebpf/internal/meshsource"
 	"github.com/meshdns/meshdns-ebpf/internal/names"
 	"github.com/meshdns/meshdns-ebpf/internal/nodeaddr"
 	"github.com/meshdns/meshdns-ebpf/internal/panicguard"
@@ -61,12 +62,14 @@ type Agent struct {
 	st        *agentstate.State
 	nodes     *nodeaddr.Set
 	store     *names.Store
-	pods      *kubesource.Source // the Kubernetes source: this node's Pods (nil without)
+	pods      *kubesource.Source         // the Kubernetes source: this node's Pods (nil without)
+	entries   *meshsource.ServiceEntries // the ServiceEntry source (nil without)
 	work      *workloads
 	fwd       *upstream.Forwarder
 	srv       *resolver.Server
 	panics    *panicguard.Counter // panics recovered on the query path (resolver and upstream)
 	dp        *redirect.Datapath
+	egress    *egressPart // DNS-gated egress (--egress; nil without)
 	rules     *ctzone.Rules
 	live      *liveness    // the resolver's liveness (/healthz)
 	liveClose func() error // closes the liveness probe's socket
@@ -109,7 +112,7 @@ func New(cfg Config, log *slog.Logger) (*Agent, error) {
 // complete), prepare the host, take the state lock or the running agent's
 // descriptors, record the state, put the node address in place, then start
 // the name sources, the workload names, the upstream forwarder, the eBPF
-// datapath, the resolver, the iptables capture and the admin endpoints;
+// datapath, DNS-gated egress, the resolver, the iptables capture and the admin endpoints;
 // capture follows the resolver's readiness, and a takeover ends by telling
 // the predecessor that this agent serves.
 func (a *Agent) Start(ctx context.Context) (err error) {
@@ -137,7 +140,7 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 	}
 	reg := a.newRegistry()
 	for _, step := range []func(context.Context, *prometheus.Registry) error{
-		a.startNames, a.startWorkloads, a.startUpstream, a.startDatapath, a.startResolver, a.startIptables, a.startAdmin,
+		a.startNames, a.startWorkloads, a.startUpstream, a.startDatapath, a.startEgress, a.startResolver, a.startIptables, a.startAdmin,
 	} {
 		if err := step(ctx, reg); err != nil {
 			return err
@@ -279,7 +282,7 @@ func (a *Agent) newRegistry() *prometheus.Registry {
 // answer as well as the predecessor does.
 func (a *Agent) startNames(ctx context.Context, reg *prometheus.Registry) (err error) {
 	kubeRest := a.plan.kubeRest
-	if a.store, a.pods, err = a.cfg.newNameStore(reg, kubeRest, a.log); err != nil {
+	if a.store, a.pods, a.entries, err = a.cfg.newNameStore(reg, kubeRest, a.log); err != nil {
 		return err
 	}
 	if err := a.store.Start(ctx); err != nil {
@@ -377,7 +380,10 @@ func (a *Agent) startResolver(ctx context.Context, reg *prometheus.Registry) (er
 		rc.OnDequeue = a.dp.Dequeued
 		flows = a.dp.Flows()
 	}
-	a.work.configure(&rc, flows)
+	a.work.configure(&rc, flows, a.egress != nil)
+	if a.egress != nil {
+		rc.Grant = a.egress.ctl.Grant
+	}
 	if a.pods != nil {
 		// Budgets of their own for pods and namespaces that ask for one
 		// (meshdns.io/upstream-* annotations).

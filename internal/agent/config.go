@@ -65,6 +65,7 @@ type Config struct {
 	Mesh MeshConfig
 	// Who asked: attribution, top talkers, the tap (workloads.go).
 	Workloads WorkloadConfig
+	Egress    EgressConfig
 
 	// Istiod is the NDS source (--istiod and its flags).
 	Istiod IstiodConfig
@@ -114,6 +115,7 @@ func (c *Config) RegisterFlags(fs *flag.FlagSet) {
 	c.registerMeshFlags(fs)
 	c.registerIstiodFlags(fs)
 	c.registerWorkloadFlags(fs)
+	c.registerEgressFlags(fs)
 	c.registerProcessFlags(fs)
 }
 
@@ -303,6 +305,9 @@ func (c *Config) Validate() error {
 		return err
 	}
 	if err := c.validateIstiod(); err != nil {
+		return err
+	}
+	if err := c.validateEgress(); err != nil {
 		return err
 	}
 	if err := c.validateWorkloads(); err != nil {

@@ -88,6 +88,15 @@ func TestFlags(t *testing.T) {
 		{"filter-aaaa external", []string{"--filter-aaaa", "external"}, func(c *Config) bool { return c.FilterAAAA }, ""},
 		{"filter-aaaa off", []string{"--filter-aaaa=external", "--filter-aaaa=off"}, func(c *Config) bool { return !c.FilterAAAA }, ""},
 		{"filter-aaaa bad", []string{"--filter-aaaa", "all"}, nil, "want external or off"},
+		{"egress off by default", nil, func(c *Config) bool { return !c.Egress.Enabled && c.Egress.MaxGrants > 0 }, ""},
+		{"egress", []string{"--egress", "--egress-internal-cidrs", "10.244.1.7/16, fd00::/48", "--egress-workload-grants", "100"}, func(c *Config) bool {
+			return c.Egress.Enabled && reflect.DeepEqual(c.Egress.Internal, []netip.Prefix{netip.MustParsePrefix("10.244.0.0/16"), netip.MustParsePrefix("fd00::/48")}) &&
+				c.Egress.WorkloadGrants == 100
+		}, ""},
+		{"egress policy file without egress", []string{"--egress-policy-file", "/etc/meshdns/egress.yaml"}, nil, "need --egress"},
+		{"egress bad cidr", []string{"--egress", "--egress-internal-cidrs", "10.244.0.0"}, nil, "--egress-internal-cidrs"},
+		{"egress in iptables mode", []string{"--egress", "--mode", "iptables"}, nil, "needs the eBPF datapath"},
+		{"egress quota over the cap", []string{"--egress", "--egress-max-grants", "10", "--egress-workload-grants", "11"}, nil, "--egress-workload-grants"},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {

@@ -43,6 +43,7 @@ func TestBooleanFlagsOfRun(t *testing.T) {
 		"istio-remote-secrets": func(c *Config) bool { return c.Mesh.IstioRemoteSecrets },
 		"attribution":          func(c *Config) bool { return c.Workloads.Attribution },
 		"namespace-metrics":    func(c *Config) bool { return c.Workloads.Namespaces },
+		"egress":               func(c *Config) bool { return c.Egress.Enabled },
 	}
 	newFS := func() *flag.FlagSet { _, fs := runFlags(); return fs }
 	if got, want := boolLike(newFS), slices.Sorted(maps.Keys(fields)); !slices.Equal(got, want) {

@@ -49,42 +49,41 @@ func (c *Config) validateMesh() error {
 // is configured (then the demo table is not used).
 func (c *Config) meshSources() bool { return c.Mesh.RemoteKubeconfigs != "" }
 
-// addMeshSources adds the ServiceEntry source (with a Kubernetes source)
-// and the remote cluster discovery to the store.
-func (c *Config) addMeshSources(store *names.Store, kubeRest *rest.Config, log *slog.Logger) error {
+// addMeshSources adds the ServiceEntry source (with a Kubernetes source;
+// returned, nil without) and the remote cluster discovery to the store.
+func (c *Config) addMeshSources(store *names.Store, kubeRest *rest.Config, log *slog.Logger) (se *meshsource.ServiceEntries, err error) {
 	log = log.With("component", "names")
 	if kubeRest != nil && c.Mesh.ServiceEntries {
-		se, err := meshsource.NewServiceEntries(kubeRest, log)
-		if err != nil {
-			return err
+		if se, err = meshsource.NewServiceEntries(kubeRest, log); err != nil {
+			return nil, err
 		}
 		// Optional: a cluster without Istio, or a role without the
 		// ServiceEntry rules, must not keep the node's DNS unready.
 		if err := store.Add(se, names.SourceOptions{Priority: names.PriorityServiceEntries, Optional: true}); err != nil {
-			return err
+			return nil, err
 		}
 	}
 	if c.Mesh.RemoteKubeconfigs == "" && !c.Mesh.IstioRemoteSecrets {
-		return nil
+		return se, nil
 	}
 	cfg := meshsource.ClustersConfig{Sources: store, Dir: c.Mesh.RemoteKubeconfigs, Domain: c.ClusterDomain, Logger: log}
 	if cfg.Dir != "" {
 		if fi, err := os.Stat(cfg.Dir); err != nil || !fi.IsDir() {
-			return fmt.Errorf("--remote-kubeconfigs %s: not a directory (%v)", cfg.Dir, err)
+			return nil, fmt.Errorf("--remote-kubeconfigs %s: not a directory (%v)", cfg.Dir, err)
 		}
 	}
 	if c.Mesh.IstioRemoteSecrets {
 		ns, err := c.Mesh.ownNamespace(c.InCluster)
 		if err != nil {
-			return fmt.Errorf("--istio-remote-secrets: %w", err)
+			return nil, fmt.Errorf("--istio-remote-secrets: %w", err)
 		}
 		cfg.Secrets, cfg.Namespace = kubeRest, ns
 	}
 	m, err := meshsource.NewClusters(cfg)
 	if err != nil {
-		return err
+		return nil, err
 	}
-	return store.Add(m, names.SourceOptions{Priority: names.PriorityRemoteCluster, NonBlocking: true})
+	return se, store.Add(m, names.SourceOptions{Priority: names.PriorityRemoteCluster, NonBlocking: true})
 }
 
 // ownNamespace is the agent's namespace: --namespace, else (in a pod)
@@ -113,11 +112,13 @@ func (m *MeshConfig) ownNamespace(inCluster bool) (string, error) {
 //	                ?namespace=NS (or Istio's ?proxyID=POD.NS) sees it
 //	/debug/sources  the name sources and their sync state
 //	/debug/pods     the Pods of this node (UID, namespace, name)
+//	/debug/egress   DNS-gated egress: the selected workloads, their policies,
+//	                grants and decisions (egressctl.Status; 404 without --egress)
 //	/debug/tap      the live stream of answered queries (internal/tap):
 //	                newline-delimited JSON records; filter parameters
 //	                namespace, pod, cgroup, suffix, qtype, rcode, answer,
 //	                min-latency, unanswered
-func (c *Config) debugHandler(store *names.Store, local *kubesource.Source, tapHandler http.Handler) http.Handler {
+func (c *Config) debugHandler(store *names.Store, local *kubesource.Source, tapHandler http.Handler, eg *egressPart) http.Handler {
 	mux := http.NewServeMux()
 	table := func(w http.ResponseWriter) bool {
 		if store.Table() == nil {
@@ -157,6 +158,13 @@ func (c *Config) debugHandler(store *names.Store, local *kubesource.Source, tapH
 			pods = append(pods, local.Pods()...)
 		}
 		writeJSON(w, pods)
+	})
+	mux.HandleFunc("GET /debug/egress", func(w http.ResponseWriter, _ *http.Request) {
+		if eg == nil {
+			http.Error(w, "DNS-gated egress is off (--egress)", http.StatusNotFound)
+			return
+		}
+		writeJSON(w, eg.ctl.Status(eg.eg, eg.eg.Grants()))
 	})
 	return mux
 }

@@ -134,6 +134,7 @@ func (a *Agent) captureOff(handoff bool, add func(string, error)) {
 // release closes every part, in the reverse order of Start, and removes
 // the state (unless a successor now owns it).
 func (a *Agent) release(handoff bool, add func(string, error)) {
+	a.egress.close(add)
 	if a.dp != nil {
 		add("eBPF datapath", a.dp.Close())
 	}

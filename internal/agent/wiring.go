@@ -13,6 +13,7 @@ import (
 
 	"github.com/meshdns/meshdns-ebpf/internal/ctzone"
 	"github.com/meshdns/meshdns-ebpf/internal/kubesource"
+	"github.com/meshdns/meshdns-ebpf/internal/meshsource"
 	"github.com/meshdns/meshdns-ebpf/internal/names"
 	"github.com/meshdns/meshdns-ebpf/internal/names/filesource"
 	"github.com/meshdns/meshdns-ebpf/internal/nametable"
@@ -77,6 +78,7 @@ func (c *Config) redirectConfig(p *startPlan, log *slog.Logger) redirect.Config 
 		ProxyUIDs:       c.ProxyUIDs,
 		UpstreamMark:    c.UpstreamMark,
 		Attribution:     c.Workloads.Attribution,
+		EgressGrants:    c.Egress.MaxGrants,
 		Detach:          !c.Persist,
 		Logger:          log.With("component", "redirect"),
 	}
@@ -166,11 +168,12 @@ func (c *Config) addIstiodSource(store *names.Store, local *kubesource.Source, r
 // newNameStore creates the name store with the configured sources: the
 // names file, the Kubernetes API server, or the embedded demo table when
 // no other source is given. local is the Kubernetes source (nil without
-// one): it knows the Pods of this node.
-func (c *Config) newNameStore(reg prometheus.Registerer, kubeRest *rest.Config, log *slog.Logger) (store *names.Store, local *kubesource.Source, err error) {
+// one): it knows the Pods of this node; entries the ServiceEntry source (nil
+// without one).
+func (c *Config) newNameStore(reg prometheus.Registerer, kubeRest *rest.Config, log *slog.Logger) (store *names.Store, local *kubesource.Source, entries *meshsource.ServiceEntries, err error) {
 	m, err := names.NewMetrics(reg)
 	if err != nil {
-		return nil, nil, err
+		return nil, nil, nil, err
 	}
 	hold := newGCHold()
 	store, err = names.New(names.Config{
@@ -180,22 +183,22 @@ func (c *Config) newNameStore(reg prometheus.Registerer, kubeRest *rest.Config, 
 		LargeChange: hold.largeChange,
 	})
 	if err != nil {
-		return nil, nil, fmt.Errorf("name store: %w", err)
+		return nil, nil, nil, fmt.Errorf("name store: %w", err)
 	}
 	if c.NamesFile != "" {
 		f, err := filesource.NewFile(c.NamesFile, filesource.Options{Domain: store.Domain(), Logger: log.With("component", "names"),
 			LargeChange: hold.largeChange})
 		if err != nil {
-			return nil, nil, err
+			return nil, nil, nil, err
 		}
 		// The first load must succeed: a bad file at start is bad input, not
 		// something to serve around. Later bad files keep the last good
 		// table serving.
 		if err := f.Check(); err != nil {
-			return nil, nil, err
+			return nil, nil, nil, err
 		}
 		if err := store.Add(f, names.SourceOptions{Priority: names.PriorityFile}); err != nil {
-			return nil, nil, err
+			return nil, nil, nil, err
 		}
 	}
 	if kubeRest != nil {
@@ -204,31 +207,31 @@ func (c *Config) newNameStore(reg prometheus.Registerer, kubeRest *rest.Config, 
 			Logger: log.With("component", "names"),
 		})
 		if err != nil {
-			return nil, nil, err
+			return nil, nil, nil, err
 		}
 		if err := store.Add(ks, names.SourceOptions{Priority: names.PriorityKubernetes}); err != nil {
-			return nil, nil, err
+			return nil, nil, nil, err
 		}
 		local = ks
 	}
-	if err := c.addMeshSources(store, kubeRest, log); err != nil {
-		return nil, nil, err
+	if entries, err = c.addMeshSources(store, kubeRest, log); err != nil {
+		return nil, nil, nil, err
 	}
 	if err := c.addIstiodSource(store, local, reg, log); err != nil {
-		return nil, nil, err
+		return nil, nil, nil, err
 	}
 	if err := c.addFaultSources(store); err != nil {
-		return nil, nil, err
+		return nil, nil, nil, err
 	}
 	if c.NamesFile == "" && kubeRest == nil && !c.meshSources() && c.Istiod.Addr == "" {
 		demo, err := filesource.NewStatic("demo", defaultNames, store.Domain())
 		if err != nil {
-			return nil, nil, err
+			return nil, nil, nil, err
 		}
 		if err := store.Add(demo, names.SourceOptions{Priority: names.PriorityDemo}); err != nil {
-			return nil, nil, err
+			return nil, nil, nil, err
 		}
 		log.Info("using the embedded demo name table (give --names FILE for your own)")
 	}
-	return store, local, nil
+	return store, local, entries, nil
 }

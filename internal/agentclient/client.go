@@ -19,6 +19,7 @@ import (
 	"time"
 
 	"github.com/meshdns/meshdns-ebpf/internal/agentstate"
+	"github.com/meshdns/meshdns-ebpf/internal/egressctl"
 	"github.com/meshdns/meshdns-ebpf/internal/kubesource"
 	"github.com/meshdns/meshdns-ebpf/internal/names"
 	"github.com/meshdns/meshdns-ebpf/internal/nameview"
@@ -168,6 +169,24 @@ func ReadTable(e Endpoint, f nameview.Filter) ([]nameview.Entry, error) {
 func ReadNDS(e Endpoint, ns string) (*nameview.NameTable, error) {
 	var out nameview.NameTable
 	return &out, getJSON(e, "/debug/ndsz?"+url.Values{"namespace": {ns}}.Encode(), &out)
+}
+
+// ErrNotServed is a path the agent does not serve (404): a part it runs without.
+var ErrNotServed = errors.New("not served by this agent")
+
+// ReadEgress returns the agent's DNS-gated egress status; ErrNotServed when
+// the agent runs without --egress.
+func ReadEgress(e Endpoint) (*egressctl.Status, error) {
+	var out egressctl.Status
+	err := getJSONWithin(e, "/debug/egress", &out, 2*time.Second)
+	var se *statusError
+	if errors.As(err, &se) && strings.HasPrefix(se.status, "404") {
+		return nil, ErrNotServed
+	}
+	if err != nil {
+		return nil, err
+	}
+	return &out, nil
 }
 
 // ReadSources returns the agent's name sources.

@@ -12,6 +12,7 @@ import (
 
 	"github.com/meshdns/meshdns-ebpf/internal/agentstate"
 	"github.com/meshdns/meshdns-ebpf/internal/ctzone"
+	"github.com/meshdns/meshdns-ebpf/internal/egressctl"
 	"github.com/meshdns/meshdns-ebpf/internal/names"
 	"github.com/meshdns/meshdns-ebpf/internal/redirect"
 )
@@ -27,6 +28,8 @@ type Status struct {
 	Errors    []string                `json:"errors,omitempty"`
 	// Sources are the agent's name sources and their sync state.
 	Sources []names.SourceStatus `json:"sources,omitempty"`
+	// Egress is DNS-gated egress (an agent with --egress).
+	Egress *egressctl.Status `json:"egress,omitempty"`
 }
 
 // ReadStatus gathers the status; what cannot be read is reported in Errors.
@@ -61,6 +64,7 @@ func ReadStatus(stateDir, pinDir string) *Status {
 	if s.Agent != nil && s.Running {
 		if e, err := AgentEndpoint(stateDir, ""); err == nil {
 			s.readSourcesInto(e)
+			s.readEgressInto(e)
 		}
 	}
 	return s
@@ -123,6 +127,12 @@ func (s *Status) WriteTable(w io.Writer) error {
 	}
 	if err := s.writeMesh(w); err != nil {
 		return err
+	}
+	if s.Egress != nil {
+		fmt.Fprintln(w)
+		if err := s.Egress.WriteTable(w); err != nil {
+			return err
+		}
 	}
 	for _, e := range s.Errors {
 		fmt.Fprintln(w, "note:", e)
@@ -213,7 +223,20 @@ func ReadStatusAt(stateDir, pinDir, admin string) *Status {
 	s.Ready = readyAt(e)
 	s.Sources = nil
 	s.readSourcesInto(e)
+	s.readEgressInto(e)
 	return s
+}
+
+// readEgressInto adds the agent's egress status (none without --egress).
+func (s *Status) readEgressInto(e Endpoint) {
+	eg, err := ReadEgress(e)
+	switch {
+	case errors.Is(err, ErrNotServed):
+	case err != nil:
+		s.Errors = append(s.Errors, "egress: "+err.Error())
+	default:
+		s.Egress = eg
+	}
 }
 
 // readyAt asks the agent's /readyz: "yes", or why not.

@@ -62,6 +62,7 @@ type pod struct {
 	ips        []netip.Addr
 	containers map[string]string // container id (without the runtime prefix) -> name
 	ann        map[string]string // its meshdns.io/ annotations (nil: none)
+	labels     map[string]string // what egress policies select it by
 }
 
 // DeepCopyObject implements runtime.Object; the object is immutable.
@@ -252,7 +253,7 @@ func transformPod(obj any) (any, error) {
 	if !ok {
 		return obj, nil
 	}
-	out := &pod{Meta: kubeclient.Meta{Name: p.Name, Namespace: internStr(p.Namespace)}, uid: string(p.UID)}
+	out := &pod{Meta: kubeclient.Meta{Name: p.Name, Namespace: internStr(p.Namespace)}, uid: string(p.UID), labels: p.Labels}
 	if m := p.Annotations[corev1.MirrorPodAnnotationKey]; m != "" {
 		out.uid = m // a static Pod's mirror: kubelet's cgroup carries the static Pod's UID
 	}

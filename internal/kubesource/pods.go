@@ -17,6 +17,8 @@ type PodRef struct {
 	UID       string `json:"uid"`
 	Namespace string `json:"namespace"`
 	Name      string `json:"name"`
+	// Labels select the Pod for egress policies.
+	Labels map[string]string `json:"labels,omitempty"`
 }
 
 // Pods lists the Pods of this node the source knows, by namespace and
@@ -29,7 +31,7 @@ func (s *Source) Pods() []PodRef {
 	var out []PodRef
 	for _, o := range st.List() {
 		if p, ok := o.(*pod); ok && p.uid != "" {
-			out = append(out, PodRef{UID: p.uid, Namespace: p.Namespace, Name: p.Name})
+			out = append(out, PodRef{UID: p.uid, Namespace: p.Namespace, Name: p.Name, Labels: p.labels})
 		}
 	}
 	slices.SortFunc(out, func(a, b PodRef) int {

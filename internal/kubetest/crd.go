@@ -37,6 +37,44 @@ var ServiceEntryGVR = schema.GroupVersionResource{Group: "networking.istio.io", 
 
 var crdGVR = schema.GroupVersionResource{Group: "apiextensions.k8s.io", Version: "v1", Resource: "customresourcedefinitions"}
 
+// EgressPolicyCRD is the name of the DNSEgressPolicy CRD, and
+// EgressPolicyCRDFile its file in the repository (what kubectl apply and the
+// chart install).
+const (
+	EgressPolicyCRD     = "dnsegresspolicies.meshdns.io"
+	EgressPolicyCRDFile = "deploy/kubernetes/crds/dnsegresspolicies.yaml"
+)
+
+// EgressPolicyGVR is the resource of DNSEgressPolicies.
+var EgressPolicyGVR = schema.GroupVersionResource{Group: "meshdns.io", Version: "v1alpha1", Resource: "dnsegresspolicies"}
+
+// InstallEgressPolicyCRD installs the repository's DNSEgressPolicy CRD and waits
+// until the API server serves it and its first-creates window (see
+// InstallServiceEntryCRD) is over.
+func (cp *ControlPlane) InstallEgressPolicyCRD(t testing.TB) {
+	t.Helper()
+	root, err := RepoRoot()
+	if err != nil {
+		t.Fatalf("kubetest: %v", err)
+	}
+	cp.InstallCRDs(t, filepath.Join(root, EgressPolicyCRDFile))
+	ctx, cancel := opContext(t)
+	defer cancel()
+	probe := &unstructured.Unstructured{Object: map[string]any{
+		"apiVersion": EgressPolicyGVR.GroupVersion().String(),
+		"kind":       "DNSEgressPolicy",
+		"metadata":   map[string]any{"name": "kubetest-probe", "namespace": "default"},
+		"spec":       map[string]any{"egress": []any{map[string]any{"names": []any{"probe.kubetest.invalid"}}}},
+	}}
+	if err := waitFor(func() error {
+		_, err := cp.dynamic.Resource(EgressPolicyGVR).Namespace("default").Create(ctx, probe,
+			metav1.CreateOptions{DryRun: []string{metav1.DryRunAll}})
+		return err
+	}); err != nil {
+		t.Fatalf("kubetest: dry-run create of a DNSEgressPolicy: %v", err)
+	}
+}
+
 // istioCRDFile is where Istio keeps its generated CRDs in the istio.io/api module.
 const istioCRDFile = "kubernetes/customresourcedefinitions.gen.yaml"
 
@@ -78,6 +116,25 @@ func (cp *ControlPlane) InstallServiceEntryCRD(t testing.TB) {
 		metav1.CreateOptions{DryRun: []string{metav1.DryRunAll}}); err != nil {
 		t.Fatalf("kubetest: dry-run create of a ServiceEntry: %v", err)
 	}
+}
+
+// SidecarCRD is the name of Istio's Sidecar CustomResourceDefinition.
+const SidecarCRD = "sidecars.networking.istio.io"
+
+// InstallIstioCRD installs Istio's CRD name (such as SidecarCRD), exactly as the
+// istio.io/api module of go.mod ships it, and waits until it is Established.
+func (cp *ControlPlane) InstallIstioCRD(t testing.TB, name string) {
+	t.Helper()
+	crd, err := istioCRD(name)
+	if err != nil {
+		t.Fatalf("kubetest: %v", err)
+	}
+	ctx, cancel := opContext(t)
+	defer cancel()
+	if _, err := cp.dynamic.Resource(crdGVR).Create(ctx, crd.DeepCopy(), metav1.CreateOptions{}); err != nil {
+		t.Fatalf("kubetest: create CRD %s: %v", name, err)
+	}
+	cp.waitEstablished(t, name)
 }
 
 // UninstallServiceEntryCRD deletes the ServiceEntry CRD and waits until it (and
@@ -194,11 +251,26 @@ func loadIstioCRDs() (map[string]*unstructured.Unstructured, error) {
 // readCRDs returns the CustomResourceDefinitions of a multi-document YAML
 // file, in file order.
 func readCRDs(path string) ([]*unstructured.Unstructured, error) {
-	b, err := os.ReadFile(path)
+	objs, err := readObjects(path)
 	if err != nil {
 		return nil, fmt.Errorf("read CRDs: %w", err)
 	}
 	var crds []*unstructured.Unstructured
+	for _, u := range objs {
+		if u.GetKind() == "CustomResourceDefinition" {
+			crds = append(crds, u)
+		}
+	}
+	return crds, nil
+}
+
+// readObjects reads every object of a YAML (or JSON) file.
+func readObjects(path string) ([]*unstructured.Unstructured, error) {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return nil, err
+	}
+	var objs []*unstructured.Unstructured
 	dec := utilyaml.NewYAMLOrJSONDecoder(bytes.NewReader(b), 4096)
 	for {
 		var obj map[string]any
@@ -207,12 +279,11 @@ func readCRDs(path string) ([]*unstructured.Unstructured, error) {
 		} else if err != nil {
 			return nil, fmt.Errorf("decode %s: %w", path, err)
 		}
-		u := &unstructured.Unstructured{Object: obj}
-		if obj != nil && u.GetKind() == "CustomResourceDefinition" {
-			crds = append(crds, u)
+		if obj != nil {
+			objs = append(objs, &unstructured.Unstructured{Object: obj})
 		}
 	}
-	return crds, nil
+	return objs, nil
 }
 
 // moduleDir returns the directory of module path (at the version the main go.mod

@@ -13,6 +13,7 @@ import (
 	rbacv1 "k8s.io/api/rbac/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
 	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
@@ -178,4 +179,30 @@ func OpContext(t testing.TB) context.Context {
 	ctx, cancel := opContext(t)
 	t.Cleanup(cancel)
 	return ctx
+}
+
+// ShippedRules returns the rules of the ClusterRole name in file, a manifest
+// of deploy/kubernetes: a test grants exactly what the install grants.
+func ShippedRules(t testing.TB, file, name string) []rbacv1.PolicyRule {
+	t.Helper()
+	root, err := RepoRoot()
+	if err != nil {
+		t.Fatalf("kubetest: %v", err)
+	}
+	objs, err := readObjects(filepath.Join(root, "deploy", "kubernetes", file))
+	if err != nil {
+		t.Fatalf("kubetest: %v", err)
+	}
+	for _, u := range objs {
+		if u.GetKind() != "ClusterRole" || u.GetName() != name {
+			continue
+		}
+		var cr rbacv1.ClusterRole
+		if err := runtime.DefaultUnstructuredConverter.FromUnstructured(u.Object, &cr); err != nil {
+			t.Fatalf("kubetest: ClusterRole %s of %s: %v", name, file, err)
+		}
+		return cr.Rules
+	}
+	t.Fatalf("kubetest: no ClusterRole %s in deploy/kubernetes/%s", name, file)
+	return nil
 }

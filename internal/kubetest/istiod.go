@@ -234,6 +234,13 @@ func (is *Istiod) NDS(proxyID string) (*nds.NameTable, error) {
 // not there yet and waits until all are Established.
 func (cp *ControlPlane) InstallIstioCRDs(t testing.TB, file string) {
 	t.Helper()
+	cp.InstallCRDs(t, file)
+}
+
+// InstallCRDs creates every CRD of a YAML file that is not there yet and waits
+// until all are Established.
+func (cp *ControlPlane) InstallCRDs(t testing.TB, file string) {
+	t.Helper()
 	crds, err := readCRDs(file)
 	if err != nil {
 		t.Fatalf("kubetest: %v", err)

@@ -25,6 +25,9 @@ type Config struct {
 	// Attribution makes the programs record who sends each redirected query
 	// (see Flows); without it the attribute program returns at once.
 	Attribution bool
+	// EgressGrants caps the egress grants map (its max_entries); 0:
+	// DefaultEgressGrants. A pinned grants map of another size is replaced.
+	EgressGrants int
 	// Unordered attaches in attach order, as on a kernel without ordered
 	// cgroup programs (a test switch; also UnorderedEnv). Otherwise ours are
 	// put in front of other programs on the hooks where the kernel can.
@@ -108,6 +111,9 @@ func validate(cfg Config) (*settings, error) {
 	s.nameservers = plan.Nameservers()
 	if len(s.nameservers) > maxNameservers {
 		return nil, fmt.Errorf("%d nameservers given, at most %d are supported", len(s.nameservers), maxNameservers)
+	}
+	if cfg.EgressGrants < 0 {
+		return nil, fmt.Errorf("egress grant cap %d is negative", cfg.EgressGrants)
 	}
 	if len(cfg.ProxyUIDs) > maxProxyUIDs {
 		return nil, fmt.Errorf("%d proxy UIDs given, at most %d are supported", len(cfg.ProxyUIDs), maxProxyUIDs)

@@ -305,10 +305,15 @@ func runAgent(cfgJSON string) int {
 			A: net.ParseIP(agentAnswer)})
 		_ = w.WriteMsg(m)
 	})
+	// Every datagram read counts as the resolver's progress, as the real
+	// resolver counts it: also the watchdog's empty liveness probes, which
+	// miekg/dns hands to MsgInvalidFunc, not MsgAcceptFunc (uncounted, an
+	// idle stand-in looked stalled 200 ms after the watch clock's first look,
+	// and a client slower than that was not captured).
 	go (&dns.Server{PacketConn: udp, Handler: handler, MsgAcceptFunc: func(dns.Header) dns.MsgAcceptAction {
 		d.Dequeued(1)
 		return dns.MsgAccept
-	}}).ActivateAndServe()
+	}, MsgInvalidFunc: func([]byte, error) { d.Dequeued(1) }}).ActivateAndServe()
 	go (&dns.Server{Listener: tcp, Handler: handler}).ActivateAndServe()
 	if err := d.Serve([]Socket{{Addr: agentTarget, Conn: udp.(*net.UDPConn)}, {Addr: agentTarget, TCP: true, Conn: tcp.(*net.TCPListener)}}); err != nil {
 		fmt.Fprintln(os.Stderr, err)
@@ -354,6 +359,14 @@ func TestKilledAgentFailsOpenAndCleanup(t *testing.T) {
 	line, err := bufio.NewReader(stdout).ReadString('\n')
 	if err != nil || strings.TrimSpace(line) != "READY" {
 		t.Fatalf("agent did not get ready: %q %v", line, err)
+	}
+	// Idle, the agent is probed by its own watchdog; those probes are its
+	// progress, so it is not taken for stalled however late the client is.
+	if !testenv.WaitFor(5*time.Second, func() bool { return readStatus(t, n).Dequeued > 0 }) {
+		t.Fatalf("the idle agent read none of its liveness probes: %+v", readStatus(t, n))
+	}
+	if st := readStatus(t, n); st.Stalled {
+		t.Fatalf("the idle agent is taken for stalled: %+v", st)
 	}
 	r := n.query(t, proc{uid: userUID}, "-dst="+hp(ns1, 53))[0]
 	if r.Err != "" || len(r.A) != 1 || r.A[0] != agentAnswer || r.Src != hp(ns1, 53) {

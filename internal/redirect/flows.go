@@ -25,6 +25,9 @@ type Flows struct {
 type Sender struct {
 	Cgroup uint64 // cgroup v2 id of the task that connected or sent
 	PID    uint32 // its process (thread group id, in the initial PID namespace)
+	// Workload is the sender's egress workload (the id the agent gave the
+	// selected cgroup it is in, see internal/egress); 0: none, or egress off.
+	Workload uint32
 }
 
 const (
@@ -77,6 +80,7 @@ func flowCheck(e *redirectFlowEntry) uint64 {
 	h = flowMix(h, uint64(e.Port)<<40|uint64(e.Proto)<<32|uint64(e.Tgid))
 	h = flowMix(h, e.CgroupId)
 	h = flowMix(h, e.Cookie)
+	h = flowMix(h, uint64(e.Workload))
 	return h | 1
 }
 
@@ -109,7 +113,7 @@ func (f *Flows) Lookup(src netip.AddrPort, tcp bool) (Sender, bool) {
 				break
 			}
 			if c.Check != 0 && c.Check == flowCheck(&c) {
-				return Sender{Cgroup: c.CgroupId, PID: c.Tgid}, true
+				return Sender{Cgroup: c.CgroupId, PID: c.Tgid, Workload: c.Workload}, true
 			}
 		}
 	}

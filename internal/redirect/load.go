@@ -49,6 +49,9 @@ func (d *Datapath) Start(ctx context.Context) (err error) {
 	if err := ctx.Err(); err != nil {
 		return err
 	}
+	if g := spec.Maps["egress_grants"]; g != nil && d.set.cfg.EgressGrants > 0 {
+		g.MaxEntries = uint32(d.set.cfg.EgressGrants)
+	}
 	reused := reusableMaps(d.pinDir, spec, d.log)
 	defer func() {
 		for _, m := range reused {
@@ -115,6 +118,7 @@ func (d *Datapath) load(spec *ebpf.CollectionSpec, reused map[string]*ebpf.Map, 
 		return fmt.Errorf("load eBPF programs: %w%s", err, permissionHint(err))
 	}
 	d.netns = netnsCookie
+	d.set.flags |= keptEgressFlag(d.objs.Config)
 	if err := d.writeConfig(netnsCookie); err != nil {
 		return err
 	}

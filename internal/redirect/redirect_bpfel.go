@@ -56,6 +56,82 @@ const (
 	redirectCounterNUM_COUNTERS              redirectCounter = 16
 )
 
+type redirectEgressCounter uint32
+
+const (
+	redirectEgressCounterEGRESS_ALLOWED_GRANT    redirectEgressCounter = 0
+	redirectEgressCounterEGRESS_ALLOWED_INTERNAL redirectEgressCounter = 1
+	redirectEgressCounterEGRESS_DENIED           redirectEgressCounter = 2
+	redirectEgressCounterEGRESS_AUDITED          redirectEgressCounter = 3
+	redirectEgressCounterEGRESS_FAIL_OPEN        redirectEgressCounter = 4
+	redirectEgressCounterEGRESS_EVENT_DROPPED    redirectEgressCounter = 5
+	redirectEgressCounterNUM_EGRESS_COUNTERS     redirectEgressCounter = 6
+)
+
+type redirectEgressCounters struct {
+	_        structs.HostLayout
+	Counters [6]uint64
+}
+
+type redirectEgressEvent struct {
+	_        structs.HostLayout
+	Time     uint64
+	CgroupId uint64
+	Workload uint32
+	Addr     [4]uint32
+	Port     uint16
+	Proto    uint8
+	Verdict  uint8
+}
+
+type redirectEgressGrant struct {
+	_      structs.HostLayout
+	Expiry uint64
+	Nports uint32
+	Pad0   uint32
+	Ports  [8]redirectEgressPort
+}
+
+type redirectEgressGrantKey struct {
+	_        structs.HostLayout
+	Workload uint32
+	Addr     [4]uint32
+}
+
+type redirectEgressLpmKey struct {
+	_         structs.HostLayout
+	Prefixlen uint32
+	Addr      [4]uint32
+}
+
+type redirectEgressPort struct {
+	_     structs.HostLayout
+	Port  uint16
+	Proto uint8
+	Pad0  uint8
+}
+
+type redirectEgressRule struct {
+	_        structs.HostLayout
+	Workload uint32
+	Flags    uint32
+}
+
+type redirectEgressRuleFlags uint32
+
+const (
+	redirectEgressRuleFlagsEGRESS_ENFORCE           redirectEgressRuleFlags = 1
+	redirectEgressRuleFlagsEGRESS_FAIL_CLOSED       redirectEgressRuleFlags = 2
+	redirectEgressRuleFlagsEGRESS_INTERNAL_IN_SCOPE redirectEgressRuleFlags = 4
+)
+
+type redirectEgressVerdict uint32
+
+const (
+	redirectEgressVerdictVERDICT_DENIED  redirectEgressVerdict = 1
+	redirectEgressVerdictVERDICT_AUDITED redirectEgressVerdict = 2
+)
+
 type redirectFlowBucket struct {
 	_ structs.HostLayout
 	E [4]redirectFlowEntry
@@ -72,7 +148,8 @@ type redirectFlowEntry struct {
 	Cookie   uint64
 	Stamp    uint64
 	Check    uint64
-	Pad1     uint64
+	Workload uint32
+	Pad1     uint32
 }
 
 type redirectHook uint32
@@ -121,21 +198,28 @@ const (
 	redirectMeshdnsFlagsFLAG_TARGET4LOOPBACK  redirectMeshdnsFlags = 16
 	redirectMeshdnsFlagsFLAG_TARGET6LOOPBACK  redirectMeshdnsFlags = 32
 	redirectMeshdnsFlagsFLAG_ATTRIBUTION      redirectMeshdnsFlags = 64
+	redirectMeshdnsFlagsFLAG_EGRESS           redirectMeshdnsFlags = 128
 )
 
 type redirectMeshdnsLimits uint32
 
 const (
-	redirectMeshdnsLimitsMAX_NAMESERVERS  redirectMeshdnsLimits = 32
-	redirectMeshdnsLimitsMAX_ALL_SLOTS    redirectMeshdnsLimits = 4
-	redirectMeshdnsLimitsMAX_SLOTS        redirectMeshdnsLimits = 36
-	redirectMeshdnsLimitsSOCK_ENTRIES     redirectMeshdnsLimits = 4
-	redirectMeshdnsLimitsMAX_PROXY_UIDS   redirectMeshdnsLimits = 64
-	redirectMeshdnsLimitsMAX_BACKENDS     redirectMeshdnsLimits = 256
-	redirectMeshdnsLimitsRESOLVER_SOCKS   redirectMeshdnsLimits = 144
-	redirectMeshdnsLimitsFLOW_WAYS        redirectMeshdnsLimits = 4
-	redirectMeshdnsLimitsFLOW_BUCKET_BITS redirectMeshdnsLimits = 13
-	redirectMeshdnsLimitsFLOW_BUCKETS     redirectMeshdnsLimits = 8192
+	redirectMeshdnsLimitsMAX_NAMESERVERS      redirectMeshdnsLimits = 32
+	redirectMeshdnsLimitsMAX_ALL_SLOTS        redirectMeshdnsLimits = 4
+	redirectMeshdnsLimitsMAX_SLOTS            redirectMeshdnsLimits = 36
+	redirectMeshdnsLimitsSOCK_ENTRIES         redirectMeshdnsLimits = 4
+	redirectMeshdnsLimitsMAX_PROXY_UIDS       redirectMeshdnsLimits = 64
+	redirectMeshdnsLimitsMAX_BACKENDS         redirectMeshdnsLimits = 256
+	redirectMeshdnsLimitsRESOLVER_SOCKS       redirectMeshdnsLimits = 144
+	redirectMeshdnsLimitsFLOW_WAYS            redirectMeshdnsLimits = 4
+	redirectMeshdnsLimitsFLOW_BUCKET_BITS     redirectMeshdnsLimits = 13
+	redirectMeshdnsLimitsFLOW_BUCKETS         redirectMeshdnsLimits = 8192
+	redirectMeshdnsLimitsEGRESS_MAX_WORKLOADS redirectMeshdnsLimits = 16384
+	redirectMeshdnsLimitsEGRESS_GRANTS        redirectMeshdnsLimits = 65536
+	redirectMeshdnsLimitsEGRESS_PORTS         redirectMeshdnsLimits = 8
+	redirectMeshdnsLimitsEGRESS_INTERNAL      redirectMeshdnsLimits = 256
+	redirectMeshdnsLimitsEGRESS_LEVELS        redirectMeshdnsLimits = 16
+	redirectMeshdnsLimitsEGRESS_EVENTS_BYTES  redirectMeshdnsLimits = 262144
 )
 
 type redirectMeshdnsProgress struct {
@@ -180,6 +264,8 @@ type redirectSockOrigs struct {
 	FlowPort  uint16
 	FlowProto uint8
 	Pad0      uint8
+	Workload  uint32
+	Pad1      uint32
 }
 
 // Names of all BPF objects in the ELF.
@@ -189,6 +275,11 @@ const (
 	redirectMapBackends           = "backends"
 	redirectMapCgroupStats        = "cgroup_stats"
 	redirectMapConfig             = "config"
+	redirectMapEgressEvents       = "egress_events"
+	redirectMapEgressGrants       = "egress_grants"
+	redirectMapEgressInternal     = "egress_internal"
+	redirectMapEgressStats        = "egress_stats"
+	redirectMapEgressWorkloads    = "egress_workloads"
 	redirectMapFlows              = "flows"
 	redirectMapNameservers        = "nameservers"
 	redirectMapProgress           = "progress"
@@ -206,6 +297,7 @@ const (
 	redirectProgSendmsg4          = "sendmsg4"
 	redirectProgSendmsg6          = "sendmsg6"
 	redirectProgSockRelease       = "sock_release"
+	redirectVarEgressEventAnchor  = "egress_event_anchor"
 	redirectVarMeshdnsEnumsAnchor = "meshdns_enums_anchor"
 )
 
@@ -267,22 +359,28 @@ type redirectProgramSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type redirectMapSpecs struct {
-	Backends      *ebpf.MapSpec `ebpf:"backends"`
-	CgroupStats   *ebpf.MapSpec `ebpf:"cgroup_stats"`
-	Config        *ebpf.MapSpec `ebpf:"config"`
-	Flows         *ebpf.MapSpec `ebpf:"flows"`
-	Nameservers   *ebpf.MapSpec `ebpf:"nameservers"`
-	Progress      *ebpf.MapSpec `ebpf:"progress"`
-	ProxyUids     *ebpf.MapSpec `ebpf:"proxy_uids"`
-	ResolverSocks *ebpf.MapSpec `ebpf:"resolver_socks"`
-	SockState     *ebpf.MapSpec `ebpf:"sock_state"`
-	Stats         *ebpf.MapSpec `ebpf:"stats"`
+	Backends        *ebpf.MapSpec `ebpf:"backends"`
+	CgroupStats     *ebpf.MapSpec `ebpf:"cgroup_stats"`
+	Config          *ebpf.MapSpec `ebpf:"config"`
+	EgressEvents    *ebpf.MapSpec `ebpf:"egress_events"`
+	EgressGrants    *ebpf.MapSpec `ebpf:"egress_grants"`
+	EgressInternal  *ebpf.MapSpec `ebpf:"egress_internal"`
+	EgressStats     *ebpf.MapSpec `ebpf:"egress_stats"`
+	EgressWorkloads *ebpf.MapSpec `ebpf:"egress_workloads"`
+	Flows           *ebpf.MapSpec `ebpf:"flows"`
+	Nameservers     *ebpf.MapSpec `ebpf:"nameservers"`
+	Progress        *ebpf.MapSpec `ebpf:"progress"`
+	ProxyUids       *ebpf.MapSpec `ebpf:"proxy_uids"`
+	ResolverSocks   *ebpf.MapSpec `ebpf:"resolver_socks"`
+	SockState       *ebpf.MapSpec `ebpf:"sock_state"`
+	Stats           *ebpf.MapSpec `ebpf:"stats"`
 }
 
 // redirectVariableSpecs contains global variables before they are loaded into the kernel.
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type redirectVariableSpecs struct {
+	EgressEventAnchor  *ebpf.VariableSpec `ebpf:"egress_event_anchor"`
 	MeshdnsEnumsAnchor *ebpf.VariableSpec `ebpf:"meshdns_enums_anchor"`
 }
 
@@ -306,16 +404,21 @@ func (o *redirectObjects) Close() error {
 //
 // It can be passed to loadRedirectObjects or ebpf.CollectionSpec.LoadAndAssign.
 type redirectMaps struct {
-	Backends      *ebpf.Map `ebpf:"backends"`
-	CgroupStats   *ebpf.Map `ebpf:"cgroup_stats"`
-	Config        *ebpf.Map `ebpf:"config"`
-	Flows         *ebpf.Map `ebpf:"flows"`
-	Nameservers   *ebpf.Map `ebpf:"nameservers"`
-	Progress      *ebpf.Map `ebpf:"progress"`
-	ProxyUids     *ebpf.Map `ebpf:"proxy_uids"`
-	ResolverSocks *ebpf.Map `ebpf:"resolver_socks"`
-	SockState     *ebpf.Map `ebpf:"sock_state"`
-	Stats         *ebpf.Map `ebpf:"stats"`
+	Backends        *ebpf.Map `ebpf:"backends"`
+	CgroupStats     *ebpf.Map `ebpf:"cgroup_stats"`
+	Config          *ebpf.Map `ebpf:"config"`
+	EgressEvents    *ebpf.Map `ebpf:"egress_events"`
+	EgressGrants    *ebpf.Map `ebpf:"egress_grants"`
+	EgressInternal  *ebpf.Map `ebpf:"egress_internal"`
+	EgressStats     *ebpf.Map `ebpf:"egress_stats"`
+	EgressWorkloads *ebpf.Map `ebpf:"egress_workloads"`
+	Flows           *ebpf.Map `ebpf:"flows"`
+	Nameservers     *ebpf.Map `ebpf:"nameservers"`
+	Progress        *ebpf.Map `ebpf:"progress"`
+	ProxyUids       *ebpf.Map `ebpf:"proxy_uids"`
+	ResolverSocks   *ebpf.Map `ebpf:"resolver_socks"`
+	SockState       *ebpf.Map `ebpf:"sock_state"`
+	Stats           *ebpf.Map `ebpf:"stats"`
 }
 
 func (m *redirectMaps) Close() error {
@@ -323,6 +426,11 @@ func (m *redirectMaps) Close() error {
 		m.Backends,
 		m.CgroupStats,
 		m.Config,
+		m.EgressEvents,
+		m.EgressGrants,
+		m.EgressInternal,
+		m.EgressStats,
+		m.EgressWorkloads,
 		m.Flows,
 		m.Nameservers,
 		m.Progress,
@@ -337,6 +445,7 @@ func (m *redirectMaps) Close() error {
 //
 // It can be passed to loadRedirectObjects or ebpf.CollectionSpec.LoadAndAssign.
 type redirectVariables struct {
+	EgressEventAnchor  *ebpf.Variable `ebpf:"egress_event_anchor"`
 	MeshdnsEnumsAnchor *ebpf.Variable `ebpf:"meshdns_enums_anchor"`
 }
 

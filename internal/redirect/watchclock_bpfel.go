@@ -24,6 +24,42 @@ type watchclockCgroupCounters struct {
 	Counters [4]uint64
 }
 
+type watchclockEgressCounters struct {
+	_        structs.HostLayout
+	Counters [6]uint64
+}
+
+type watchclockEgressGrant struct {
+	_      structs.HostLayout
+	Expiry uint64
+	Nports uint32
+	Pad0   uint32
+	Ports  [8]struct {
+		_     structs.HostLayout
+		Port  uint16
+		Proto uint8
+		Pad0  uint8
+	}
+}
+
+type watchclockEgressGrantKey struct {
+	_        structs.HostLayout
+	Workload uint32
+	Addr     [4]uint32
+}
+
+type watchclockEgressLpmKey struct {
+	_         structs.HostLayout
+	Prefixlen uint32
+	Addr      [4]uint32
+}
+
+type watchclockEgressRule struct {
+	_        structs.HostLayout
+	Workload uint32
+	Flags    uint32
+}
+
 type watchclockFlowBucket struct {
 	_ structs.HostLayout
 	E [4]struct {
@@ -37,7 +73,8 @@ type watchclockFlowBucket struct {
 		Cookie   uint64
 		Stamp    uint64
 		Check    uint64
-		Pad1     uint64
+		Workload uint32
+		Pad1     uint32
 	}
 }
 
@@ -92,6 +129,8 @@ type watchclockSockOrigs struct {
 	FlowPort  uint16
 	FlowProto uint8
 	Pad0      uint8
+	Workload  uint32
+	Pad1      uint32
 }
 
 type watchclockWatchClock struct {
@@ -110,6 +149,11 @@ const (
 	watchclockMapBackends           = "backends"
 	watchclockMapCgroupStats        = "cgroup_stats"
 	watchclockMapConfig             = "config"
+	watchclockMapEgressEvents       = "egress_events"
+	watchclockMapEgressGrants       = "egress_grants"
+	watchclockMapEgressInternal     = "egress_internal"
+	watchclockMapEgressStats        = "egress_stats"
+	watchclockMapEgressWorkloads    = "egress_workloads"
 	watchclockMapFlows              = "flows"
 	watchclockMapNameservers        = "nameservers"
 	watchclockMapProgress           = "progress"
@@ -119,6 +163,7 @@ const (
 	watchclockMapStats              = "stats"
 	watchclockMapWatchClock         = "watch_clock"
 	watchclockProgWatchClockStart   = "watch_clock_start"
+	watchclockVarEgressEventAnchor  = "egress_event_anchor"
 	watchclockVarMeshdnsEnumsAnchor = "meshdns_enums_anchor"
 )
 
@@ -171,23 +216,29 @@ type watchclockProgramSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type watchclockMapSpecs struct {
-	Backends      *ebpf.MapSpec `ebpf:"backends"`
-	CgroupStats   *ebpf.MapSpec `ebpf:"cgroup_stats"`
-	Config        *ebpf.MapSpec `ebpf:"config"`
-	Flows         *ebpf.MapSpec `ebpf:"flows"`
-	Nameservers   *ebpf.MapSpec `ebpf:"nameservers"`
-	Progress      *ebpf.MapSpec `ebpf:"progress"`
-	ProxyUids     *ebpf.MapSpec `ebpf:"proxy_uids"`
-	ResolverSocks *ebpf.MapSpec `ebpf:"resolver_socks"`
-	SockState     *ebpf.MapSpec `ebpf:"sock_state"`
-	Stats         *ebpf.MapSpec `ebpf:"stats"`
-	WatchClock    *ebpf.MapSpec `ebpf:"watch_clock"`
+	Backends        *ebpf.MapSpec `ebpf:"backends"`
+	CgroupStats     *ebpf.MapSpec `ebpf:"cgroup_stats"`
+	Config          *ebpf.MapSpec `ebpf:"config"`
+	EgressEvents    *ebpf.MapSpec `ebpf:"egress_events"`
+	EgressGrants    *ebpf.MapSpec `ebpf:"egress_grants"`
+	EgressInternal  *ebpf.MapSpec `ebpf:"egress_internal"`
+	EgressStats     *ebpf.MapSpec `ebpf:"egress_stats"`
+	EgressWorkloads *ebpf.MapSpec `ebpf:"egress_workloads"`
+	Flows           *ebpf.MapSpec `ebpf:"flows"`
+	Nameservers     *ebpf.MapSpec `ebpf:"nameservers"`
+	Progress        *ebpf.MapSpec `ebpf:"progress"`
+	ProxyUids       *ebpf.MapSpec `ebpf:"proxy_uids"`
+	ResolverSocks   *ebpf.MapSpec `ebpf:"resolver_socks"`
+	SockState       *ebpf.MapSpec `ebpf:"sock_state"`
+	Stats           *ebpf.MapSpec `ebpf:"stats"`
+	WatchClock      *ebpf.MapSpec `ebpf:"watch_clock"`
 }
 
 // watchclockVariableSpecs contains global variables before they are loaded into the kernel.
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type watchclockVariableSpecs struct {
+	EgressEventAnchor  *ebpf.VariableSpec `ebpf:"egress_event_anchor"`
 	MeshdnsEnumsAnchor *ebpf.VariableSpec `ebpf:"meshdns_enums_anchor"`
 }
 
@@ -211,17 +262,22 @@ func (o *watchclockObjects) Close() error {
 //
 // It can be passed to loadWatchclockObjects or ebpf.CollectionSpec.LoadAndAssign.
 type watchclockMaps struct {
-	Backends      *ebpf.Map `ebpf:"backends"`
-	CgroupStats   *ebpf.Map `ebpf:"cgroup_stats"`
-	Config        *ebpf.Map `ebpf:"config"`
-	Flows         *ebpf.Map `ebpf:"flows"`
-	Nameservers   *ebpf.Map `ebpf:"nameservers"`
-	Progress      *ebpf.Map `ebpf:"progress"`
-	ProxyUids     *ebpf.Map `ebpf:"proxy_uids"`
-	ResolverSocks *ebpf.Map `ebpf:"resolver_socks"`
-	SockState     *ebpf.Map `ebpf:"sock_state"`
-	Stats         *ebpf.Map `ebpf:"stats"`
-	WatchClock    *ebpf.Map `ebpf:"watch_clock"`
+	Backends        *ebpf.Map `ebpf:"backends"`
+	CgroupStats     *ebpf.Map `ebpf:"cgroup_stats"`
+	Config          *ebpf.Map `ebpf:"config"`
+	EgressEvents    *ebpf.Map `ebpf:"egress_events"`
+	EgressGrants    *ebpf.Map `ebpf:"egress_grants"`
+	EgressInternal  *ebpf.Map `ebpf:"egress_internal"`
+	EgressStats     *ebpf.Map `ebpf:"egress_stats"`
+	EgressWorkloads *ebpf.Map `ebpf:"egress_workloads"`
+	Flows           *ebpf.Map `ebpf:"flows"`
+	Nameservers     *ebpf.Map `ebpf:"nameservers"`
+	Progress        *ebpf.Map `ebpf:"progress"`
+	ProxyUids       *ebpf.Map `ebpf:"proxy_uids"`
+	ResolverSocks   *ebpf.Map `ebpf:"resolver_socks"`
+	SockState       *ebpf.Map `ebpf:"sock_state"`
+	Stats           *ebpf.Map `ebpf:"stats"`
+	WatchClock      *ebpf.Map `ebpf:"watch_clock"`
 }
 
 func (m *watchclockMaps) Close() error {
@@ -229,6 +285,11 @@ func (m *watchclockMaps) Close() error {
 		m.Backends,
 		m.CgroupStats,
 		m.Config,
+		m.EgressEvents,
+		m.EgressGrants,
+		m.EgressInternal,
+		m.EgressStats,
+		m.EgressWorkloads,
 		m.Flows,
 		m.Nameservers,
 		m.Progress,
@@ -244,6 +305,7 @@ func (m *watchclockMaps) Close() error {
 //
 // It can be passed to loadWatchclockObjects or ebpf.CollectionSpec.LoadAndAssign.
 type watchclockVariables struct {
+	EgressEventAnchor  *ebpf.Variable `ebpf:"egress_event_anchor"`
 	MeshdnsEnumsAnchor *ebpf.Variable `ebpf:"meshdns_enums_anchor"`
 }
 

@@ -30,6 +30,9 @@ type outcome struct {
 	kind  tap.Answer
 	size  int            // the response's length
 	up    netip.AddrPort // the upstream that gave the answer, if one did
+
+	egress uint32 // the sender's egress workload (0: none)
+	resp   []byte // the response about to be sent (valid during finish only)
 }
 
 // finish records one query's outcome: the request and response counters and the
@@ -44,6 +47,9 @@ func (s *Server) finish(o *outcome) {
 	if o.drop {
 		s.recordDrop(o.proto)
 		return
+	}
+	if o.egress != 0 && s.grant != nil {
+		s.grantAnswer(o)
 	}
 	s.record(o.proto, o.qtype, o.rcode, o.src, o.start)
 	s.observe(o.who, o.port, o.proto, o.name, o.qtype, o.rcode, o.kind, o.start, o.size, o.up)

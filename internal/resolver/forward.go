@@ -73,6 +73,7 @@ type pending struct {
 	client   netip.Addr
 	port     uint16
 	who      workload.Key
+	egress   uint32 // the sender's egress workload
 	qname    string // the question's name (for the tap)
 	start    int64  // unix nanoseconds
 	qtype    uint16
@@ -236,7 +237,7 @@ func (s *Server) newPending(r *request) *pending {
 	}
 	s.pending.Add(1)
 	p := &pending{
-		s: s, reply: r.client.reply, proto: r.proto, client: r.client.addr, port: r.client.port, who: r.client.who, start: r.start.UnixNano(),
+		s: s, reply: r.client.reply, proto: r.proto, client: r.client.addr, port: r.client.port, who: r.client.who, egress: r.client.egress, start: r.start.UnixNano(),
 		qtype: r.qtype, edns: r.edns, do: r.do, limit: r.limit,
 	}
 	r.pending, r.p = true, p
@@ -306,7 +307,8 @@ func (p *pending) done(a upstream.Answer, err error) {
 	// The callback's one exit: finished before sending, as on the inline path, so a
 	// client that has its answer sees it in the metrics.
 	o := outcome{who: p.who, port: p.port, proto: p.proto, start: unixTime(p.start), name: p.qname, qtype: p.qtype,
-		rcode: rcodeOf(&a, p.edns || p.opt != nil), src: src, kind: tap.Upstream, size: len(b), up: a.Server}
+		rcode: rcodeOf(&a, p.edns || p.opt != nil), src: src, kind: tap.Upstream, size: len(b), up: a.Server,
+		egress: p.egress, resp: b}
 	switch {
 	case src == srcError:
 		o.kind, o.up = tap.Failed, netip.AddrPort{}

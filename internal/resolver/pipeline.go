@@ -94,21 +94,24 @@ func (w *worker) serve(pkt, out []byte, c *client, start time.Time) (resp []byte
 	defer func() {
 		if v := recover(); v != nil {
 			resp = w.panicked(v, out)
-			bestEffort(func() { w.exit(c, start) })
+			bestEffort(func() { w.exit(c, start, resp) })
 		}
 	}()
 	resp = w.serveQuery(pkt, out, c, start)
-	w.exit(c, start)
+	w.exit(c, start, resp)
 	return resp
 }
 
 // exit finishes the query being served: its outcome, written by the stage that
-// answered it, is recorded once. A pending query is finished by its callback.
-func (w *worker) exit(c *client, start time.Time) {
+// answered it, is recorded once (and resp, the response about to be sent, offered
+// to the egress grant). A pending query is finished by its callback.
+func (w *worker) exit(c *client, start time.Time, resp []byte) {
 	if r := &w.req; !r.pending {
 		o := r.o
 		o.who, o.port, o.proto, o.start, o.name, o.qtype = c.who, c.port, c.proto, start, r.tapName(), r.qtype
+		o.egress, o.resp = c.egress, resp
 		w.s.finish(o)
+		o.resp = nil
 	}
 }
 

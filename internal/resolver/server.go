@@ -112,8 +112,11 @@ type Config struct {
 	ReaderNice int
 	// Senders tells who sent from a source address and port (the datapath's
 	// flow records, redirect.Flows); nil: senders are known by address only.
-	// It runs for every query and must neither block nor allocate.
-	Senders func(src netip.AddrPort, tcp bool) (cgroup uint64, pid uint32, ok bool)
+	Senders func(src netip.AddrPort, tcp bool) (Sender, bool)
+	// Grant is DNS-gated egress's grant step: every answer to a sender in an
+	// egress workload (Sender.Egress) is offered to it before it is sent
+	// (egressctl.Controller.Grant); nil: no egress.
+	Grant Granter
 	// Talkers counts every answered query per sender; nil: no counting.
 	Talkers *talkers.Counter
 	// Tap gets every answered query while someone subscribes; nil: none.
@@ -164,7 +167,8 @@ type Server struct {
 	readerNice int
 	niceFailed sync.Once
 
-	senders func(src netip.AddrPort, tcp bool) (uint64, uint32, bool)
+	senders func(src netip.AddrPort, tcp bool) (Sender, bool)
+	grant   Granter
 	panics  *panicguard.Counter
 	talkers *talkers.Counter
 	tap     *tap.Hub
@@ -220,6 +224,7 @@ func New(cfg Config) (*Server, error) {
 		onReaders:     cfg.OnReaders,
 		readerNice:    cfg.ReaderNice,
 		senders:       cfg.Senders,
+		grant:         cfg.Grant,
 		panics:        cfg.Panics,
 		budgets:       newBudgets(cfg.WorkloadBudget, cfg.BudgetOverrides),
 		talkers:       cfg.Talkers,
@@ -530,17 +535,28 @@ func (s *Server) ServeDNS(w dns.ResponseWriter, req *dns.Msg) {
 
 // client is where a query came from and how to answer it later.
 type client struct {
-	proto proto
-	addr  netip.Addr // unmapped
-	port  uint16
-	who   workload.Key // who sent it
-	reply replyTo
+	proto  proto
+	addr   netip.Addr // unmapped
+	port   uint16
+	who    workload.Key // who sent it
+	egress uint32       // its egress workload (Sender.Egress; 0: none)
+	reply  replyTo
+}
+
+// Sender is who sent from a source address and port, as the datapath recorded
+// it: the cgroup and process (0: not attributed) and the egress workload whose
+// policy governs it (0: none).
+type Sender struct {
+	Cgroup uint64
+	PID    uint32
+	Egress uint32
 }
 
 // setSender records the client's address and who sent from it.
 func (c *client) setSender(s *Server, src netip.AddrPort) {
 	c.addr, c.port = src.Addr().Unmap(), src.Port()
 	c.who = workload.Key{Addr: c.addr}
+	c.egress = 0
 	if s.senders != nil {
 		c.lookupSender(s)
 	}
@@ -554,8 +570,8 @@ func (c *client) lookupSender(s *Server) {
 			s.panics.Recovered(panicguard.StageAttribution, v, "client", c.addr)
 		}
 	}()
-	if cg, pid, ok := s.senders(netip.AddrPortFrom(c.addr, c.port), c.proto == protoTCP); ok {
-		c.who.Cgroup, c.who.PID = cg, pid
+	if snd, ok := s.senders(netip.AddrPortFrom(c.addr, c.port), c.proto == protoTCP); ok {
+		c.who.Cgroup, c.who.PID, c.egress = snd.Cgroup, snd.PID, snd.Egress
 	}
 }
 

@@ -30,10 +30,18 @@ const (
 	Failed                  // no upstream answered in time: SERVFAIL
 	Error                   // a malformed or unsupported query: FORMERR, NOTIMP, REFUSED
 	Throttled               // refused at once: its workload is over its upstream budget
+	// Not answers but egress decisions: a connect or send of a workload an egress
+	// policy selects, to Dst, that no grant allowed (Name: the name it was
+	// answered for Dst but may not use, or empty when no answer named Dst).
+	Denied  // refused with EPERM (enforce)
+	Audited // allowed and recorded (audit)
 	numAnswers
 )
 
-var answerNames = [numAnswers]string{"table", "autopath", "cache", "upstream", "fallback", "shed", "failed", "error", "throttled"}
+var answerNames = [numAnswers]string{"table", "autopath", "cache", "upstream", "fallback", "shed", "failed", "error", "throttled", "denied", "audited"}
+
+// Egress reports whether the event is an egress decision, not a query.
+func (a Answer) Egress() bool { return a == Denied || a == Audited }
 
 func (a Answer) String() string {
 	if a < numAnswers {
@@ -77,6 +85,7 @@ type Event struct {
 	Size     uint16 // bytes of the answer
 	Answer   Answer
 	TCP      bool
+	Dst      netip.AddrPort // egress decisions: the destination
 	nameLen  uint8
 	name     [255]byte
 }

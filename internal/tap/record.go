@@ -31,6 +31,7 @@ type Record struct {
 	Rcode     string  `json:"rcode,omitempty"`
 	Answer    string  `json:"answer,omitempty"`   // see Answer: table, autopath, cache, upstream, fallback, shed, failed, error
 	Upstream  string  `json:"upstream,omitempty"` // the upstream that answered (upstream, fallback)
+	Dst       string  `json:"dst,omitempty"`      // an egress decision's destination (denied, audited)
 	LatencyUS float64 `json:"latency_us,omitempty"`
 	Size      int     `json:"size,omitempty"` // bytes of the answer
 	Lost      uint64  `json:"lost,omitempty"`
@@ -55,6 +56,12 @@ func appendRecord(b []byte, ev *Event, identity []byte) []byte {
 		b = append(b, `,"proto":"udp"`...)
 	}
 	b = appendField(b, "qname", ev.Name())
+	if ev.Answer.Egress() {
+		b = appendField(b, "answer", ev.Answer.String())
+		b = append(b, `,"dst":"`...)
+		b = ev.Dst.AppendTo(b)
+		return append(b, "\"}\n"...)
+	}
 	b = appendField(b, "qtype", dns.Type(ev.Qtype).String())
 	b = appendField(b, "rcode", rcodeName(int(ev.Rcode)))
 	b = appendField(b, "answer", ev.Answer.String())
@@ -234,7 +241,7 @@ func Read(r io.Reader, fn func(*Record) error) error {
 }
 
 // TextHeader is the header of WriteText's columns.
-const TextHeader = "TIME          WORKLOAD                         QTYPE  RCODE     ANSWER    LATENCY    SIZE   UPSTREAM               QNAME"
+const TextHeader = "TIME          WORKLOAD                         QTYPE  RCODE     ANSWER    LATENCY    SIZE   UPSTREAM/DST           QNAME"
 
 // WriteText writes r as one line of fixed-width columns under TextHeader (a
 // stream cannot wait for the widest value); long workloads are cut from the
@@ -252,6 +259,9 @@ func WriteText(w io.Writer, r *Record) error {
 		wl = "…" + wl[len(wl)-31:]
 	}
 	up := r.Upstream
+	if r.Dst != "" {
+		up = r.Dst // an egress decision: where the workload connected
+	}
 	if up == "" {
 		up = "-"
 	}

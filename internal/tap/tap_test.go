@@ -214,3 +214,35 @@ func TestPublishWithoutSubscribersAllocatesNothing(t *testing.T) {
 		t.Errorf("%v allocations per publish", n)
 	}
 }
+
+// An egress decision is a record of its own: the workload, the destination, the
+// name it was answered for (if any) and the verdict, without a query's fields.
+func TestEgressDecisionRecords(t *testing.T) {
+	for _, tc := range []struct {
+		a    Answer
+		name string
+	}{{Denied, "evil.example."}, {Audited, ""}} {
+		ev := &Event{Time: time.Date(2026, 1, 2, 3, 4, 5, 0, time.UTC).UnixNano(), Key: workload.Key{Cgroup: 42},
+			Answer: tc.a, Dst: netip.MustParseAddrPort("198.18.0.7:443"), TCP: true}
+		ev.SetName(tc.name)
+		b := appendRecord(nil, ev, nil)
+		var r Record
+		if err := json.Unmarshal(b, &r); err != nil {
+			t.Fatalf("%s: %v: %s", tc.a, err, b)
+		}
+		if r.Answer != tc.a.String() || r.Dst != "198.18.0.7:443" || r.Qname != tc.name || r.Qtype != "" || r.Rcode != "" || r.Proto != "tcp" {
+			t.Errorf("%s: record %+v from %s", tc.a, r, b)
+		}
+		var text strings.Builder
+		if err := WriteText(&text, &r); err != nil || !strings.Contains(text.String(), "198.18.0.7:443") {
+			t.Errorf("%s: text %q (%v) lacks the destination", tc.a, text.String(), err)
+		}
+		f, err := ParseFilter(url.Values{"answer": {"denied,audited"}})
+		if err != nil || !f.matchEvent(ev) {
+			t.Errorf("%s: the --denied filter (%v) does not select it", tc.a, err)
+		}
+		if q := event("a.example.", dns.TypeA, 0, Cache, 0); f.matchEvent(q) {
+			t.Errorf("the --denied filter selects a query")
+		}
+	}
+}

@@ -592,7 +592,7 @@ func TestChartNamespace(t *testing.T) {
 					if u.GetLabels()["pod-security.kubernetes.io/enforce"] != "privileged" {
 						t.Errorf("%s: no Pod Security label", key)
 					}
-				case "ClusterRole", "ClusterRoleBinding":
+				case "ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition": // cluster-scoped
 				default:
 					if u.GetNamespace() != "other" {
 						t.Errorf("%s: namespace %q, want other", key, u.GetNamespace())

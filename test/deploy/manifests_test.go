@@ -159,8 +159,10 @@ func TestManifestSourcesDecodeStrictly(t *testing.T) {
 
 func TestDefaultInstall(t *testing.T) {
 	objs := renderChecked(t)
-	want := []string{"ClusterRole/meshdns-ebpf", "ClusterRole/meshdns-ebpf-lifecycle", "ClusterRoleBinding/meshdns-ebpf",
-		"ClusterRoleBinding/meshdns-ebpf-lifecycle", "DaemonSet/meshdns-ebpf", "Namespace/meshdns-system",
+	want := []string{"ClusterRole/meshdns-ebpf", "ClusterRole/meshdns-ebpf-egress", "ClusterRole/meshdns-ebpf-lifecycle",
+		"ClusterRoleBinding/meshdns-ebpf", "ClusterRoleBinding/meshdns-ebpf-egress",
+		"ClusterRoleBinding/meshdns-ebpf-lifecycle", "CustomResourceDefinition/dnsegresspolicies.meshdns.io",
+		"DaemonSet/meshdns-ebpf", "Namespace/meshdns-system",
 		"ResourceQuota/meshdns-ebpf-critical-pods", "Role/meshdns-ebpf-lifecycle", "RoleBinding/meshdns-ebpf-lifecycle",
 		"ServiceAccount/meshdns-ebpf"}
 	if got := kinds(objs); !slices.Equal(got, want) {
@@ -178,6 +180,12 @@ func TestDefaultInstall(t *testing.T) {
 	}
 	if got := ruleSet(cr.Rules); !slices.Equal(got, wantRules) {
 		t.Errorf("ClusterRole rules:\n got %q\nwant %q", got, wantRules)
+	}
+	egress := find[*rbacv1.ClusterRole](t, objs, "ClusterRole", "meshdns-ebpf-egress")
+	wantEgress := []string{"/configmaps[istio]: get,list,watch", "/events[]: create", "meshdns.io/dnsegresspolicies/status[]: patch",
+		"meshdns.io/dnsegresspolicies[]: get,list,watch", "networking.istio.io/sidecars[]: get,list,watch"}
+	if got := ruleSet(egress.Rules); !slices.Equal(got, wantEgress) {
+		t.Errorf("ClusterRole meshdns-ebpf-egress rules:\n got %q\nwant %q", got, wantEgress)
 	}
 	crb := find[*rbacv1.ClusterRoleBinding](t, objs, "ClusterRoleBinding", "meshdns-ebpf")
 	if crb.RoleRef.Name != "meshdns-ebpf" || len(crb.Subjects) != 1 || crb.Subjects[0].Kind != "ServiceAccount" ||
@@ -457,6 +465,30 @@ func TestPolicyCatchesViolations(t *testing.T) {
 			}
 		}
 	})
+	// The allowed writes are exact: another verb on them, their verb on
+	// another resource or subresource, or a rule mixing them with more
+	// resources is caught.
+	for name, rule := range map[string]rbacv1.PolicyRule{
+		"events update":       {APIGroups: []string{""}, Resources: []string{"events"}, Verbs: []string{"create", "update"}},
+		"another status":      {APIGroups: []string{"networking.istio.io"}, Resources: []string{"serviceentries/status"}, Verbs: []string{"patch"}},
+		"policy spec patch":   {APIGroups: []string{"meshdns.io"}, Resources: []string{"dnsegresspolicies"}, Verbs: []string{"patch"}},
+		"mixed with services": {APIGroups: []string{""}, Resources: []string{"events", "services"}, Verbs: []string{"create"}},
+	} {
+		t.Run(name, func(t *testing.T) {
+			v := checkPolicy(mutated(base, func(o runtime.Object) runtime.Object {
+				if cr, ok := o.(*rbacv1.ClusterRole); ok && cr.Name == "meshdns-ebpf-egress" {
+					cr = cr.DeepCopy()
+					cr.Rules = append(cr.Rules, rule)
+					return cr
+				}
+				return o
+			}))
+			if len(v) == 0 {
+				t.Fatalf("the policy check did not catch %+v", rule)
+			}
+			t.Log(v)
+		})
+	}
 }
 
 // mutated copies objs with each object replaced by what change returns.

@@ -25,6 +25,14 @@ var (
 	// The agent's memory must fit under the limit: its caches are sized for 256 MiB.
 	minMemoryLimit = resource.MustParse("256Mi")
 	readOnlyVerbs  = []string{"get", "list", "watch"}
+	// allowedWrites are the agent's only writes, by "group/resource": the
+	// status of DNSEgressPolicies and the Warning Event of a rejected one
+	// (internal/kubeegress; every node computes the same and writes only
+	// what is not there yet).
+	allowedWrites = map[string][]string{
+		"meshdns.io/dnsegresspolicies/status": {"patch"},
+		"/events":                             {"create"},
+	}
 	// apparmorAnnotation is the pre-1.30 form of the agent container's
 	// appArmorProfile field.
 	apparmorAnnotation = "container.apparmor.security.beta.kubernetes.io/"
@@ -61,13 +69,19 @@ func checkPolicy(objs []object) []string {
 
 func checkRules(rules []rbacv1.PolicyRule, cluster bool, bad func(string, ...any)) {
 	for _, r := range rules {
+		// A rule with a write names exactly one allowed write's group and
+		// resource, and only its verbs.
+		var writes []string
+		if len(r.APIGroups) == 1 && len(r.Resources) == 1 {
+			writes = allowedWrites[r.APIGroups[0]+"/"+r.Resources[0]]
+		}
 		for _, verb := range r.Verbs {
-			if !slices.Contains(readOnlyVerbs, verb) {
-				bad("verb %q: the agent only reads (get, list, watch)", verb)
+			if !slices.Contains(readOnlyVerbs, verb) && !slices.Contains(writes, verb) {
+				bad("verb %q: the agent only reads (get, list, watch), and writes only %v", verb, allowedWrites)
 			}
 		}
 		for _, res := range r.Resources {
-			if res == "*" || strings.Contains(res, "/") {
+			if res == "*" || (strings.Contains(res, "/") && writes == nil) {
 				bad("resource %q: no wildcards or subresources", res)
 			}
 			if cluster && res == "secrets" {

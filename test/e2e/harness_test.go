@@ -33,6 +33,9 @@ var bins struct {
 	agent, goresolve, dnsblast, musl string
 	// Load generators (testdata/dnsload, testdata/goload): glibc, musl, Go.
 	loadGlibc, loadMusl, loadGo string
+	// Resolve -> connect clients (testdata/egressload, testdata/goegress), built by
+	// the egress tests.
+	egressGlibc, egressMusl, egressGo string
 }
 
 func buildBinaries(t *testing.T) {
@@ -322,9 +325,14 @@ func (n *node) stop() {
 // client runs a client in netns (ip netns exec: it sees the namespace's resolv.conf),
 // inside the test cgroup, as uid.
 func (n *node) client(ns *testenv.Netns, uid int, name string, args ...string) (string, error) {
-	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Second)
+	return n.clientIn(n.cg, ns, uid, 15*time.Second, name, args...)
+}
+
+// clientIn runs a client as client does, in cgroup cg, for at most d.
+func (n *node) clientIn(cg *testenv.Cgroup, ns *testenv.Netns, uid int, d time.Duration, name string, args ...string) (string, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), d)
 	defer cancel()
-	cmd := testenv.Command(ctx, testenv.Proc{Netns: ns, Cgroup: n.cg, UID: uid, GID: uid}, name, args...)
+	cmd := testenv.Command(ctx, testenv.Proc{Netns: ns, Cgroup: cg, UID: uid, GID: uid}, name, args...)
 	var stdout, stderr bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &stdout, &stderr
 	err := cmd.Run()
