@@ -91,17 +91,18 @@ func (m *Collector) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.NewInvalidMetric(m.connects, err)
 		return
 	}
-	names := map[egress.WorkloadID]string{}
+	// Every selected workload has its series (at 0 before its first connect);
+	// counters of a workload no longer selected, not yet removed, are (other).
+	ws := make([]workloadCounts, 0, len(sel)+1)
+	selected := map[egress.WorkloadID]bool{}
 	for _, s := range sel {
-		names[s.ID] = s.Workload
+		selected[s.ID] = true
+		ws = append(ws, workloadCounts{s.Workload, counts[s.ID]})
 	}
-	ws := make([]workloadCounts, 0, len(counts))
 	for id, c := range counts {
-		n, ok := names[id]
-		if !ok {
-			n = Other // a workload no longer selected, its counters not yet removed
+		if !selected[id] {
+			ws = append(ws, workloadCounts{Other, c})
 		}
-		ws = append(ws, workloadCounts{n, c})
 	}
 	slices.SortFunc(ws, func(a, b workloadCounts) int {
 		return cmp.Or(cmp.Compare(b.total(), a.total()), strings.Compare(a.name, b.name))

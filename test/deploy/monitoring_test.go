@@ -295,11 +295,18 @@ func liveAgentMetrics(t *testing.T) map[string]bool {
 	if err := os.WriteFile(names, []byte("table:\n  web.example.internal: {ips: [\"192.0.2.10\"]}\n"), 0o644); err != nil {
 		t.Fatal(err)
 	}
+	// An egress policy selecting a cgroup of the test: the egress series exist.
+	egress := filepath.Join(t.TempDir(), "egress.yaml")
+	clients := cg.Child(t, "clients")
+	if err := os.WriteFile(egress, []byte("policies:\n  - name: clients\n    cgroup: "+clients.Path+"\n    egress:\n      - names: [web.example.internal]\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
 	const admin = "127.0.0.1:9153"
 	cmd := testenv.Command(context.Background(), testenv.Proc{Netns: ns, Cgroup: cg, NetOnly: true, Caps: testenv.ModeCaps["ebpf"]},
 		agenttest.Agent(t), "run", "--mode", "ebpf", "--cgroup", cg.Path, "--listen", "169.254.20.53:53",
 		"--nameservers", "169.254.53.1", "--upstream", "169.254.53.1", "--names", names, "--admin", admin,
-		"--bpffs", bpffs, "--state-dir", t.TempDir(), "--persist=false", "--memory-limit", "268435456")
+		"--bpffs", bpffs, "--state-dir", t.TempDir(), "--persist=false", "--memory-limit", "268435456",
+		"--egress", "--egress-policy-file", egress)
 	proc := agenttest.Start(t, cmd, agenttest.Options{Group: true})
 	var have map[string]bool
 	if !testenv.WaitFor(30*time.Second, func() bool {
@@ -307,7 +314,7 @@ func liveAgentMetrics(t *testing.T) map[string]bool {
 			return true
 		}
 		have = scrapeInNetns(ns, admin, "/metrics")
-		return have["meshdns_build_info"] && have["meshdns_datapath_events_total"]
+		return have["meshdns_build_info"] && have["meshdns_datapath_events_total"] && have["meshdns_egress_connects_total"]
 	}) || len(have) == 0 {
 		t.Fatalf("no metrics from the agent; log:\n%s", proc.Log.String())
 	}

@@ -38,7 +38,7 @@ type egressNode struct {
 	*node
 	inet *testenv.Internet
 	cgs  map[string]*testenv.Cgroup // by policy name
-	file string                      // the policy file
+	file string                     // the policy file
 }
 
 // newEgressNode builds the node and its internet, and writes a policy file with
@@ -76,10 +76,17 @@ func newEgressNode(t *testing.T, modes map[string]string) *egressNode {
 
 func (n *egressNode) start() {
 	n.t.Helper()
-	n.node.start("ebpf", "--egress", "--egress-policy-file", n.file)
+	n.node.start("ebpf", n.egressArgs()...)
 	if !testenv.WaitFor(10*time.Second, func() bool { return n.metric("meshdns_egress_selected_workloads") == float64(len(n.cgs)) }) {
 		n.t.Fatalf("the agent selects %v workloads, want %d:\n%s", n.metric("meshdns_egress_selected_workloads"), len(n.cgs), n.stderr.String())
 	}
+}
+
+// egressArgs are the agent's egress flags. The answer cache is off
+// (--cache-bytes 1): every lookup of fresh.test reaches the upstream and gets an
+// address no answer named before, so every connect races its own answer.
+func (n *egressNode) egressArgs() []string {
+	return []string{"--egress", "--egress-policy-file", n.file, "--cache-bytes", "1"}
 }
 
 // connectResult is one egressload or goegress run's SUMMARY.
@@ -165,12 +172,17 @@ func TestEgressGrantsBeforeTheAnswer(t *testing.T) {
 	n.start()
 
 	t.Run("allowed", func(t *testing.T) {
+		asked := n.orig.Count(freshName + ".")
 		for name, argv := range egressClients(2500, freshName) {
 			r := n.connects("enforced", argv...)
 			t.Logf("%s: %d cycles, connect after the answer p50 %d µs, p99 %d µs, max %d µs", name, r.cycles, r.p50, r.p99, r.max)
 			if r.ok != r.cycles || r.eperm != 0 || r.failed != 0 || r.retrans != 0 {
 				t.Errorf("%s: %+v: want every connect through, none denied, no SYN retransmitted; first failures %v", name, r, first(r.fails, 5))
 			}
+		}
+		// Every cycle's address was new: the upstream answered (nearly) every lookup.
+		if got := n.orig.Count(freshName+".") - asked; got < 4*2500*9/10 {
+			t.Errorf("the upstream answered %d lookups of %s for 10,000 cycles: the cache served the rest, which the race test must not", got, freshName)
 		}
 	})
 	t.Run("never-resolved", func(t *testing.T) {
@@ -242,7 +254,7 @@ func TestEgressWhileTheAgentIsKilled(t *testing.T) {
 		t.Errorf("fail-open workload while no agent runs: %+v, want every connect through", opened)
 	}
 	time.Sleep(time.Until(down.Add(10 * time.Second))) // the agent stays away 10 s: the outage under test, not a wait
-	n.node.start("ebpf", "--egress", "--egress-policy-file", n.file)
+	n.node.start("ebpf", n.egressArgs()...)
 	wg.Wait()
 	t.Logf("fail-open workload across the kill: %+v", during)
 	if during.eperm != 0 {
