@@ -22,7 +22,7 @@ export GOTOOLCHAIN := local
 # type: 82 MB instead of 51 MB for the agent (docs/istio.md).
 export GOFLAGS := -buildvcs=false -tags=grpcnotrace
 
-.PHONY: all build run test deps test-deps kube-bin tools-bin istiod-bin node-bin node-e2e unit generate check-generate vet bench soak fuzz clean \
+.PHONY: all build run test deps test-deps kube-bin tools-bin istiod-bin node-bin node-e2e unit generate check-generate vet bench bench-egress soak fuzz clean \
 	image image-lock image-push
 
 # The image (docs/kubernetes.md). `make image` builds it from deploy/image/debs.lock
@@ -118,6 +118,10 @@ test: test-deps check-generate vet
 
 bench: build
 	bench/run.sh
+
+# Only the DNS-gated egress lane of the benchmark (a few minutes, root).
+bench-egress:
+	bench/run.sh egress
 
 # `make fuzz` (not part of `make test`): every fuzz target for FUZZTIME, one at a
 # time on one core. FuzzServeDNS: any message gets a well-formed reply within its

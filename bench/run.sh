@@ -20,6 +20,11 @@
 #   BENCH_KUBE_MESH=N      its mesh run: N ServiceEntries + N Services over two clusters (default 10000; 0 skips)
 #   BENCH_KUBE_ISTIOD=N    its istiod run: the NDS source beside the Kubernetes source at N Services (default 10000; 0 skips)
 # Extra arguments are passed to benchrun (see `benchrun -h`), e.g. -reps 5 -duration 20s.
+#
+# bench/run.sh egress [flags]: only the DNS-gated egress lane (`benchrun egress`,
+# make bench-egress; needs root, gcc and musl-gcc): resolve -> connect cycles from
+# glibc, musl and Go clients with the agent without and with --egress; prints its
+# section (flags: benchrun egress -h).
 set -euo pipefail
 
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -42,6 +47,18 @@ log() { printf 'bench: %s\n' "$*" >&2; }
 if [ "$(nproc)" -lt 2 ]; then
 	log "need at least 2 cores (server and load generator on different cores); have $(nproc)"
 	exit 1
+fi
+
+if [ "${1:-}" = egress ]; then
+	shift
+	log "building benchrun, bin/meshdns-ebpf and the egress clients (gcc, musl-gcc, go)"
+	go build -o "$work/bin/benchrun" ./bench/cmd/benchrun
+	go build -o "$repo/bin/meshdns-ebpf" ./cmd/meshdns-ebpf
+	gcc -O2 -Wall -o "$work/bin/egressload-glibc" test/e2e/testdata/egressload/egressload.c
+	musl-gcc -static -O2 -Wall -o "$work/bin/egressload-musl" test/e2e/testdata/egressload/egressload.c
+	go build -o "$work/bin/goegress" ./test/e2e/testdata/goegress
+	exec taskset -c 0 "$work/bin/benchrun" egress -meshdns "$repo/bin/meshdns-ebpf" -work "$work" \
+		-egressload-glibc "$work/bin/egressload-glibc" -egressload-musl "$work/bin/egressload-musl" -goegress "$work/bin/goegress" "$@"
 fi
 
 missing=()

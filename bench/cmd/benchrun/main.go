@@ -264,6 +264,9 @@ func main() {
 	if len(os.Args) > 1 && os.Args[1] == "helper" {
 		os.Exit(runHelper(os.Args[2:]))
 	}
+	if len(os.Args) > 1 && os.Args[1] == "egress" {
+		os.Exit(runEgress(os.Args[2:]))
+	}
 	if len(os.Args) > 1 && os.Args[1] == "kube-section" {
 		os.Exit(runKubeSection(os.Args[2:]))
 	}
