@@ -74,7 +74,7 @@ func runEgress(args []string) int {
 	fs.StringVar(&c.musl, "egressload-musl", "", "test/e2e/testdata/egressload built with musl-gcc (musl)")
 	fs.StringVar(&c.goClient, "goegress", "", "test/e2e/testdata/goegress built")
 	fs.IntVar(&c.cycles, "cycles", 10000, "TCP resolve -> connect cycles per configuration, split over the three clients and the rounds")
-	fs.IntVar(&c.rounds, "rounds", 2, "rounds: each configuration runs once per round (a, b then b, a)")
+	fs.IntVar(&c.rounds, "rounds", 4, "rounds: each configuration runs once per round, the order turning each round (a, b, b, a, ...)")
 	fs.IntVar(&c.udpCycles, "udp-cycles", 1000, "cycles of the UDP run (musl, connected UDP: one datagram and its echo) per configuration")
 	fs.IntVar(&c.neverCycles, "never-cycles", 300, "cycles per client of the never-resolved run in (b)")
 	fs.IntVar(&c.serverCPU, "server-cpu", 1, "core the agent is pinned to")
@@ -461,7 +461,7 @@ func printEgress(w io.Writer, c egressConfig, r egressReport) {
 	p("## DNS-gated egress: resolve -> connect through the eBPF datapath, without and with an enforce policy\n\n")
 	p("Started %s, load average %s; finished %s, load average %s (2 cores, shared). Network namespace %s; clients in %s, pinned to CPU %d; agent on CPU %d.\n",
 		r.started.UTC().Format("2006-01-02 15:04:05 UTC"), r.startLoad, r.finished.UTC().Format("15:04:05 UTC"), r.endLoad, r.ns, r.cgrp, c.genCPU, c.serverCPU)
-	p("(a) = the agent without --egress; (b) = `%s`. %d rounds (a, b then b, a); %d TCP cycles per configuration over glibc, musl and Go; one musl UDP run of %d cycles per configuration; never-resolved: %d cycles per client in (b)'s last round.\n\n",
+	p("(a) = the agent without --egress; (b) = `%s`. %d rounds (a, b, then b, a, ...); %d TCP cycles per configuration over glibc, musl and Go; one musl UDP run of %d cycles per configuration; never-resolved: %d cycles per client in (b)'s last round.\n\n",
 		r.agentArgs, c.rounds, c.cycles, c.udpCycles, c.neverCycles)
 	p("| conf | round | client | proto | cycles | ok | denied | failed | SYN retrans | p50 / p99 / max µs | client CPU µs/cycle | agent CPU µs/cycle | load | first failures |\n|---|---:|---|---|---:|---:|---:|---:|---:|---|---:|---:|---|---|\n")
 	for _, x := range r.runs {
@@ -473,9 +473,14 @@ func printEgress(w io.Writer, c egressConfig, r egressReport) {
 		if x.agentCPU >= 0 {
 			agent = fmt.Sprintf("%.1f", us(x.agentCPU)/float64(max(x.cycles, 1)))
 		}
-		p("| %s | %d | %s | %s | %d | %d | %d | %d | %d | %d / %d / %d | %.1f | %s | %s | %s |\n", x.conf, x.round, x.client, proto, x.cycles, x.ok, x.eperm, x.failed, x.retrans,
+		retrans := strconv.Itoa(x.retrans)
+		if x.client == "go" {
+			retrans = "-" // Go's net package does not expose TCP_INFO
+		}
+		p("| %s | %d | %s | %s | %d | %d | %d | %d | %s | %d / %d / %d | %.1f | %s | %s | %s |\n", x.conf, x.round, x.client, proto, x.cycles, x.ok, x.eperm, x.failed, retrans,
 			x.p50, x.p99, x.max, us(x.cpu)/float64(max(x.cycles, 1)), agent, x.load, strings.Join(x.fails, "; "))
 	}
+	p("\nTotals of the TCP runs to resolved addresses (SYN retransmits: glibc and musl; the p99 of all of them together is at most the worst run's).\n")
 	p("\n| conf | TCP cycles | ok | denied | failed | SYN retrans | worst run's p99 µs | max µs | client CPU µs/connect |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|\n")
 	for _, conf := range []string{"a", "b"} {
 		s := r.sum(conf, resolvedTCP)

@@ -37,7 +37,10 @@ func TestEgressTargets(t *testing.T) {
 		{"one SYN retransmit", func(r []connectRun) []connectRun { r[2].retrans = 1; return r }, [4]bool{true, false, true, true}},
 		{"one never-resolved connect through", func(r []connectRun) []connectRun { r[5].ok, r[5].eperm = 1, 299; return r }, [4]bool{true, true, false, true}},
 		{"no never-resolved run", func(r []connectRun) []connectRun { return r[:5] }, [4]bool{true, true, false, true}},
-		{"CPU 6% more", func(r []connectRun) []connectRun { r[2].cpu, r[3].cpu = 212*time.Millisecond, 636*time.Millisecond; return r }, [4]bool{true, true, true, false}},
+		{"CPU 6% more", func(r []connectRun) []connectRun {
+			r[2].cpu, r[3].cpu = 212*time.Millisecond, 636*time.Millisecond
+			return r
+		}, [4]bool{true, true, true, false}},
 		{"no run of (b)", func(r []connectRun) []connectRun { return r[:2] }, [4]bool{false, false, false, false}},
 	} {
 		got := egressTargets(egressReport{runs: tc.change(good())})
