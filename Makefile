@@ -125,8 +125,8 @@ bench-egress:
 
 # `make fuzz` (not part of `make test`): every fuzz target for FUZZTIME, one at a
 # time on one core. FuzzServeDNS: any message gets a well-formed reply within its
-# size limit; FuzzPathsAgree: the wire path and the unpacked path give the same
-# response over generated tables and questions; the nametable targets: the
+# size limit; FuzzPathsAgree: the wire encoder and the dns.Msg encoder render one
+# decision as the same response, over generated tables and questions; the nametable targets: the
 # streaming reader and decoder agree with Parse. FuzzPathsAgree's coverage varies
 # from run to run (shuffled answers, map order in the table builder), so the
 # fuzzer would spend a minute minimizing almost every input: it does not minimize.

@@ -377,7 +377,10 @@ func (a *Agent) startResolver(ctx context.Context, reg *prometheus.Registry) (er
 		rc.OnDequeue = a.dp.Dequeued
 		flows = a.dp.Flows()
 	}
-	a.work.configure(&rc, flows)
+	a.work.configure(&rc, flows, a.egress != nil)
+	if a.egress != nil {
+		rc.Grant = a.egress.ctl.Grant
+	}
 	if a.inherit != nil {
 		rc.Inherited, a.inherit.Listeners = a.inherit.Listeners, nil
 	}

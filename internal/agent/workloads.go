@@ -108,18 +108,23 @@ func (w *workloads) Close() error {
 }
 
 // configure gives the resolver the sender lookup (the datapath's flow
-// records, when there are any and attribution is on), the counter and the tap.
-func (w *workloads) configure(rc *resolver.Config, flows *redirect.Flows) {
+// records, when there are any and attribution or egress is on: the cgroup and
+// process only with attribution), the counter and the tap.
+func (w *workloads) configure(rc *resolver.Config, flows *redirect.Flows, egress bool) {
 	rc.Tap = w.hub
-	if w.tracker == nil {
+	attribution := w.tracker != nil
+	if attribution {
+		rc.Talkers = w.tracker.Counter()
+	}
+	if flows == nil || !attribution && !egress {
 		return
 	}
-	rc.Talkers = w.tracker.Counter()
-	if flows != nil {
-		rc.Senders = func(src netip.AddrPort, tcp bool) (uint64, uint32, bool) {
-			s, ok := flows.Lookup(src, tcp)
-			return s.Cgroup, s.PID, ok
+	rc.Senders = func(src netip.AddrPort, tcp bool) (resolver.Sender, bool) {
+		s, ok := flows.Lookup(src, tcp)
+		if !attribution {
+			return resolver.Sender{Egress: s.Workload}, ok
 		}
+		return resolver.Sender{Cgroup: s.Cgroup, PID: s.PID, Egress: s.Workload}, ok
 	}
 }
 

@@ -20,7 +20,9 @@
 // Services). Ports are not narrowed (a sidecar also matches the
 // ServiceEntry's ports), a Service's networking.istio.io/exportTo
 // annotation and a Sidecar's egress hosts are not applied, and hosts that
-// are not DNS names (short names, "*") are left out.
+// are not DNS names (short names, "*") are left out. The ServiceEntries are
+// those the ServiceEntry name source (internal/meshsource) watches: one
+// watch serves both.
 //
 // The policies are enforce, fail-open unless the source is configured
 // fail-closed (a sidecar-less workload with no agent behaves as without

@@ -5,6 +5,8 @@ import (
 	"strings"
 	"testing"
 
+	"k8s.io/client-go/rest"
+
 	"github.com/meshdns/meshdns-ebpf/internal/egresspolicy"
 )
 
@@ -104,5 +106,11 @@ func TestComputedPoliciesCombinePerNamespace(t *testing.T) {
 		if _, got := p.Allows(tc.name); got != tc.want {
 			t.Errorf("%s may use %s: %v, want %v", tc.ns, tc.name, got, tc.want)
 		}
+	}
+}
+
+func TestNewNeedsTheServiceEntrySource(t *testing.T) {
+	if _, err := New(&rest.Config{Host: "https://127.0.0.1:1"}, Options{}); err == nil || !strings.Contains(err.Error(), "ServiceEntry source") {
+		t.Fatalf("err = %v", err)
 	}
 }

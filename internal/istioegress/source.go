@@ -22,6 +22,7 @@ import (
 
 	"github.com/meshdns/meshdns-ebpf/internal/egresspolicy"
 	"github.com/meshdns/meshdns-ebpf/internal/kubeclient"
+	"github.com/meshdns/meshdns-ebpf/internal/meshsource"
 )
 
 // MeshConfigMap is the ConfigMap of the mesh config in the root namespace,
@@ -32,13 +33,24 @@ const (
 )
 
 var (
-	configMapGVR    = schema.GroupVersionResource{Version: "v1", Resource: "configmaps"}
-	sidecarGVR      = schema.GroupVersionResource{Group: "networking.istio.io", Version: "v1", Resource: "sidecars"}
-	serviceEntryGVR = schema.GroupVersionResource{Group: "networking.istio.io", Version: "v1", Resource: "serviceentries"}
+	configMapGVR = schema.GroupVersionResource{Version: "v1", Resource: "configmaps"}
+	sidecarGVR   = schema.GroupVersionResource{Group: "networking.istio.io", Version: "v1", Resource: "sidecars"}
 )
+
+// EntrySource is where the ServiceEntries come from: the name source of
+// ServiceEntries (meshsource.ServiceEntries), so that they are watched
+// once.
+type EntrySource interface {
+	// Entries are the ServiceEntries now, and whether that is all.
+	Entries() ([]meshsource.Entry, bool)
+	// Subscribe registers a function called after every change.
+	Subscribe(func())
+}
 
 // Options configure a Source.
 type Options struct {
+	// ServiceEntries is required: the running ServiceEntry name source.
+	ServiceEntries EntrySource
 	// OnChange is called with every new Set (calls do not overlap).
 	OnChange      func(*egresspolicy.Set)
 	RootNamespace string                // default istio-system
@@ -47,10 +59,11 @@ type Options struct {
 	Logger        *slog.Logger
 }
 
-// Source watches the mesh config, the Sidecars and the ServiceEntries and
-// publishes the REGISTRY_ONLY policies (Compute) whenever they change. It
-// publishes first once all three are listed; while Istio's CRDs are not
-// installed it publishes nothing and the informers retry.
+// Source watches the mesh config and the Sidecars, reads the ServiceEntries
+// of the ServiceEntry name source, and publishes the REGISTRY_ONLY policies
+// (Compute) whenever any of them changes. It publishes first once all are
+// listed; while the Sidecar CRD is not installed it publishes nothing and
+// its informer retries.
 type Source struct {
 	dc     dynamic.Interface
 	opts   Options
@@ -68,6 +81,9 @@ type Source struct {
 func New(rc *rest.Config, opts Options) (*Source, error) {
 	if rc == nil {
 		return nil, errors.New("istio registry-only source: no API server configuration")
+	}
+	if opts.ServiceEntries == nil {
+		return nil, errors.New("istio registry-only source: no ServiceEntry source (REGISTRY_ONLY needs the ServiceEntries)")
 	}
 	if opts.Logger == nil {
 		opts.Logger = slog.Default()
@@ -129,15 +145,15 @@ func (s *Source) Start(ctx context.Context) error {
 	mesh := s.informer("the mesh config", s.dc.Resource(configMapGVR).Namespace(s.opts.RootNamespace),
 		fields.OneTermEqualSelector("metadata.name", MeshConfigMap).String(), transformMesh)
 	sidecars := s.informer("sidecars", s.dc.Resource(sidecarGVR).Namespace(metav1.NamespaceAll), "", transformSidecar)
-	entries := s.informer("serviceentries", s.dc.Resource(serviceEntryGVR).Namespace(metav1.NamespaceAll), "", transformEntry)
 	poke := func() {
 		select {
 		case s.kick <- struct{}{}:
 		default:
 		}
 	}
+	s.opts.ServiceEntries.Subscribe(poke)
 	var synced []cache.InformerSynced
-	for _, inf := range []cache.SharedIndexInformer{mesh, sidecars, entries} {
+	for _, inf := range []cache.SharedIndexInformer{mesh, sidecars} {
 		reg, err := inf.AddEventHandler(cache.ResourceEventHandlerFuncs{
 			AddFunc: func(any) { poke() }, UpdateFunc: func(any, any) { poke() }, DeleteFunc: func(any) { poke() },
 		})
@@ -148,7 +164,7 @@ func (s *Source) Start(ctx context.Context) error {
 	}
 	s.done = make(chan struct{})
 	var wg sync.WaitGroup
-	for _, inf := range []cache.SharedIndexInformer{mesh, sidecars, entries} {
+	for _, inf := range []cache.SharedIndexInformer{mesh, sidecars} {
 		wg.Add(1)
 		go func() { defer wg.Done(); inf.RunWithContext(ctx) }()
 	}
@@ -159,7 +175,7 @@ func (s *Source) Start(ctx context.Context) error {
 			return
 		}
 		for {
-			s.publish(mesh, sidecars, entries)
+			s.publish(mesh, sidecars)
 			select {
 			case <-ctx.Done():
 				return
@@ -181,7 +197,11 @@ func (s *Source) Close() error {
 
 // publish computes the policies from the informers' state and publishes
 // them when they changed.
-func (s *Source) publish(mesh, sidecars, entries cache.SharedIndexInformer) {
+func (s *Source) publish(mesh, sidecars cache.SharedIndexInformer) {
+	entries, complete := s.opts.ServiceEntries.Entries()
+	if !complete {
+		return // published when they are: Subscribe kicks
+	}
 	in := Inputs{RootNamespace: s.opts.RootNamespace, Domain: s.opts.Domain, FailMode: s.opts.FailMode}
 	for _, o := range mesh.GetStore().List() {
 		if m, ok := o.(*meshConfig); ok {
@@ -196,10 +216,8 @@ func (s *Source) publish(mesh, sidecars, entries cache.SharedIndexInformer) {
 			in.Sidecars = append(in.Sidecars, sc.Sidecar)
 		}
 	}
-	for _, o := range entries.GetStore().List() {
-		if se, ok := o.(*serviceEntry); ok {
-			in.ServiceEntries = append(in.ServiceEntries, se.ServiceEntry)
-		}
+	for _, e := range entries {
+		in.ServiceEntries = append(in.ServiceEntries, ServiceEntry{Namespace: e.Namespace, Name: e.Name, Hosts: e.Hosts, ExportTo: e.ExportTo})
 	}
 	ps := Compute(in)
 	b, _ := json.Marshal(ps)
@@ -240,13 +258,6 @@ type sidecar struct {
 
 func (s *sidecar) DeepCopyObject() runtime.Object { return s }
 
-type serviceEntry struct {
-	kubeclient.Meta
-	ServiceEntry
-}
-
-func (s *serviceEntry) DeepCopyObject() runtime.Object { return s }
-
 func transformMesh(obj any) (any, error) {
 	u, ok := obj.(*unstructured.Unstructured)
 	if !ok {
@@ -277,15 +288,4 @@ func transformSidecar(obj any) (any, error) {
 	return &sidecar{Meta: kubeclient.Meta{Name: u.GetName(), Namespace: u.GetNamespace()},
 		Sidecar: Sidecar{Namespace: u.GetNamespace(), Name: u.GetName(), Selector: sel, Mode: mode,
 			Created: u.GetCreationTimestamp().UTC().Format("2006-01-02T15:04:05Z")}}, nil
-}
-
-func transformEntry(obj any) (any, error) {
-	u, ok := obj.(*unstructured.Unstructured)
-	if !ok {
-		return obj, nil
-	}
-	hosts, _, _ := unstructured.NestedStringSlice(u.Object, "spec", "hosts")
-	exportTo, _, _ := unstructured.NestedStringSlice(u.Object, "spec", "exportTo")
-	return &serviceEntry{Meta: kubeclient.Meta{Name: u.GetName(), Namespace: u.GetNamespace()},
-		ServiceEntry: ServiceEntry{Namespace: u.GetNamespace(), Name: u.GetName(), Hosts: hosts, ExportTo: exportTo}}, nil
 }

@@ -13,6 +13,8 @@ import (
 
 	"github.com/meshdns/meshdns-ebpf/internal/egresspolicy"
 	"github.com/meshdns/meshdns-ebpf/internal/kubetest"
+	"github.com/meshdns/meshdns-ebpf/internal/meshsource"
+	"github.com/meshdns/meshdns-ebpf/internal/names"
 	"github.com/meshdns/meshdns-ebpf/internal/testenv"
 )
 
@@ -57,7 +59,7 @@ func TestRegistryOnlyAgainstTheAPIServer(t *testing.T) {
 	}
 	create := func(gvrRes string, ns, name string, spec map[string]any) {
 		t.Helper()
-		gvr := serviceEntryGVR
+		gvr := kubetest.ServiceEntryGVR
 		kind := "ServiceEntry"
 		if gvrRes == "sidecars" {
 			gvr, kind = sidecarGVR, "Sidecar"
@@ -73,8 +75,27 @@ func TestRegistryOnlyAgainstTheAPIServer(t *testing.T) {
 	create("serviceentries", "shop", "local", map[string]any{"hosts": []any{"db.shop.example.org"}, "exportTo": []any{"."},
 		"resolution": "DNS", "ports": []any{map[string]any{"number": 5432, "name": "pg", "protocol": "TCP"}}})
 
+	// The ServiceEntries come from the name source of ServiceEntries,
+	// running in a name store as in the agent.
+	quiet := slog.New(slog.DiscardHandler)
+	se, err := meshsource.NewServiceEntries(cp.RESTConfig(t, "agent"), quiet)
+	if err != nil {
+		t.Fatal(err)
+	}
+	st, err := names.New(names.Config{Logger: quiet})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := st.Add(se, names.SourceOptions{Priority: names.PriorityServiceEntries}); err != nil {
+		t.Fatal(err)
+	}
+	if err := st.Start(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = st.Close() })
+
 	pub := &publisher{}
-	src, err := New(cp.RESTConfig(t, "agent"), Options{OnChange: pub.publish, Logger: slog.New(slog.DiscardHandler)})
+	src, err := New(cp.RESTConfig(t, "agent"), Options{ServiceEntries: se, OnChange: pub.publish, Logger: quiet})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -118,7 +118,10 @@ type Options struct {
 	Registerer prometheus.Registerer
 }
 
-// Source watches DNSEgressPolicies.
+// Source watches DNSEgressPolicies. It publishes its first Set once it
+// has listed them all; while the CRD is not installed, or the agent may
+// not list them, it publishes nothing, logs why and keeps retrying (the
+// informer's backoff).
 type Source struct {
 	dc     dynamic.Interface
 	kc     *kubeclient.Client

@@ -14,6 +14,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"slices"
 	"sync"
 
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -50,6 +51,63 @@ func serviceEntryGVR(version string) schema.GroupVersionResource {
 type ServiceEntries struct {
 	dc  dynamic.Interface
 	log *slog.Logger
+
+	// What other consumers (the REGISTRY_ONLY egress policies) read of
+	// the same watch: Entries and Subscribe.
+	mu       sync.Mutex
+	cur      *entryWatch // the watch serving, nil without the CRD
+	crdKnown bool        // the CRD informer has synced
+	curReady bool        // cur has synced (or there is no CRD)
+	subs     []func()
+}
+
+// Entry is a ServiceEntry as other consumers of the source read it.
+type Entry struct {
+	Namespace, Name string
+	Hosts, ExportTo []string
+}
+
+// Subscribe registers f, called after every change of Entries (from the
+// source's goroutines; f must not block).
+func (s *ServiceEntries) Subscribe(f func()) {
+	s.mu.Lock()
+	s.subs = append(s.subs, f)
+	s.mu.Unlock()
+}
+
+// Entries returns the ServiceEntries the source watches now, and whether
+// that is all of them: false until the CRD, and the entries when it is
+// served, are listed; without the CRD, none and true.
+func (s *ServiceEntries) Entries() ([]Entry, bool) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.cur == nil {
+		return nil, s.crdKnown
+	}
+	var out []Entry
+	for _, obj := range s.cur.inf.GetStore().List() {
+		if se, ok := obj.(*serviceEntry); ok {
+			out = append(out, Entry{Namespace: se.Namespace, Name: se.Name, Hosts: se.hosts, ExportTo: se.exportTo})
+		}
+	}
+	return out, s.curReady
+}
+
+// state records the watch serving and tells the subscribers.
+func (s *ServiceEntries) state(cur *entryWatch, ready bool) {
+	s.mu.Lock()
+	s.cur, s.crdKnown, s.curReady = cur, true, ready
+	s.mu.Unlock()
+	s.notify()
+}
+
+func (s *ServiceEntries) notify() {
+	s.mu.Lock()
+	subs := slices.Clone(s.subs)
+	s.mu.Unlock()
+	for _, f := range subs {
+		f()
+	}
 }
 
 // NewServiceEntries creates the source for the API server of rc. It
@@ -122,6 +180,7 @@ func (s *ServiceEntries) Run(ctx context.Context, sink names.Sink) error {
 		case cur == nil && want == "":
 			if first {
 				sink.Synced() // nothing to watch
+				s.state(nil, true)
 				s.log.Info("no ServiceEntry CRD served: watching for it", "crd", ServiceEntryCRD)
 			}
 		case cur == nil || cur.version != want:
@@ -133,9 +192,11 @@ func (s *ServiceEntries) Run(ctx context.Context, sink names.Sink) error {
 			gen := sw.next()
 			if want == "" {
 				gen.Synced() // the CRD is gone: so are its names
+				s.state(nil, true)
 				s.log.Info("ServiceEntry CRD gone: ServiceEntry names removed", "crd", ServiceEntryCRD)
 			} else {
 				cur = s.watch(ctx, h, gen, want)
+				s.state(cur, false)
 				s.log.Info("watching ServiceEntries", "version", want)
 			}
 		}
@@ -153,6 +214,7 @@ func (s *ServiceEntries) Run(ctx context.Context, sink names.Sink) error {
 			}
 			cur.wasSynced = true
 			cur.gen.Synced()
+			s.state(cur, true)
 			s.log.Info("ServiceEntries synced", "version", cur.version, "entries", len(cur.inf.GetStore().ListKeys()))
 		}
 	}
@@ -281,6 +343,7 @@ func (s *ServiceEntries) watch(ctx context.Context, h *kubesource.Health, gen na
 		case w.handled <- struct{}{}:
 		default:
 		}
+		s.notify()
 	}
 	reg, err := inf.AddEventHandler(cache.ResourceEventHandlerFuncs{
 		AddFunc:    func(obj any) { set(obj, 1) },

@@ -57,3 +57,30 @@ func labelsEqual(m *dto.Metric, want map[string]string) bool {
 	}
 	return true
 }
+
+// Sum returns the sum of every series of the metric name, whatever its labels (a
+// histogram's sample counts); 0 when the metric has no series.
+func Sum(t testing.TB, g prometheus.Gatherer, name string) float64 {
+	t.Helper()
+	mfs, err := g.Gather()
+	if err != nil {
+		t.Fatalf("gather metrics: %v", err)
+	}
+	var sum float64
+	for _, mf := range mfs {
+		if mf.GetName() != name {
+			continue
+		}
+		for _, m := range mf.GetMetric() {
+			switch {
+			case m.Counter != nil:
+				sum += m.Counter.GetValue()
+			case m.Gauge != nil:
+				sum += m.Gauge.GetValue()
+			case m.Histogram != nil:
+				sum += float64(m.Histogram.GetSampleCount())
+			}
+		}
+	}
+	return sum
+}

@@ -10,6 +10,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -19,10 +20,11 @@ import (
 	"github.com/meshdns/meshdns-ebpf/internal/resolver/upstream"
 )
 
-// The differential test: random tables and questions, each question answered once
-// as serve takes it (the wire path, falling back to the unpacked path where it does)
-// and once forced through the unpacked path. The two responses must be the same
-// message, record for record. The generator draws every choice from a chooser: a
+// The differential test: random tables and questions, each question decoded and
+// decided once, and that one decision rendered twice: by the wire encoder (the dns.Msg
+// encoder where the wire encoder declines, as serve does) and by the dns.Msg encoder
+// alone. The two responses must be the same message, record for record, and the
+// renderings must take no table snapshot of their own. The generator draws every choice from a chooser: a
 // seeded *rand.Rand in TestPathsAgree, the fuzzer's bytes in FuzzPathsAgree.
 
 // chooser is where the generator's choices come from.
@@ -50,6 +52,7 @@ func pick[T any](c chooser, xs []T) T { return xs[c.IntN(len(xs))] }
 // and the names and clients questions are drawn from.
 type diffWorld struct {
 	w       *worker
+	tables  *countingTable
 	out     []byte // the response buffer, reused
 	desc    string // the configuration, for failure messages
 	names   []string
@@ -161,10 +164,10 @@ func genWorld(tb testing.TB, c chooser) *diffWorld {
 	slices.Sort(names)
 	w.names = slices.Compact(names)
 
-	st := &staticTable{}
-	st.t.Store(t)
-	cfg := Config{Listen: []string{"127.0.0.1:0"}, Table: st, Forwarder: diffForwarder{},
-		Authoritative: c.IntN(4) != 0, PodRecords: c.IntN(2) == 0, Logger: slog.New(slog.DiscardHandler)}
+	w.tables = &countingTable{}
+	w.tables.t.Store(t)
+	cfg := Config{Listen: []string{"127.0.0.1:0"}, Table: w.tables, Forwarder: diffForwarder{},
+		Authoritative: c.IntN(4) != 0, PodRecords: c.IntN(2) == 0, FilterAAAA: c.IntN(4) == 0, Logger: slog.New(slog.DiscardHandler)}
 	if c.IntN(2) == 0 {
 		cfg.SearchDomains = []string{"corp.internal"}
 	}
@@ -173,8 +176,8 @@ func genWorld(tb testing.TB, c chooser) *diffWorld {
 		tb.Fatal(err)
 	}
 	w.w = newWorker(s)
-	w.desc = fmt.Sprintf("authoritative=%v pods=%v search=%v clients=%v table:\n%s", cfg.Authoritative, cfg.PodRecords,
-		cfg.SearchDomains, w.nsOf, describeTable(t))
+	w.desc = fmt.Sprintf("authoritative=%v pods=%v filter-aaaa=%v search=%v clients=%v table:\n%s", cfg.Authoritative, cfg.PodRecords,
+		cfg.FilterAAAA, cfg.SearchDomains, w.nsOf, describeTable(t))
 	return w
 }
 
@@ -210,8 +213,9 @@ func (q diffQuestion) String() string {
 		protoNames[q.proto], m.IsEdns0() != nil)
 }
 
-// genQuestion draws a question of a type the wire path takes (A or AAAA), in
-// random case, with or without EDNS, from a known or an unknown client.
+// genQuestion draws a question, of a type the wire encoder renders (A or AAAA) three
+// times in four, else of another type, in random case, with or without EDNS, from a
+// known or an unknown client.
 func genQuestion(c chooser, w *diffWorld) diffQuestion {
 	name := []byte(pick(c, w.names))
 	for i := range name {
@@ -220,7 +224,11 @@ func genQuestion(c chooser, w *diffWorld) diffQuestion {
 		}
 	}
 	m := new(dns.Msg)
-	m.SetQuestion(string(name), pick(c, []uint16{dns.TypeA, dns.TypeAAAA}))
+	qtype := pick(c, []uint16{dns.TypeA, dns.TypeAAAA})
+	if c.IntN(4) == 0 {
+		qtype = pick(c, []uint16{dns.TypeSRV, dns.TypeANY, dns.TypeCNAME, dns.TypeTXT, dns.TypePTR, dns.TypeSOA, dns.TypeMX, dns.TypeHTTPS})
+	}
+	m.SetQuestion(string(name), qtype)
 	m.Id = uint16(c.IntN(1 << 16))
 	m.RecursionDesired = c.IntN(4) != 0
 	m.CheckingDisabled = c.IntN(8) == 0
@@ -259,8 +267,13 @@ func (diffForwarder) answer(q *upstream.Query) upstream.Answer {
 	var an, ns []dns.RR
 	addr := func(owner string, i int) dns.RR {
 		hdr := dns.RR_Header{Name: owner, Rrtype: q.Qtype, Class: dns.ClassINET, Ttl: 120}
-		if q.Qtype == dns.TypeAAAA {
+		switch q.Qtype {
+		case dns.TypeAAAA:
 			return &dns.AAAA{Hdr: hdr, AAAA: netip.AddrFrom16([16]byte{0x20, 0x01, 0x0d, 0xb8, 15: byte(i + 1)}).AsSlice()}
+		case dns.TypeA:
+		default: // another type: a TXT record stands for its data
+			hdr.Rrtype = dns.TypeTXT
+			return &dns.TXT{Hdr: hdr, Txt: []string{fmt.Sprintf("record %d of %s", i, dns.TypeToString[q.Qtype])}}
 		}
 		return &dns.A{Hdr: hdr, A: netip.AddrFrom4([4]byte{192, 0, 2, byte(i + 1)}).AsSlice()}
 	}
@@ -316,21 +329,26 @@ func (f diffForwarder) ForwardAsync(q *upstream.Query, done upstream.Waiter) {
 	done(f.answer(q), nil)
 }
 
-// diffServe runs q through serve (unpacked = false) or straight through the
-// unpacked path, and returns the response (the one sent later, for a query that
-// was forwarded).
-func diffServe(w *worker, out []byte, q diffQuestion, unpacked bool) (*dns.Msg, error) {
-	ch := make(chan []byte, 1)
-	c := &client{proto: q.proto, addr: q.client}
-	c.reply.sync = ch
-	var b []byte
-	if unpacked {
-		r := &w.req
-		*r = request{pkt: q.pkt, proto: q.proto, client: c, start: time.Now()}
-		b = w.serveUnpacked(r, out)
-	} else {
-		b = w.serve(q.pkt, out, c, time.Now())
-	}
+// countingTable is a TableSource that counts the snapshots taken: one per decision.
+type countingTable struct {
+	staticTable
+	n atomic.Int64
+}
+
+func (c *countingTable) Table() *nametable.Table {
+	c.n.Add(1)
+	return c.staticTable.Table()
+}
+
+// diffRender renders decision d of request r with the wire encoder (forceMsg false:
+// the dns.Msg encoder only where the wire encoder declines) or with the dns.Msg
+// encoder alone, and returns the response (the one sent later, for a query that was
+// forwarded).
+func diffRender(w *worker, r *request, d *decision, out []byte, ch chan []byte, forceMsg bool) (*dns.Msg, error) {
+	r.pending, r.p = false, nil
+	w.forceMsg = forceMsg
+	defer func() { w.forceMsg = false }()
+	b := w.encode(r, d, out)
 	if b == nil {
 		select {
 		case b = <-ch:
@@ -345,15 +363,33 @@ func diffServe(w *worker, out []byte, q diffQuestion, unpacked bool) (*dns.Msg, 
 	return m, nil
 }
 
-// diffCheck answers q both ways and describes how the responses differ ("" = not).
+// diffCheck decodes q and decides it once, renders that one decision with both
+// encoders, and describes how the responses differ ("" = not). Rendering looks
+// nothing up: the table is taken once, by decide.
 func diffCheck(w *diffWorld, q diffQuestion) string {
-	fm, err := diffServe(w.w, w.out, q, false)
-	if err != nil {
-		return "serve: " + err.Error()
+	wk := w.w
+	ch := make(chan []byte, 1)
+	c := &client{proto: q.proto, addr: q.client}
+	c.reply.sync = ch
+	r := &wk.req
+	*r = request{pkt: q.pkt, proto: q.proto, client: c, start: time.Now()}
+	if !wk.decodeWire(r) {
+		if _, done := wk.decodeMsg(r, w.out); done {
+			return "" // screened: never decided
+		}
 	}
-	gm, err := diffServe(w.w, w.out, q, true)
+	tables, decided := w.tables.n.Load(), wk.decided
+	d := wk.decide(r)
+	fm, err := diffRender(wk, r, d, w.out, ch, false)
 	if err != nil {
-		return "unpacked: " + err.Error()
+		return "wire encoder: " + err.Error()
+	}
+	gm, err := diffRender(wk, r, d, w.out, ch, true)
+	if err != nil {
+		return "dns.Msg encoder: " + err.Error()
+	}
+	if n, k := w.tables.n.Load()-tables, wk.decided-decided; n != 1 || k != 1 {
+		return fmt.Sprintf("%s: %d table snapshots and %d decisions for one query and two renderings, want 1 and 1", q, n, k)
 	}
 	fc, gc := canon(fm), canon(gm)
 	if fm.Truncated && gm.Truncated {
@@ -363,7 +399,7 @@ func diffCheck(w *diffWorld, q diffQuestion) string {
 	if fc == gc {
 		return ""
 	}
-	return fmt.Sprintf("%s\nserve:\n%sunpacked:\n%s", q, fc, gc)
+	return fmt.Sprintf("%s\nwire encoder:\n%sdns.Msg encoder:\n%s", q, fc, gc)
 }
 
 // canonTruncated is canon for a truncated response: the header, the question and
@@ -441,4 +477,33 @@ func FuzzPathsAgree(f *testing.F) {
 			}
 		}
 	})
+}
+
+// Each query served whole is decided once from one table snapshot, whichever encoder
+// renders it: the wire encoder declining (truncation, other types, alias chains, SRV)
+// does not make a second lookup.
+func TestOneLookupPerQuery(t *testing.T) {
+	rendered := map[bool]int{} // by whether the dns.Msg encoder rendered it
+	for world := range 40 {
+		rng := rand.New(rand.NewPCG(7, uint64(world)))
+		w := genWorld(t, rng)
+		for range 250 {
+			q := genQuestion(rng, w)
+			ch := make(chan []byte, 1)
+			c := &client{proto: q.proto, addr: q.client}
+			c.reply.sync = ch
+			tables, decided, unpacked := w.tables.n.Load(), w.w.decided, w.w.unpacked
+			if b := w.w.serve(q.pkt, w.out, c, time.Now()); b == nil {
+				<-ch
+			}
+			if n, k := w.tables.n.Load()-tables, w.w.decided-decided; n != 1 || k != 1 {
+				t.Fatalf("%s: %d table snapshots and %d decisions, want 1 and 1\nworld: %s", q, n, k, w.desc)
+			}
+			rendered[w.w.unpacked != unpacked]++
+		}
+	}
+	if rendered[false] == 0 || rendered[true] == 0 {
+		t.Fatalf("rendered by the wire encoder alone %d times, with the dns.Msg encoder %d times: want both", rendered[false], rendered[true])
+	}
+	t.Logf("wire encoder: %d queries, dns.Msg encoder (declined or another type): %d", rendered[false], rendered[true])
 }

@@ -1,7 +1,6 @@
 package resolver
 
 import (
-	"encoding/binary"
 	"hash/maphash"
 	"net/netip"
 	"strings"
@@ -10,7 +9,6 @@ import (
 
 	"github.com/miekg/dns"
 
-	"github.com/meshdns/meshdns-ebpf/internal/nametable"
 	"github.com/meshdns/meshdns-ebpf/internal/resolver/upstream"
 	"github.com/meshdns/meshdns-ebpf/internal/tap"
 	"github.com/meshdns/meshdns-ebpf/internal/workload"
@@ -69,24 +67,26 @@ const maxEcho = 12 + 255 + 4
 // pending is one query waiting for the upstream. It holds what the response needs and
 // nothing of the transport's buffers.
 type pending struct {
-	s      *Server
-	reply  replyTo
-	proto  proto
-	client netip.Addr
-	port   uint16
-	who    workload.Key
-	qname  string // the question's name (for the tap)
-	start  int64  // unix nanoseconds
-	qtype  uint16
-	edns   bool
-	do     bool
-	limit  int
-	cname  string // external autopath: CNAME from the question to the forwarded name
-	echo   [maxEcho]byte
-	nEcho  int
-	msg    *dns.Msg // the unpacked request, on the unpacked path
-	opt    *dns.OPT
-	prefix []dns.RR // unpacked path: records before the forwarded answer
+	s        *Server
+	reply    replyTo
+	proto    proto
+	client   netip.Addr
+	port     uint16
+	who      workload.Key
+	egress   uint32 // the sender's egress workload
+	qname    string // the question's name (for the tap)
+	start    int64  // unix nanoseconds
+	qtype    uint16
+	edns     bool
+	do       bool
+	limit    int
+	cname    string // wire path: the CNAME from the question to the forwarded name
+	autopath bool   // a search-path expansion (the tap)
+	echo     [maxEcho]byte
+	nEcho    int
+	msg      *dns.Msg // the unpacked request, on the unpacked path
+	opt      *dns.OPT
+	prefix   []dns.RR // unpacked path: records before the forwarded answer
 
 	claimed atomic.Bool // the answer is being given (claim)
 }
@@ -104,10 +104,68 @@ func sourceOf(src upstream.Source) source {
 	return srcUpstream
 }
 
+// forward is the forward stage of a decision to forward: the AAAA filter's NODATA, a
+// cache hit, or a pending query. The wire encoder renders it when the decision has
+// at most one CNAME, from the question (an external autopath expansion, an alias to
+// an external name); otherwise the dns.Msg encoder does, with the chain before the
+// forwarded answer.
+func (w *worker) forward(r *request, d *decision, out []byte) []byte {
+	wire := !w.forceMsg && r.qend > 0 && (len(d.chain) == 0 || len(d.chain) == 1 && d.chain[0].owner == "")
+	if !wire {
+		req, err := w.unpackReq(r)
+		if err != nil {
+			w.s.log.Warn("forward", "err", err)
+			return r.answered(servfailWire(r, out), dns.RcodeServerFailure, srcError, tap.Failed)
+		}
+		r.prefix = w.s.chainRRs(d, req.Question[0].Name, true)
+	}
+	var cname string
+	if len(d.chain) == 1 {
+		cname = d.chain[0].target
+	}
+	if d.filtered {
+		if b := w.filtered(r, d, out, wire, cname); b != nil {
+			return b
+		}
+	}
+	if wire {
+		return w.forwardWire(r, out, d.fwd, cname, d.autopath)
+	}
+	return w.forwardMsg(r, out, d.fwd, d.autopath)
+}
+
+// filtered answers a forward decision that the AAAA filter takes: NODATA with the
+// cluster domain's SOA in place of the forwarded part, built as a forwarded answer
+// and encoded as one. nil: no SOA to give (forward as usual).
+func (w *worker) filtered(r *request, d *decision, out []byte, wire bool, cname string) []byte {
+	s := w.s
+	soa := w.soaWire(d.t, d.soa)
+	if soa == nil {
+		return nil
+	}
+	a := upstream.Answer{Records: soa, Authority: 1, RecursionAvailable: true}
+	var b []byte
+	if wire {
+		b = encodeWire(out, r.pkt[:r.qend], r.edns, r.do, r.limit, s.ttl, cname, &a)
+		if b == nil {
+			b = s.truncated(out, r.pkt[:r.qend], r.edns, r.do, r.limit, cname, &a)
+		}
+	} else {
+		b = s.pack(s.answerMsg(r.msg, r.opt, r.limit, r.prefix, &a), out)
+	}
+	s.aaaaFiltered.Inc()
+	kind := tap.Table
+	if d.autopath {
+		kind = tap.Autopath
+	}
+	return r.answered(b, dns.RcodeSuccess, srcTable, kind)
+}
+
 // forwardWire answers a wire-decoded query from the cache, or starts its upstream
-// resolution. name is the name to forward (the question's, or the external name of an
-// autopath expansion, then also cname); both may alias the worker's buffer.
-func (w *worker) forwardWire(r *request, out []byte, name, cname string) []byte {
+// resolution. name is the name to forward (the question's, or the CNAME target cname
+// the response starts with); both may alias the worker's buffer. autopath: the query
+// is a search-path expansion (the tap).
+func (w *worker) forwardWire(r *request, out []byte, name, cname string, autopath bool) []byte {
 	s := w.s
 	q := &w.q // a field, not a local: passing it through the interface would allocate
 	*q = upstream.Query{Name: name, Qtype: r.qtype, Qclass: r.qclass, DO: r.do, CD: r.cd, ClientID: r.id()}
@@ -116,19 +174,18 @@ func (w *worker) forwardWire(r *request, out []byte, name, cname string) []byte 
 		if b == nil {
 			b = s.truncated(out, r.pkt[:r.qend], r.edns, r.do, r.limit, cname, &a)
 		}
-		s.record(r.proto, r.qtype, rcodeOf(&a, r.edns), srcCache, r.start)
 		kind := tap.Cache
-		if cname != "" {
+		if autopath {
 			kind = tap.Autopath
 		}
-		s.observeReq(r, r.lname, r.qtype, rcodeOf(&a, r.edns), kind, len(b))
-		return b
+		return r.answered(b, rcodeOf(&a, r.edns), srcCache, kind)
 	}
 	p := s.newPending(r)
 	if p == nil {
 		return w.overload(r, out)
 	}
 	p.nEcho = copy(p.echo[:], r.pkt[:r.qend])
+	p.autopath = autopath
 	pq := *q
 	if cname != "" {
 		p.cname = strings.Clone(cname)
@@ -142,29 +199,24 @@ func (w *worker) forwardWire(r *request, out []byte, name, cname string) []byte 
 	return nil
 }
 
-// forwardMsg forwards an unpacked query (not one decodeWire takes): cache or upstream,
-// the response built with miekg/dns.
-func (w *worker) forwardMsg(r *request, out []byte) []byte {
+// forwardMsg forwards name for an unpacked query (r.msg), the response built with
+// miekg/dns: r.prefix, the decision's CNAME chain, before the forwarded answer.
+func (w *worker) forwardMsg(r *request, out []byte, name string, autopath bool) []byte {
 	s := w.s
-	q := upstream.Query{Name: r.lname, Qtype: r.qtype, Qclass: r.qclass, DO: r.do, CD: r.cd, ClientID: r.msg.Id}
+	q := upstream.Query{Name: strings.Clone(name), Qtype: r.qtype, Qclass: r.qclass, DO: r.do, CD: r.cd, ClientID: r.msg.Id}
 	if a, ok := s.fwd.Cached(&q); ok {
 		b := s.pack(s.answerMsg(r.msg, r.opt, r.limit, r.prefix, &a), out)
-		s.record(r.proto, r.qtype, a.Rcode, srcCache, r.start)
 		kind := tap.Cache
-		if r.autopath {
+		if autopath {
 			kind = tap.Autopath
 		}
-		s.observeReq(r, question(r.msg), r.qtype, a.Rcode, kind, len(b))
-		return b
+		return r.answered(b, rcodeOf(&a, r.opt != nil), srcCache, kind)
 	}
 	p := s.newPending(r)
 	if p == nil {
 		return w.overload(r, out)
 	}
-	p.msg, p.opt, p.prefix, p.qname = r.msg, r.opt, r.prefix, question(r.msg)
-	if r.autopath {
-		p.cname = r.lname // the tap shows it as autopath; the response is built from msg and prefix
-	}
+	p.msg, p.opt, p.prefix, p.qname, p.autopath = r.msg, r.opt, r.prefix, strings.Clone(r.tapName()), autopath
 	s.fwd.ForwardAsync(&q, p.done)
 	return nil
 }
@@ -185,7 +237,7 @@ func (s *Server) newPending(r *request) *pending {
 	}
 	s.pending.Add(1)
 	p := &pending{
-		s: s, reply: r.client.reply, proto: r.proto, client: r.client.addr, port: r.client.port, who: r.client.who, start: r.start.UnixNano(),
+		s: s, reply: r.client.reply, proto: r.proto, client: r.client.addr, port: r.client.port, who: r.client.who, egress: r.client.egress, start: r.start.UnixNano(),
 		qtype: r.qtype, edns: r.edns, do: r.do, limit: r.limit,
 	}
 	r.pending, r.p = true, p
@@ -213,7 +265,7 @@ func (w *worker) overload(r *request, out []byte) []byte {
 		m.SetRcode(r.msg, rc)
 		m.RecursionAvailable = true
 		ri := reqInfo{proto: r.proto, opt: r.opt}
-		s.finish(m, &ri)
+		s.limitMsg(m, &ri)
 		b = s.pack(m, out)
 	} else {
 		b = writeHeader(out, r, false, rc, 0, 0, 0)
@@ -221,13 +273,7 @@ func (w *worker) overload(r *request, out []byte) []byte {
 			b = appendOPT(b, r.do, rc)
 		}
 	}
-	s.record(r.proto, r.qtype, rc, srcError, r.start)
-	name := r.lname
-	if r.msg != nil {
-		name = question(r.msg)
-	}
-	s.observeReq(r, name, r.qtype, rc, kind, len(b))
-	return b
+	return r.answered(b, rc, srcError, kind)
 }
 
 // done is the Forwarder's callback: encode the answer and send it to the client. A
@@ -258,20 +304,20 @@ func (p *pending) done(a upstream.Answer, err error) {
 	} else {
 		b = s.pack(s.answerMsg(p.msg, p.opt, p.limit, p.prefix, &a), out)
 	}
-	// Counted before sending, as on the inline path: a client that has its answer
-	// sees it in the metrics.
-	rc := rcodeOf(&a, p.edns || p.opt != nil)
-	s.record(p.proto, p.qtype, rc, src, unixTime(p.start))
-	kind, up := tap.Upstream, a.Server
+	// The callback's one exit: finished before sending, as on the inline path, so a
+	// client that has its answer sees it in the metrics.
+	o := outcome{who: p.who, port: p.port, proto: p.proto, start: unixTime(p.start), name: p.qname, qtype: p.qtype,
+		rcode: rcodeOf(&a, p.edns || p.opt != nil), src: src, kind: tap.Upstream, size: len(b), up: a.Server,
+		egress: p.egress, resp: b}
 	switch {
 	case src == srcError:
-		kind, up = tap.Failed, netip.AddrPort{}
+		o.kind, o.up = tap.Failed, netip.AddrPort{}
 	case src == srcStale:
-		kind = tap.Fallback
-	case p.cname != "":
-		kind = tap.Autopath
+		o.kind = tap.Fallback
+	case p.autopath:
+		o.kind = tap.Autopath
 	}
-	s.observe(p.who, p.port, p.proto, p.qname, p.qtype, rc, kind, unixTime(p.start), len(b), up)
+	s.finish(&o)
 	p.reply.send(b)
 }
 
@@ -281,204 +327,4 @@ func rcodeOf(a *upstream.Answer, edns bool) int {
 		return dns.RcodeServerFailure
 	}
 	return a.Rcode
-}
-
-// encodeWire writes the response to a wire-decoded query from a forwarded answer: the
-// client's header bits and question (echo), an optional CNAME from the question to
-// cname, the answer's packed records and our OPT. It returns nil when the response
-// does not fit limit (the caller truncates through the unpacked path).
-func encodeWire(out, echo []byte, edns, do bool, limit int, ttl uint32, cname string, a *upstream.Answer) []byte {
-	size := len(echo) + len(a.Records)
-	if cname != "" {
-		size += 12 + len(cname) + 1
-	}
-	if edns {
-		size += 11
-	}
-	if size > limit || size > len(out) {
-		return nil
-	}
-	rc := rcodeOf(a, edns)
-	recs, an, ns, ar := a.Records, a.Answer, a.Authority, a.Extra
-	if rc != a.Rcode {
-		recs, an, ns, ar, cname = nil, 0, 0, 0, "" // an inexpressible rcode: bare SERVFAIL
-	}
-	if cname != "" {
-		an++
-	}
-	r := request{pkt: echo, qend: len(echo), edns: edns}
-	b := writeHeader(out, &r, a.Authoritative && cname == "", rc, an, ns, ar)
-	if a.AuthenticData && (do || echo[3]&0x20 != 0) && cname == "" {
-		b[3] |= 0x20
-	}
-	if cname != "" {
-		b = appendRRHeader(b, 0xc000|12, dns.TypeCNAME, ttl, uint16(len(cname)+1))
-		b = appendName(b, cname)
-	}
-	recStart := len(b)
-	b = append(b, recs...)
-	if cname == "" {
-		echoOwnerCase(b, echo[12:len(echo)-4], recStart, int(an))
-	}
-	if edns {
-		b = appendOPT(b, do, rc)
-	}
-	return b
-}
-
-// echoOwnerCase gives the client's spelling back: in the n uncompressed records that
-// start at b[off:], each owner name that is the question's name qname (wire form) but
-// for case is overwritten with qname. Cached and upstream records carry the lower-cased
-// name the upstream was asked.
-func echoOwnerCase(b, qname []byte, off, n int) {
-	for ; n > 0; n-- {
-		end := off
-		for end < len(b) && b[end] != 0 && b[end] < 64 {
-			end += 1 + int(b[end])
-		}
-		if end >= len(b) || b[end] != 0 {
-			return // compressed or malformed: leave the rest as it is
-		}
-		end++
-		if end+10 > len(b) {
-			return
-		}
-		if name := b[off:end]; len(name) == len(qname) && equalFoldWire(name, qname) {
-			copy(name, qname)
-		}
-		off = end + 10 + int(binary.BigEndian.Uint16(b[end+8:]))
-	}
-}
-
-// equalFoldWire compares two wire names ASCII case-insensitively (length bytes are
-// below 64, so folding letters never touches them).
-func equalFoldWire(a, b []byte) bool {
-	for i := range a {
-		x, y := a[i], b[i]
-		if 'A' <= x && x <= 'Z' {
-			x += 'a' - 'A'
-		}
-		if 'A' <= y && y <= 'Z' {
-			y += 'a' - 'A'
-		}
-		if x != y {
-			return false
-		}
-	}
-	return true
-}
-
-// questionMsg unpacks the echoed header and question of a wire-decoded query.
-func questionMsg(echo []byte) (*dns.Msg, error) {
-	b := make([]byte, len(echo))
-	copy(b, echo)
-	clear(b[6:12]) // the OPT record is not part of the echo
-	m := new(dns.Msg)
-	return m, m.Unpack(b)
-}
-
-// truncated builds the response to a wire-decoded query whose answer does not fit the
-// client's limit: unpacked, truncated with miekg/dns, packed.
-func (s *Server) truncated(out, echo []byte, edns, do bool, limit int, cname string, a *upstream.Answer) []byte {
-	m, err := questionMsg(echo)
-	if err != nil {
-		return headerOnly(uint16(echo[0])<<8|uint16(echo[1]), 0, dns.RcodeServerFailure, out)
-	}
-	var opt *dns.OPT
-	if edns {
-		opt = newOPT(do)
-	}
-	return s.pack(s.answerMsg(m, opt, limit, s.cnamePrefix(m, cname), a), out)
-}
-
-// cnamePrefix is the CNAME record of an external autopath answer (none for "").
-func (s *Server) cnamePrefix(req *dns.Msg, cname string) []dns.RR {
-	if cname == "" {
-		return nil
-	}
-	return []dns.RR{&dns.CNAME{
-		Hdr:    dns.RR_Header{Name: req.Question[0].Name, Rrtype: dns.TypeCNAME, Class: dns.ClassINET, Ttl: s.ttl},
-		Target: cname,
-	}}
-}
-
-// answerMsg builds the response to req from a forwarded answer with miekg/dns and
-// truncates it to limit: for unpacked requests and for answers that need truncation.
-// prefix (a CNAME chain leading to the forwarded name) goes before the answer section;
-// with it the response is not authoritative.
-func (s *Server) answerMsg(req *dns.Msg, opt *dns.OPT, limit int, prefix []dns.RR, a *upstream.Answer) *dns.Msg {
-	out := new(dns.Msg)
-	out.Id = req.Id
-	out.Response = true
-	out.Opcode = dns.OpcodeQuery
-	out.RecursionDesired = req.RecursionDesired
-	out.CheckingDisabled = req.CheckingDisabled
-	out.RecursionAvailable = true
-	out.Question = req.Question
-	out.Rcode = rcodeOf(a, opt != nil)
-	if out.Rcode == a.Rcode {
-		out.Authoritative = a.Authoritative && prefix == nil
-		out.AuthenticatedData = a.AuthenticData && prefix == nil && (opt != nil && opt.Do() || req.AuthenticatedData)
-		an, ns, ex, err := a.RRs()
-		if err != nil {
-			s.log.Warn("forwarded answer", "err", err)
-			out.Rcode = dns.RcodeServerFailure
-		} else {
-			if prefix != nil {
-				an = append(prefix[:len(prefix):len(prefix)], an...)
-			} else if len(req.Question) == 1 {
-				qname := req.Question[0].Name
-				for _, rr := range an {
-					if h := rr.Header(); strings.EqualFold(h.Name, qname) {
-						h.Name = qname // the client's case (DNS 0x20)
-					}
-				}
-			}
-			out.Answer, out.Ns, out.Extra = nilIfEmpty(an), nilIfEmpty(ns), nilIfEmpty(ex)
-		}
-	}
-	if opt != nil {
-		o := newOPT(opt.Do())
-		out.Extra = append(out.Extra, o)
-	}
-	out.Truncate(limit)
-	return out
-}
-
-func nilIfEmpty(rrs []dns.RR) []dns.RR {
-	if len(rrs) == 0 {
-		return nil
-	}
-	return rrs
-}
-
-// externalAutopath finds the external name that a client's first search suffix
-// expanded: for a client whose namespace the table knows, <x>.<ns>.svc.<domain> with
-// x of at least two labels, outside the cluster domain and not in the table, stands for
-// x (glibc and musl try that suffix first with ndots:5). It is answered with a CNAME to
-// x and x's upstream answer in one round trip, as CoreDNS's autopath does. Only when
-// the resolver is authoritative for the cluster domain: otherwise the expanded name
-// might exist upstream.
-func (s *Server) externalAutopath(t *nametable.Table, lname string, client netip.Addr) (string, bool) {
-	if !s.authoritative || !strings.HasSuffix(lname, s.dotDomain) {
-		return "", false
-	}
-	ns, ok := t.ClientNamespace(client)
-	if !ok {
-		return "", false
-	}
-	head := lname[:len(lname)-len(s.domain)] // "x.<ns>.svc."
-	suffix := len(ns) + len(".svc.")
-	if len(head) <= suffix+1 || head[len(head)-suffix-1] != '.' || !strings.HasSuffix(head, ".svc.") ||
-		head[len(head)-suffix:len(head)-len(".svc.")] != ns {
-		return "", false
-	}
-	x := head[:len(head)-suffix]
-	if strings.Count(x, ".") < 2 || x == s.domain || strings.HasSuffix(x, s.dotDomain) {
-		return "", false
-	}
-	if n, _ := t.Find(x, client); n != nil {
-		return "", false
-	}
-	return x, true
 }

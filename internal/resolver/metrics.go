@@ -1,8 +1,6 @@
 package resolver
 
 import (
-	"time"
-
 	"github.com/miekg/dns"
 	"github.com/prometheus/client_golang/prometheus"
 )
@@ -141,19 +139,4 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 		m.duration[s] = dur.WithLabelValues(sourceNames[s])
 	}
 	return m, nil
-}
-
-// record counts one answered query: the request, the response and its latency. Every
-// path calls it once per response; it is the only place metrics are recorded.
-func (s *Server) record(p proto, qtype uint16, rcode int, src source, start time.Time) {
-	m := s.m
-	m.requests[p][qtypeIndex(qtype)].Inc()
-	m.responses[rcodeIndex(rcode)][src].Inc()
-	m.duration[src].Observe(time.Since(start).Seconds())
-}
-
-// recordDrop counts a message deliberately not answered.
-func (s *Server) recordDrop(p proto) {
-	s.m.requests[p][nQtypes-1].Inc()
-	s.m.dropped.Inc()
 }

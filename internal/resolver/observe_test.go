@@ -14,11 +14,11 @@ import (
 
 // portSenders attributes a query to cgroup 1000+port, process 7: what the
 // datapath's flow records would say.
-func portSenders(src netip.AddrPort, tcp bool) (uint64, uint32, bool) {
+func portSenders(src netip.AddrPort, tcp bool) (Sender, bool) {
 	if tcp {
-		return 50000 + uint64(src.Port()), 7, true
+		return Sender{Cgroup: 50000 + uint64(src.Port()), PID: 7}, true
 	}
-	return 1000 + uint64(src.Port()), 7, true
+	return Sender{Cgroup: 1000 + uint64(src.Port()), PID: 7}, true
 }
 
 // nextEvent waits for the tap's next event.

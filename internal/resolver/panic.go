@@ -27,16 +27,8 @@ func (w *worker) panicked(v any, out []byte) []byte {
 		r.p.release()
 	}
 	r.pending, r.p = false, nil
-	b := servfailWire(r, out)
-	bestEffort(func() {
-		s.record(r.proto, r.qtype, dns.RcodeServerFailure, srcError, r.start)
-		name := r.lname
-		if r.msg != nil {
-			name = question(r.msg)
-		}
-		s.observeReq(r, name, r.qtype, dns.RcodeServerFailure, tap.Failed, len(b))
-	})
-	return b
+	r.o.drop = false
+	return r.answered(servfailWire(r, out), dns.RcodeServerFailure, srcError, tap.Failed)
 }
 
 // servfailWire writes SERVFAIL for r into out without miekg/dns: the client's header

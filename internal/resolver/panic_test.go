@@ -66,11 +66,11 @@ func TestPanicOnTheQueryPathAnswersServfail(t *testing.T) {
 		c.Table = table
 		fwd.next = c.Forwarder
 		c.Forwarder = fwd
-		c.Senders = func(netip.AddrPort, bool) (uint64, uint32, bool) {
+		c.Senders = func(netip.AddrPort, bool) (Sender, bool) {
 			if sendersPanic.Load() {
 				panic("injected: senders")
 			}
-			return 0, 0, false
+			return Sender{}, false
 		}
 		var err error
 		if c.Panics, err = panicguard.New(c.Registerer, c.Logger); err != nil {

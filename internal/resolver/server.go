@@ -1,10 +1,12 @@
 // Package resolver is the DNS server every captured query meets. One query path
 // (pipeline.go) serves every transport: UDP readers that block in raw recvmmsg calls,
 // keeping their scheduler slots, and answer table and cache hits inline (udp_linux.go), TCP connections
-// (tcp.go) and in-process use (ServeDNS). Mesh names are answered from the name table
-// (table.go, handler.go: alt names, autopath, NODATA/NXDOMAIN with SOA, PTR, SRV,
-// shuffling); everything else goes to the Forwarder (forward.go), asynchronously and
-// bounded. Answer semantics are described in docs/resolver.md.
+// (tcp.go) and in-process use (ServeDNS). Each query is decoded (decode.go), decided
+// once from the name table (decide.go: alt names, autopath, NODATA/NXDOMAIN with SOA,
+// PTR, SRV, pod records, the AAAA filter), rendered by the wire encoder
+// (encode_wire.go) or, where it declines, the dns.Msg encoder (encode_msg.go), or
+// forwarded (forward.go: cache, then the Forwarder, asynchronously and bounded), and
+// recorded once (finish.go). Answer semantics are described in docs/resolver.md.
 package resolver
 
 import (
@@ -107,8 +109,11 @@ type Config struct {
 	ReaderNice int
 	// Senders tells who sent from a source address and port (the datapath's
 	// flow records, redirect.Flows); nil: senders are known by address only.
-	// It runs for every query and must neither block nor allocate.
-	Senders func(src netip.AddrPort, tcp bool) (cgroup uint64, pid uint32, ok bool)
+	Senders func(src netip.AddrPort, tcp bool) (Sender, bool)
+	// Grant is DNS-gated egress's grant step: every answer to a sender in an
+	// egress workload (Sender.Egress) is offered to it before it is sent
+	// (egressctl.Controller.Grant); nil: no egress.
+	Grant Granter
 	// Talkers counts every answered query per sender; nil: no counting.
 	Talkers *talkers.Counter
 	// Tap gets every answered query while someone subscribes; nil: none.
@@ -159,7 +164,8 @@ type Server struct {
 	readerNice int
 	niceFailed sync.Once
 
-	senders func(src netip.AddrPort, tcp bool) (uint64, uint32, bool)
+	senders func(src netip.AddrPort, tcp bool) (Sender, bool)
+	grant   Granter
 	panics  *panicguard.Counter
 	talkers *talkers.Counter
 	tap     *tap.Hub
@@ -215,6 +221,7 @@ func New(cfg Config) (*Server, error) {
 		onReaders:     cfg.OnReaders,
 		readerNice:    cfg.ReaderNice,
 		senders:       cfg.Senders,
+		grant:         cfg.Grant,
 		panics:        cfg.Panics,
 		budgets:       newBudgets(cfg.WorkloadBudget),
 		talkers:       cfg.Talkers,
@@ -525,17 +532,28 @@ func (s *Server) ServeDNS(w dns.ResponseWriter, req *dns.Msg) {
 
 // client is where a query came from and how to answer it later.
 type client struct {
-	proto proto
-	addr  netip.Addr // unmapped
-	port  uint16
-	who   workload.Key // who sent it
-	reply replyTo
+	proto  proto
+	addr   netip.Addr // unmapped
+	port   uint16
+	who    workload.Key // who sent it
+	egress uint32       // its egress workload (Sender.Egress; 0: none)
+	reply  replyTo
+}
+
+// Sender is who sent from a source address and port, as the datapath recorded
+// it: the cgroup and process (0: not attributed) and the egress workload whose
+// policy governs it (0: none).
+type Sender struct {
+	Cgroup uint64
+	PID    uint32
+	Egress uint32
 }
 
 // setSender records the client's address and who sent from it.
 func (c *client) setSender(s *Server, src netip.AddrPort) {
 	c.addr, c.port = src.Addr().Unmap(), src.Port()
 	c.who = workload.Key{Addr: c.addr}
+	c.egress = 0
 	if s.senders != nil {
 		c.lookupSender(s)
 	}
@@ -549,8 +567,8 @@ func (c *client) lookupSender(s *Server) {
 			s.panics.Recovered(panicguard.StageAttribution, v, "client", c.addr)
 		}
 	}()
-	if cg, pid, ok := s.senders(netip.AddrPortFrom(c.addr, c.port), c.proto == protoTCP); ok {
-		c.who.Cgroup, c.who.PID = cg, pid
+	if snd, ok := s.senders(netip.AddrPortFrom(c.addr, c.port), c.proto == protoTCP); ok {
+		c.who.Cgroup, c.who.PID, c.egress = snd.Cgroup, snd.PID, snd.Egress
 	}
 }
 

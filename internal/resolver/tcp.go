@@ -112,10 +112,6 @@ func (tc *tcpConn) serve() {
 		}
 		start := time.Now()
 		tc.lastUsed.Store(start.UnixNano())
-		if n < 12 {
-			s.recordDrop(protoTCP)
-			return // no ID to answer to; the stream is unusable
-		}
 		tc.busy.Add(1)
 		bp := s.outBufs.get(dns.MaxMsgSize)
 		b := w.serve(in[:n], *bp, c, start)
@@ -125,6 +121,9 @@ func (tc *tcpConn) serve() {
 			tc.busy.Add(-1) // dropped
 		}
 		s.outBufs.put(bp)
+		if n < 12 {
+			return // no ID to answer to (serve dropped it): the stream is unusable
+		}
 	}
 }
 
