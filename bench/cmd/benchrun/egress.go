@@ -155,6 +155,11 @@ func (r egressReport) sum(conf string, match func(connectRun) bool) (s connectRu
 		s.failed += x.failed
 		s.retrans += x.retrans
 		s.cpu += x.cpu
+		if x.agentCPU < 0 || s.agentCPU < 0 {
+			s.agentCPU = -1 // unknown for one run: unknown in the sum
+		} else {
+			s.agentCPU += x.agentCPU
+		}
 		s.p99 = max(s.p99, x.p99)
 		s.max = max(s.max, x.max)
 	}
@@ -172,6 +177,20 @@ func (r egressReport) cpuPerConnect(conf string) time.Duration {
 		return 0
 	}
 	return s.cpu / time.Duration(s.cycles)
+}
+
+// roundRatios is the clients' CPU per connect of (b) over (a) in each round
+// (resolved TCP runs), the spread behind the total's ratio.
+func (r egressReport) roundRatios() []float64 {
+	var out []float64
+	for round := 1; ; round++ {
+		in := func(x connectRun) bool { return resolvedTCP(x) && x.round == round }
+		a, b := r.sum("a", in), r.sum("b", in)
+		if a.cycles == 0 || b.cycles == 0 || a.cpu == 0 {
+			return out
+		}
+		out = append(out, (float64(b.cpu)/float64(b.cycles))/(float64(a.cpu)/float64(a.cycles)))
+	}
 }
 
 // egressTargets judges the targets on the runs of (b), against (a) for
@@ -481,11 +500,20 @@ func printEgress(w io.Writer, c egressConfig, r egressReport) {
 			x.p50, x.p99, x.max, us(x.cpu)/float64(max(x.cycles, 1)), agent, x.load, strings.Join(x.fails, "; "))
 	}
 	p("\nTotals of the TCP runs to resolved addresses (SYN retransmits: glibc and musl; the p99 of all of them together is at most the worst run's).\n")
-	p("\n| conf | TCP cycles | ok | denied | failed | SYN retrans | worst run's p99 µs | max µs | client CPU µs/connect |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|\n")
+	p("\n| conf | TCP cycles | ok | denied | failed | SYN retrans | worst run's p99 µs | max µs | client CPU µs/connect | agent CPU µs/connect |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
 	for _, conf := range []string{"a", "b"} {
 		s := r.sum(conf, resolvedTCP)
-		p("| %s | %d | %d | %d | %d | %d | %d | %d | %.1f |\n", conf, s.cycles, s.ok, s.eperm, s.failed, s.retrans, s.p99, s.max, us(r.cpuPerConnect(conf)))
+		agent := "?"
+		if s.agentCPU >= 0 && s.cycles > 0 {
+			agent = fmt.Sprintf("%.1f", us(s.agentCPU)/float64(s.cycles))
+		}
+		p("| %s | %d | %d | %d | %d | %d | %d | %d | %.1f | %s |\n", conf, s.cycles, s.ok, s.eperm, s.failed, s.retrans, s.p99, s.max, us(r.cpuPerConnect(conf)), agent)
 	}
+	var each []string
+	for _, x := range r.roundRatios() {
+		each = append(each, fmt.Sprintf("%.3f", x))
+	}
+	p("\nClients' CPU per connect, (b) / (a), round by round: %s.\n", strings.Join(each, ", "))
 	p("\n### Targets\n\n")
 	for _, t := range egressTargets(r) {
 		p("- %s: %s (%s)\n", t.name, verdict(t.ok), t.measured)

@@ -77,3 +77,19 @@ func TestParseConnectRun(t *testing.T) {
 		t.Fatal("output without the RUSAGE line parsed")
 	}
 }
+
+// The CPU ratio of each round pairs the two configurations' runs of that round.
+func TestEgressRoundRatios(t *testing.T) {
+	run := func(conf string, round int, cpu time.Duration) connectRun {
+		return connectRun{conf: conf, client: "glibc", proto: "tcp", round: round, cycles: 100, ok: 100, cpu: cpu}
+	}
+	rep := egressReport{runs: []connectRun{
+		run("a", 1, 10*time.Millisecond), run("b", 1, 11*time.Millisecond),
+		run("b", 2, 20*time.Millisecond), run("a", 2, 20*time.Millisecond),
+		{conf: "b", proto: "tcp", never: true, round: 2, cycles: 100, eperm: 100, cpu: time.Second},
+	}}
+	got := rep.roundRatios()
+	if len(got) != 2 || got[0] < 1.099 || got[0] > 1.101 || got[1] != 1 {
+		t.Fatalf("round ratios %v, want [1.1 1] (the never-resolved run left out)", got)
+	}
+}
