@@ -38,7 +38,7 @@ type egressNode struct {
 	*node
 	inet *testenv.Internet
 	cgs  map[string]*testenv.Cgroup // by policy name
-	file string                      // the policy file
+	file string                     // the policy file
 }
 
 // newEgressNode builds the node and its internet, and writes a policy file with
