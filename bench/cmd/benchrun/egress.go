@@ -63,6 +63,7 @@ type egressConfig struct {
 	udpCycles, neverCycles   int
 	serverCPU, genCPU, admin int
 	port, upPort             int
+	agentArgs                string
 }
 
 func runEgress(args []string) int {
@@ -79,6 +80,7 @@ func runEgress(args []string) int {
 	fs.IntVar(&c.neverCycles, "never-cycles", 300, "cycles per client of the never-resolved run in (b)")
 	fs.IntVar(&c.serverCPU, "server-cpu", 1, "core the agent is pinned to")
 	fs.IntVar(&c.genCPU, "gen-cpu", 0, "core the clients and the internet helper are pinned to")
+	fs.StringVar(&c.agentArgs, "agent-args", "--cache-bytes=1", "extra flags of the agent in both configurations, space-separated; the default leaves its answer cache no room, so every query reaches the upstream and every cycle connects to an address no earlier answer named (\"\" keeps the cache: answers from it are granted too, but the address changes about once a second)")
 	fs.IntVar(&c.port, "base-port", 25300, "first port used inside the namespace (agent +60, admin +61, upstream +62)")
 	_ = fs.Parse(args)
 	c.admin, c.upPort = c.port+61, c.port+62
@@ -134,6 +136,7 @@ type egressReport struct {
 	startLoad, endLoad  string
 	started, finished   time.Time
 	agentArgs, ns, cgrp string
+	upQueries           int // queries the upstream answered (-1: unknown)
 }
 
 // egressTarget is one of the issue's targets, judged.
@@ -289,6 +292,13 @@ func egressBench(ctx context.Context, c egressConfig) (rep egressReport, err err
 	}
 	rep.finished = time.Now()
 	rep.endLoad, _ = loadAvg()
+	inet.stop() // it prints how many queries it answered as it exits
+	rep.upQueries = -1
+	if log, err := os.ReadFile(inet.log.Name()); err == nil {
+		if m := regexp.MustCompile(`(?m)^queries (\d+)$`).FindSubmatch(log); m != nil {
+			rep.upQueries, _ = strconv.Atoi(string(m[1]))
+		}
+	}
 	return rep, nil
 }
 
@@ -322,6 +332,7 @@ func egressRound(ctx context.Context, c egressConfig, env *dpEnv, clients, conf 
 		"--state-dir", filepath.Join(env.dir, "state-"+conf),
 		"--cgroup", env.cgroup, "--nameservers", dpNameserver, "--bpffs", filepath.Join(env.bpffs, conf),
 		"--authoritative=true", "--log-level", "warn"}
+	args = append(args, strings.Fields(c.agentArgs)...)
 	if conf == "b" {
 		args = append(args, "--egress", "--egress-policy-file", filepath.Join(env.dir, "policy.yaml"))
 	}
@@ -509,6 +520,13 @@ func printEgress(w io.Writer, c egressConfig, r egressReport) {
 		}
 		p("| %s | %d | %d | %d | %d | %d | %d | %d | %.1f | %s |\n", conf, s.cycles, s.ok, s.eperm, s.failed, s.retrans, s.p99, s.max, us(r.cpuPerConnect(conf)), agent)
 	}
+	var cycles int
+	for _, x := range r.runs {
+		if !x.never {
+			cycles += x.cycles
+		}
+	}
+	p("\nThe upstream answered %d queries for the %d resolve -> connect cycles of both configurations (-1: unknown; one per cycle: each connect went to an address no earlier answer named).\n", r.upQueries, cycles)
 	var each []string
 	for _, x := range r.roundRatios() {
 		each = append(each, fmt.Sprintf("%.3f", x))
