@@ -51,6 +51,9 @@ fi
 
 if [ "${1:-}" = egress ]; then
 	shift
+	for t in gcc musl-gcc taskset nsenter unshare dig conntrack; do
+		command -v "$t" >/dev/null 2>&1 || [ -x "/usr/sbin/$t" ] || { log "egress: $t is missing"; exit 1; }
+	done
 	log "building benchrun, bin/meshdns-ebpf and the egress clients (gcc, musl-gcc, go)"
 	go build -o "$work/bin/benchrun" ./bench/cmd/benchrun
 	go build -o "$repo/bin/meshdns-ebpf" ./cmd/meshdns-ebpf

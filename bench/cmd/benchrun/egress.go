@@ -232,7 +232,7 @@ func us(d time.Duration) float64 { return float64(d) / float64(time.Microsecond)
 // egressBench sets up the namespace, the internet and the clients' cgroup, and
 // runs the rounds.
 func egressBench(ctx context.Context, c egressConfig) (rep egressReport, err error) {
-	rep.started = time.Now()
+	rep.started, rep.upQueries = time.Now(), -1
 	rep.startLoad, _ = loadAvg()
 	logDir := filepath.Join(c.work, "logs")
 	if err := os.MkdirAll(logDir, 0o755); err != nil {
@@ -293,7 +293,6 @@ func egressBench(ctx context.Context, c egressConfig) (rep egressReport, err err
 	rep.finished = time.Now()
 	rep.endLoad, _ = loadAvg()
 	inet.stop() // it prints how many queries it answered as it exits
-	rep.upQueries = -1
 	if log, err := os.ReadFile(inet.log.Name()); err == nil {
 		if m := regexp.MustCompile(`(?m)^queries (\d+)$`).FindSubmatch(log); m != nil {
 			rep.upQueries, _ = strconv.Atoi(string(m[1]))
