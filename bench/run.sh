@@ -51,6 +51,7 @@ fi
 
 if [ "${1:-}" = egress ]; then
 	shift
+	PATH="$PATH:/usr/sbin:/sbin"
 	for t in gcc musl-gcc taskset nsenter unshare dig conntrack; do
 		command -v "$t" >/dev/null 2>&1 || [ -x "/usr/sbin/$t" ] || { log "egress: $t is missing"; exit 1; }
 	done
