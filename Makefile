@@ -22,7 +22,7 @@ export GOTOOLCHAIN := local
 # type: 82 MB instead of 51 MB for the agent (docs/istio.md).
 export GOFLAGS := -buildvcs=false -tags=grpcnotrace
 
-.PHONY: all build run test deps test-deps kube-bin tools-bin istiod-bin node-bin node-e2e unit generate check-generate vet bench bench-budgets soak fuzz clean \
+.PHONY: all build run test deps test-deps kube-bin tools-bin istiod-bin node-bin node-e2e unit generate check-generate vet bench bench-budgets bench-egress soak fuzz clean \
 	image image-lock image-push
 
 # The image (docs/kubernetes.md). `make image` builds it from deploy/image/debs.lock
@@ -122,6 +122,10 @@ bench: build
 # Only the per-workload budgets lane of the benchmark (a few minutes).
 bench-budgets:
 	bench/run.sh budgets
+
+# Only the DNS-gated egress lane of the benchmark (a few minutes, root).
+bench-egress:
+	bench/run.sh egress
 
 # `make fuzz` (not part of `make test`): every fuzz target for FUZZTIME, one at a
 # time on one core. FuzzServeDNS: any message gets a well-formed reply within its

@@ -25,6 +25,11 @@
 # budgets`, a few minutes; make bench-budgets): the agent on CPU 1, the load
 # generators and the upstream on CPU 0; prints its section (flags: benchrun
 # budgets -h).
+#
+# bench/run.sh egress [flags]: only the DNS-gated egress lane (`benchrun egress`,
+# make bench-egress; needs root, gcc and musl-gcc): resolve -> connect cycles from
+# glibc, musl and Go clients with the agent without and with --egress; prints its
+# section (flags: benchrun egress -h).
 set -euo pipefail
 
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -56,6 +61,21 @@ if [ "${1:-}" = budgets ]; then
 	go build -o "$work/bin/benchrun" ./bench/cmd/benchrun
 	go build -o "$repo/bin/meshdns-ebpf" ./cmd/meshdns-ebpf
 	exec taskset -c 0 "$work/bin/benchrun" budgets -meshdns "$repo/bin/meshdns-ebpf" -work "$work" -gen-cpu 0 -server-cpu 1 "$@"
+fi
+if [ "${1:-}" = egress ]; then
+	shift
+	PATH="$PATH:/usr/sbin:/sbin"
+	for t in gcc musl-gcc taskset nsenter unshare dig conntrack; do
+		command -v "$t" >/dev/null 2>&1 || [ -x "/usr/sbin/$t" ] || { log "egress: $t is missing"; exit 1; }
+	done
+	log "building benchrun, bin/meshdns-ebpf and the egress clients (gcc, musl-gcc, go)"
+	go build -o "$work/bin/benchrun" ./bench/cmd/benchrun
+	go build -o "$repo/bin/meshdns-ebpf" ./cmd/meshdns-ebpf
+	gcc -O2 -Wall -o "$work/bin/egressload-glibc" test/e2e/testdata/egressload/egressload.c
+	musl-gcc -static -O2 -Wall -o "$work/bin/egressload-musl" test/e2e/testdata/egressload/egressload.c
+	go build -o "$work/bin/goegress" ./test/e2e/testdata/goegress
+	exec taskset -c 0 "$work/bin/benchrun" egress -meshdns "$repo/bin/meshdns-ebpf" -work "$work" \
+		-egressload-glibc "$work/bin/egressload-glibc" -egressload-musl "$work/bin/egressload-musl" -goegress "$work/bin/goegress" "$@"
 fi
 
 missing=()

@@ -30,11 +30,30 @@ type Internet struct {
 // through a route the caller adds.
 func StartInternet(t testing.TB, ns *Netns, prefix netip.Prefix, port int) *Internet {
 	t.Helper()
-	in := &Internet{Prefix: prefix, Port: port}
 	ns.IP(t, "route", "add", "local", prefix.String(), "dev", "lo")
+	var in *Internet
+	var stop func()
+	err := ns.Do(func() error {
+		var err error
+		in, stop, err = ServeInternet(prefix, port)
+		return err
+	})
+	if err != nil {
+		t.Fatalf("%v", err)
+	}
+	t.Cleanup(stop)
+	return in
+}
+
+// ServeInternet serves port (TCP accepts, UDP echoes) on every local address
+// of the calling thread's network namespace until stop is called; the caller
+// makes prefix local there. StartInternet runs it in a test's namespace, the
+// benchmark's helper (bench/cmd/benchrun) in its own.
+func ServeInternet(prefix netip.Prefix, port int) (in *Internet, stop func(), err error) {
+	in = &Internet{Prefix: prefix, Port: port}
 	var ln net.Listener
 	var pc *net.UDPConn
-	err := ns.Do(func() error {
+	err = func() error {
 		var err error
 		if ln, err = net.Listen("tcp4", fmt.Sprintf("0.0.0.0:%d", port)); err != nil {
 			return err
@@ -55,17 +74,19 @@ func StartInternet(t testing.TB, ns *Netns, prefix netip.Prefix, port int) *Inte
 			return err
 		}
 		return serr
-	})
+	}()
 	if err != nil {
 		if ln != nil {
 			ln.Close()
 		}
-		t.Fatalf("internet on %s port %d: %v", prefix, port, err)
+		if pc != nil {
+			pc.Close()
+		}
+		return nil, nil, fmt.Errorf("internet on %s port %d: %w", prefix, port, err)
 	}
-	t.Cleanup(func() { ln.Close(); pc.Close() })
 	go in.accept(ln)
 	go in.echo(pc)
-	return in
+	return in, func() { ln.Close(); pc.Close() }, nil
 }
 
 func (in *Internet) accept(ln net.Listener) {

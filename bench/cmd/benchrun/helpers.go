@@ -34,6 +34,9 @@ import (
 //	                              stream (64 KiB writes) to ADDR for DUR; print
 //	                              packets (writes), bytes and own CPU nanoseconds
 //	helper sink ADDR              accept TCP connections on ADDR, read and discard
+//	helper internet PORT DNSADDR NAME PREFIX
+//	                              the egress lane's internet and its nameserver (egress.go)
+//	helper rusage ARGV...         run ARGV, then print its CPU (egress.go)
 
 // runHelper runs a helper and returns the exit code.
 func runHelper(args []string) int {
@@ -50,6 +53,10 @@ func runHelper(args []string) int {
 		}
 	case len(args) == 2 && args[0] == "sink":
 		err = helperSink(args[1])
+	case len(args) == 5 && args[0] == "internet":
+		err = helperInternet(args[1], args[2], args[3], args[4])
+	case len(args) > 1 && args[0] == "rusage":
+		err = helperRusage(args[1:])
 	default:
 		err = fmt.Errorf("unknown helper %q", args)
 	}

@@ -267,6 +267,9 @@ func main() {
 	if len(os.Args) > 1 && os.Args[1] == "budgets" {
 		os.Exit(runBudgets(os.Args[2:]))
 	}
+	if len(os.Args) > 1 && os.Args[1] == "egress" {
+		os.Exit(runEgress(os.Args[2:]))
+	}
 	if len(os.Args) > 1 && os.Args[1] == "kube-section" {
 		os.Exit(runKubeSection(os.Args[2:]))
 	}
