@@ -33,11 +33,11 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/fsnotify/fsnotify"
 	"github.com/prometheus/client_golang/prometheus"
 	"sigs.k8s.io/yaml"
 
 	"github.com/meshdns/meshdns-ebpf/internal/egresspolicy"
+	"github.com/meshdns/meshdns-ebpf/internal/filewatch"
 )
 
 // SourceName is the Source field of the policies of a policy file.
@@ -48,10 +48,6 @@ const DefaultMaxSize = 4 << 20
 
 // DefaultPollInterval is how often the file is stat'ed besides fsnotify.
 const DefaultPollInterval = time.Second
-
-// debounce lets a burst of events (truncate then write, kubelet's renames)
-// settle before the file is read.
-const debounce = 50 * time.Millisecond
 
 // Options configure a policy file Source.
 type Options struct {
@@ -340,57 +336,7 @@ func (s *Source) read() (*egresspolicy.Set, error) {
 	return Parse(data)
 }
 
-// watch reloads the file on fsnotify events in its directory (debounced)
-// and on every poll tick, until ctx ends.
+// watch reloads the file on changes (internal/filewatch) until ctx ends.
 func (s *Source) watch(ctx context.Context) {
-	dir := filepath.Dir(s.path)
-	var events <-chan fsnotify.Event
-	var errs <-chan error
-	fw, err := fsnotify.NewWatcher()
-	if err != nil {
-		s.log.Warn("fsnotify unavailable, polling only", "err", err)
-	} else {
-		defer fw.Close()
-		events, errs = fw.Events, fw.Errors
-	}
-	watching := false
-	addWatch := func() {
-		if fw == nil || watching {
-			return
-		}
-		if err := fw.Add(dir); err == nil {
-			watching = true
-		}
-	}
-	addWatch()
-	poll := time.NewTicker(s.opts.PollInterval)
-	defer poll.Stop()
-	timer := time.NewTimer(time.Hour)
-	timer.Stop()
-	for {
-		select {
-		case <-ctx.Done():
-			return
-		case ev, ok := <-events:
-			if !ok {
-				events = nil
-				continue
-			}
-			if ev.Name == dir && ev.Op&(fsnotify.Remove|fsnotify.Rename) != 0 {
-				watching = false
-			}
-			timer.Reset(debounce)
-		case err, ok := <-errs:
-			if !ok {
-				errs = nil
-				continue
-			}
-			s.log.Warn("fsnotify error, relying on polling", "err", err)
-		case <-timer.C:
-			_ = s.load(false)
-		case <-poll.C:
-			addWatch()
-			_ = s.load(false)
-		}
-	}
+	filewatch.Watch(ctx, s.path, s.opts.PollInterval, s.log, func() { _ = s.load(false) })
 }

@@ -17,8 +17,7 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/fsnotify/fsnotify"
-
+	"github.com/meshdns/meshdns-ebpf/internal/filewatch"
 	"github.com/meshdns/meshdns-ebpf/internal/names"
 	"github.com/meshdns/meshdns-ebpf/internal/nametable"
 )
@@ -30,10 +29,6 @@ const PollInterval = time.Second
 // DefaultMaxSize caps the size of a names file (100k Services take about
 // 15 MB of YAML).
 const DefaultMaxSize = 64 << 20
-
-// debounce lets a burst of events (truncate then write, or kubelet's
-// several renames) settle before the file is read.
-const debounce = 50 * time.Millisecond
 
 // Options configure a File source.
 type Options struct {
@@ -282,59 +277,8 @@ func (f *File) Run(ctx context.Context, sink names.Sink) error {
 	}
 	sink.Synced()
 
-	dir := filepath.Dir(f.path)
-	var events <-chan fsnotify.Event
-	var errs <-chan error
-	fw, err := fsnotify.NewWatcher()
-	if err != nil {
-		f.log.Warn("fsnotify unavailable, polling only", "err", err)
-	} else {
-		defer fw.Close()
-		events, errs = fw.Events, fw.Errors
-	}
-	watching := false
-	addWatch := func() {
-		if fw == nil || watching {
-			return
-		}
-		if err := fw.Add(dir); err != nil {
-			f.log.Debug("cannot watch directory yet, polling", "dir", dir, "err", err)
-			return
-		}
-		watching = true
-	}
-	addWatch()
-
-	poll := time.NewTicker(PollInterval)
-	defer poll.Stop()
-	timer := time.NewTimer(time.Hour)
-	timer.Stop()
-	for {
-		select {
-		case <-ctx.Done():
-			return nil
-		case ev, ok := <-events:
-			if !ok {
-				events = nil
-				continue
-			}
-			if ev.Name == dir && ev.Op&(fsnotify.Remove|fsnotify.Rename) != 0 {
-				watching = false
-			}
-			timer.Reset(debounce)
-		case err, ok := <-errs:
-			if !ok {
-				errs = nil
-				continue
-			}
-			f.log.Warn("fsnotify error, relying on polling", "err", err)
-		case <-timer.C:
-			f.load(sink, false)
-		case <-poll.C:
-			addWatch()
-			f.load(sink, false)
-		}
-	}
+	filewatch.Watch(ctx, f.path, PollInterval, f.log, func() { f.load(sink, false) })
+	return nil
 }
 
 // Static serves a name table held in memory (the embedded demo table).
