@@ -5,7 +5,6 @@ import (
 	"net/netip"
 	"os"
 	"path/filepath"
-	"regexp"
 	"strconv"
 	"strings"
 	"sync"
@@ -13,6 +12,7 @@ import (
 	"time"
 
 	"github.com/meshdns/meshdns-ebpf/internal/agenttest"
+	"github.com/meshdns/meshdns-ebpf/internal/connload"
 	"github.com/meshdns/meshdns-ebpf/internal/tap"
 	"github.com/meshdns/meshdns-ebpf/internal/testenv"
 )
@@ -89,61 +89,19 @@ func (n *egressNode) egressArgs() []string {
 	return []string{"--egress", "--egress-policy-file", n.file, "--cache-bytes", "1"}
 }
 
-// connectResult is one egressload or goegress run's SUMMARY.
-type connectResult struct {
-	cycles, ok, eperm, failed, retrans, p50, p99, max int
-	fails                                             []string
-}
-
-var summaryField = regexp.MustCompile(`(\w+)=(\d+)`)
-
-func parseConnects(t *testing.T, out string) connectResult {
-	t.Helper()
-	var r connectResult
-	for _, l := range strings.Split(out, "\n") {
-		if strings.HasPrefix(l, "FAIL ") {
-			r.fails = append(r.fails, l)
-			continue
-		}
-		if !strings.HasPrefix(l, "SUMMARY ") {
-			continue
-		}
-		for _, m := range summaryField.FindAllStringSubmatch(l, -1) {
-			v, _ := strconv.Atoi(m[2])
-			switch m[1] {
-			case "cycles":
-				r.cycles = v
-			case "ok":
-				r.ok = v
-			case "eperm":
-				r.eperm = v
-			case "failed":
-				r.failed = v
-			case "retrans":
-				r.retrans = v
-			case "p50_us":
-				r.p50 = v
-			case "p99_us":
-				r.p99 = v
-			case "max_us":
-				r.max = v
-			}
-		}
-		return r
-	}
-	t.Fatalf("no SUMMARY in:\n%s", out)
-	return r
-}
-
 // connects runs a resolve -> connect client in the cgroup of policy, in the
 // pod's namespace, as UID 1000.
-func (n *egressNode) connects(policy string, argv ...string) connectResult {
+func (n *egressNode) connects(policy string, argv ...string) connload.Summary {
 	n.t.Helper()
 	out, err := n.clientIn(n.cgs[policy], n.pod, 1000, 90*time.Second, argv[0], argv[1:]...)
 	if err != nil {
 		n.t.Fatalf("%v: %v\n%s", argv, err, out)
 	}
-	return parseConnects(n.t, out)
+	r, err := connload.Parse(out, 20)
+	if err != nil {
+		n.t.Fatal(err)
+	}
+	return r
 }
 
 // egressClients are the resolve -> connect clients: glibc and musl over TCP,
@@ -175,9 +133,9 @@ func TestEgressGrantsBeforeTheAnswer(t *testing.T) {
 		asked := n.orig.Count(freshName + ".")
 		for name, argv := range egressClients(2500, freshName) {
 			r := n.connects("enforced", argv...)
-			t.Logf("%s: %d cycles, connect after the answer p50 %d µs, p99 %d µs, max %d µs", name, r.cycles, r.p50, r.p99, r.max)
-			if r.ok != r.cycles || r.eperm != 0 || r.failed != 0 || r.retrans != 0 {
-				t.Errorf("%s: %+v: want every connect through, none denied, no SYN retransmitted; first failures %v", name, r, first(r.fails, 5))
+			t.Logf("%s: %d cycles, connect after the answer p50 %d µs, p99 %d µs, max %d µs", name, r.Cycles, r.P50, r.P99, r.Max)
+			if r.OK != r.Cycles || r.EPERM != 0 || r.Failed != 0 || r.Retrans != 0 {
+				t.Errorf("%s: %+v: want every connect through, none denied, no SYN retransmitted; first failures %v", name, r, first(r.Fails, 5))
 			}
 		}
 		// Every cycle's address was new: the upstream answered (nearly) every lookup.
@@ -188,7 +146,7 @@ func TestEgressGrantsBeforeTheAnswer(t *testing.T) {
 	t.Run("never-resolved", func(t *testing.T) {
 		for name, argv := range egressClients(300, "-x", neverPrefix, "unused.test") {
 			r := n.connects("enforced", argv...)
-			if r.eperm != r.cycles {
+			if r.EPERM != r.Cycles {
 				t.Errorf("%s: %+v: want every connect to a never-resolved address refused with EPERM", name, r)
 			}
 		}
@@ -196,7 +154,7 @@ func TestEgressGrantsBeforeTheAnswer(t *testing.T) {
 	t.Run("not-listed", func(t *testing.T) {
 		recs := n.startTap("--denied")
 		r := n.connects("enforced", bins.egressGlibc, "-n", "3", "-p", strconv.Itoa(internetPort), unlistedName)
-		if r.eperm != 3 {
+		if r.EPERM != 3 {
 			t.Fatalf("%+v: want the connects to a name the policy does not list refused", r)
 		}
 		want := netip.AddrPortFrom(netip.MustParseAddr(unlistedIP), internetPort).String()
@@ -209,7 +167,7 @@ func TestEgressGrantsBeforeTheAnswer(t *testing.T) {
 	t.Run("audit", func(t *testing.T) {
 		before := n.metric(`meshdns_egress_connects_total{client_namespace="",client_pod="",verdict="audited",workload="` + n.cgs["audited"].Path + `"}`)
 		r := n.connects("audited", bins.egressGlibc, "-n", "200", "-p", strconv.Itoa(internetPort), "-x", neverPrefix, "unused.test")
-		if r.ok != 200 || r.eperm != 0 {
+		if r.OK != 200 || r.EPERM != 0 {
 			t.Fatalf("%+v: want every connect through in audit mode", r)
 		}
 		series := `meshdns_egress_connects_total{client_namespace="",client_pod="",verdict="audited",workload="` + n.cgs["audited"].Path + `"}`
@@ -231,7 +189,7 @@ func TestEgressWhileTheAgentIsKilled(t *testing.T) {
 	n.start()
 
 	var wg sync.WaitGroup
-	var during connectResult
+	var during connload.Summary
 	wg.Add(1)
 	go func() {
 		defer wg.Done()
@@ -246,23 +204,23 @@ func TestEgressWhileTheAgentIsKilled(t *testing.T) {
 	n.agent.Kill()
 	down := time.Now()
 	closed := n.connects("closed", bins.egressGlibc, "-n", "50", "-p", strconv.Itoa(internetPort), "-x", neverPrefix, "unused.test")
-	if closed.eperm != closed.cycles {
+	if closed.EPERM != closed.Cycles {
 		t.Errorf("fail-closed workload while no agent runs: %+v, want every never-resolved connect refused", closed)
 	}
 	opened := n.connects("open", bins.egressGlibc, "-n", "50", "-p", strconv.Itoa(internetPort), "-x", neverPrefix, "unused.test")
-	if opened.ok != opened.cycles {
+	if opened.OK != opened.Cycles {
 		t.Errorf("fail-open workload while no agent runs: %+v, want every connect through", opened)
 	}
 	time.Sleep(time.Until(down.Add(10 * time.Second))) // the agent stays away 10 s: the outage under test, not a wait
 	n.node.start("ebpf", n.egressArgs()...)
 	wg.Wait()
 	t.Logf("fail-open workload across the kill: %+v", during)
-	if during.eperm != 0 {
-		t.Errorf("fail-open workload across a kill -9 and a restart: %d connects denied (first %v)", during.eperm, first(during.fails, 5))
+	if during.EPERM != 0 {
+		t.Errorf("fail-open workload across a kill -9 and a restart: %d connects denied (first %v)", during.EPERM, first(during.Fails, 5))
 	}
 	after := n.connects("closed", bins.egressGlibc, "-n", "500", "-p", strconv.Itoa(internetPort), freshName)
-	if after.ok != after.cycles {
-		t.Errorf("fail-closed workload after the restart: %+v (first %v)", after, first(after.fails, 5))
+	if after.OK != after.Cycles {
+		t.Errorf("fail-closed workload after the restart: %+v (first %v)", after, first(after.Fails, 5))
 	}
 }
 

@@ -23,6 +23,7 @@ import (
 	"github.com/miekg/dns"
 
 	"github.com/meshdns/meshdns-ebpf/bench/internal/procstat"
+	"github.com/meshdns/meshdns-ebpf/internal/connload"
 	"github.com/meshdns/meshdns-ebpf/internal/dnsfake"
 	"github.com/meshdns/meshdns-ebpf/internal/testenv"
 )
@@ -438,49 +439,19 @@ func egressClient(ctx context.Context, c egressConfig, env *dpEnv, clients strin
 	return string(out), nil
 }
 
-var egressField = regexp.MustCompile(`(\w+)=(\d+)`)
-
 // parseEgressRun reads a client's SUMMARY line, its FAIL lines and the
 // RUSAGE line of `helper rusage` into r.
 func parseEgressRun(out string, r *connectRun) error {
-	var summary, rusage bool
-	for line := range strings.SplitSeq(out, "\n") {
-		switch {
-		case strings.HasPrefix(line, "FAIL "):
-			if len(r.fails) < egressMaxFails {
-				r.fails = append(r.fails, strings.TrimPrefix(line, "FAIL "))
-			}
-		case strings.HasPrefix(line, "SUMMARY "), strings.HasPrefix(line, "RUSAGE "):
-			rusage = rusage || strings.HasPrefix(line, "RUSAGE ")
-			summary = summary || strings.HasPrefix(line, "SUMMARY ")
-			for _, m := range egressField.FindAllStringSubmatch(line, -1) {
-				v, _ := strconv.Atoi(m[2])
-				switch m[1] {
-				case "cycles":
-					r.cycles = v
-				case "ok":
-					r.ok = v
-				case "eperm":
-					r.eperm = v
-				case "failed":
-					r.failed = v
-				case "retrans":
-					r.retrans = v
-				case "p50_us":
-					r.p50 = v
-				case "p99_us":
-					r.p99 = v
-				case "max_us":
-					r.max = v
-				case "cpu_ns":
-					r.cpu = time.Duration(v)
-				}
-			}
-		}
+	sum, err := connload.Parse(out, egressMaxFails)
+	if err != nil {
+		return err
 	}
-	if !summary || !rusage {
-		return fmt.Errorf("no SUMMARY and RUSAGE lines in the output:\n%s", out)
+	if !sum.HasRusage {
+		return fmt.Errorf("no RUSAGE line in the output:\n%s", out)
 	}
+	r.cycles, r.ok, r.eperm, r.failed, r.retrans = sum.Cycles, sum.OK, sum.EPERM, sum.Failed, sum.Retrans
+	r.p50, r.p99, r.max, r.cpu = sum.P50, sum.P99, sum.Max, sum.CPU
+	r.fails = append(r.fails, sum.Fails...)
 	return nil
 }
 
