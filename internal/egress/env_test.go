@@ -50,20 +50,7 @@ func TestMain(m *testing.M) {
 	if os.Getenv(clientEnv) == "1" {
 		os.Exit(runClient(os.Args[1:]))
 	}
-	dir, err := os.MkdirTemp("", "meshdns-egress-client-")
-	if err != nil {
-		fmt.Fprintln(os.Stderr, err)
-		os.Exit(1)
-	}
-	clientBin, err = testenv.CopyExecutable(dir)
-	if err != nil {
-		fmt.Fprintln(os.Stderr, err)
-		os.RemoveAll(dir)
-		os.Exit(1)
-	}
-	code := m.Run()
-	os.RemoveAll(dir)
-	os.Exit(code)
+	os.Exit(testenv.RunWithCopy(m, "meshdns-egress-client-", &clientBin))
 }
 
 // runClient is the client's main: each argument is kind/addr:port with kind

@@ -70,20 +70,7 @@ func TestMain(m *testing.M) {
 		}
 		os.Exit(0)
 	}
-	dir, err := os.MkdirTemp("", "meshdns-redirect-client-")
-	if err != nil {
-		fmt.Fprintln(os.Stderr, err)
-		os.Exit(1)
-	}
-	clientBin, err = testenv.CopyExecutable(dir)
-	if err != nil {
-		fmt.Fprintln(os.Stderr, err)
-		os.RemoveAll(dir)
-		os.Exit(1)
-	}
-	code := m.Run()
-	os.RemoveAll(dir)
-	os.Exit(code)
+	os.Exit(testenv.RunWithCopy(m, "meshdns-redirect-client-", &clientBin))
 }
 
 // testNet is one test's cgroup, node namespace, bpffs, original nameservers and

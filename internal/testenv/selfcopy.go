@@ -5,6 +5,7 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"testing"
 )
 
 // CopyExecutable copies the running test binary to dir/client and makes dir
@@ -34,4 +35,22 @@ func CopyExecutable(dir string) (string, error) {
 		return "", fmt.Errorf("close %s: %w", dst, err)
 	}
 	return dst, os.Chmod(dir, 0o755)
+}
+
+// RunWithCopy is a TestMain's body for tests that re-run their binary as
+// another user's client: it copies the binary (CopyExecutable) into a fresh
+// directory named by prefix, sets *bin to the copy, runs the tests and removes
+// the directory. It returns the exit code for os.Exit.
+func RunWithCopy(m *testing.M, prefix string, bin *string) int {
+	dir, err := os.MkdirTemp("", prefix)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	defer os.RemoveAll(dir)
+	if *bin, err = CopyExecutable(dir); err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	return m.Run()
 }
