@@ -46,6 +46,7 @@ type budgetsConfig struct {
 	upstreamQPS         int
 	upstreamLatency     time.Duration
 	quietPause, timeout time.Duration
+	agentArgs           string
 }
 
 const (
@@ -73,6 +74,7 @@ func runBudgets(args []string) int {
 	fs.DurationVar(&c.timeout, "timeout", 2*time.Second, "the quiet workload's timeout per query")
 	fs.IntVar(&c.serverCPU, "server-cpu", 1, "core the agent is pinned to")
 	fs.IntVar(&c.genCPU, "gen-cpu", 0, "core the load generators and the upstream (this process) are pinned to")
+	fs.StringVar(&c.agentArgs, "agent-args", "", "extra flags of the agent, space-separated (e.g. --cache-bytes=1048576)")
 	_ = fs.Parse(args)
 	if err := budgets(c); err != nil {
 		fmt.Fprintln(os.Stderr, "benchrun budgets:", err)
@@ -116,9 +118,10 @@ func budgets(c budgetsConfig) error {
 	if onlineCPUs() < 2 {
 		serverCPU = 0
 	}
-	agent, err := start("meshdns-budgets", serverCPU, []string{c.meshBin, "run", "--mode", "off", "--listen", dnsAddr,
+	args := []string{c.meshBin, "run", "--mode", "off", "--listen", dnsAddr,
 		"--upstream", up.Addr.String(), "--names", names, "--admin", admin, "--state-dir", dir, "--authoritative=true",
-		"--log-level", "warn", "--workload-qps", strconv.Itoa(c.budget), "--workload-max-pending", strconv.Itoa(c.maxPending)}, nil, logDir)
+		"--log-level", "warn", "--workload-qps", strconv.Itoa(c.budget), "--workload-max-pending", strconv.Itoa(c.maxPending)}
+	agent, err := start("meshdns-budgets", serverCPU, append(args, strings.Fields(c.agentArgs)...), nil, logDir)
 	if err != nil {
 		return err
 	}
@@ -329,11 +332,11 @@ func budgetTargets(budget int, base, loud budgetPhase) []budgetTarget {
 
 func printBudgets(w io.Writer, c budgetsConfig, pinned string, serverCPU int, base, loud budgetPhase, endLoad string) {
 	p := func(format string, a ...any) { fmt.Fprintf(w, format+"\n", a...) }
-	p("Budgets (`bench/run.sh budgets`): agent `--workload-qps %d --workload-max-pending %d` on CPU %d; %s. "+
+	p("Budgets (`bench/run.sh budgets`): agent `--workload-qps %d --workload-max-pending %d%s` on CPU %d; %s. "+
 		"Upstream %d qps cap (drops above), %s latency. Quiet: a table name and three external names in turn, %s pause (at most %d qps), %s timeout. "+
 		"Noisy: %d qps of random `*.nx.test` names through an ndots:5 search path (three search suffixes answered NXDOMAIN from the table's zone, the fourth upstream). "+
 		"Each phase %s; the upstream rate of the loaded phase leaves out its first %s (the budget's burst). Load average %s at the start, %s at the end.",
-		c.budget, c.maxPending, serverCPU, pinned, c.upstreamQPS, c.upstreamLatency, c.quietPause, int(time.Second/c.quietPause), c.timeout,
+		c.budget, c.maxPending, strings.TrimRight(" "+c.agentArgs, " "), serverCPU, pinned, c.upstreamQPS, c.upstreamLatency, c.quietPause, int(time.Second/c.quietPause), c.timeout,
 		c.noisyQPS, c.phase, min(c.settle, c.phase/2), base.loadAvg, endLoad)
 	p("")
 	p("| phase | quiet answered / SERVFAIL+REFUSED / timed out | quiet p50 | quiet p99 | upstream rate (seen by it / sent by the agent) | failed upstream attempts | agent VmHWM |")
