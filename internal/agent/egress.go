@@ -113,6 +113,9 @@ func (a *Agent) startEgress(ctx context.Context, reg *prometheus.Registry) (err 
 	if err := p.ctl.Start(ctx); err != nil {
 		return err
 	}
+	if a.pods != nil {
+		a.pods.OnPods(p.ctl.PodsChanged) // a new pod's cgroup is looked for at once, not at the next resync
+	}
 	reg.MustRegister(egressctl.NewCollector(p.ctl, p.eg, a.cfg.Workloads.TopK))
 	evctx, cancel := context.WithCancel(context.Background())
 	p.stop = cancel

@@ -60,6 +60,29 @@ type Source struct {
 	namespaces podIndex
 	// backends: one Service's endpoint addresses for the datapath (backends.go)
 	backends backendWatch
+	// podWatchers are told of every change of this node's Pods (OnPods).
+	podWatchers struct {
+		sync.Mutex
+		fs []func()
+	}
+}
+
+// OnPods registers f, called after every change of this node's Pods (added,
+// updated, deleted) from the informer's goroutine: f must not block.
+func (s *Source) OnPods(f func()) {
+	s.podWatchers.Lock()
+	s.podWatchers.fs = append(s.podWatchers.fs, f)
+	s.podWatchers.Unlock()
+}
+
+// podsChanged tells the OnPods watchers.
+func (s *Source) podsChanged() {
+	s.podWatchers.Lock()
+	fs := s.podWatchers.fs
+	s.podWatchers.Unlock()
+	for _, f := range fs {
+		f()
+	}
 }
 
 // New validates cfg and creates the client. It contacts nothing.
@@ -155,9 +178,9 @@ func (s *Source) Run(ctx context.Context, sink names.Sink) error {
 			}
 		}
 		reg, err = podInf.AddEventHandler(cache.ResourceEventHandlerFuncs{
-			AddFunc:    func(obj any) { setPod(obj, false) },
-			UpdateFunc: func(_, obj any) { setPod(obj, false) },
-			DeleteFunc: func(obj any) { setPod(obj, true) },
+			AddFunc:    func(obj any) { setPod(obj, false); s.podsChanged() },
+			UpdateFunc: func(_, obj any) { setPod(obj, false); s.podsChanged() },
+			DeleteFunc: func(obj any) { setPod(obj, true); s.podsChanged() },
 		})
 		if err != nil {
 			return err
