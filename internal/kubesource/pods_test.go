@@ -50,7 +50,9 @@ func TestPodsOfThisNodeWithLabelsAndChanges(t *testing.T) {
 	}
 	before := changes.Load()
 	cp.DeletePod(t, "shop", "web")
-	if !testenv.WaitFor(20*time.Second, func() bool { return changes.Load() > before && !slices.ContainsFunc(src.Pods(), func(p kubesource.PodRef) bool { return p.Name == "web" }) }) {
+	if !testenv.WaitFor(20*time.Second, func() bool {
+		return changes.Load() > before && !slices.ContainsFunc(src.Pods(), func(p kubesource.PodRef) bool { return p.Name == "web" })
+	}) {
 		t.Errorf("the deleted pod: pods %+v, %d changes told after it (want more than %d)", src.Pods(), changes.Load(), before)
 	}
 }
