@@ -170,11 +170,15 @@ func TestChartEqualsKustomize(t *testing.T) {
 		{"components.ebpfOnly", "components: {ebpfOnly: true}", []string{"ebpf-only"}, ""},
 		{"components.istioRemoteSecrets", "components: {istioRemoteSecrets: true}", []string{"istio-remote-secrets"}, ""},
 		{"components.namesConfigMap", "components: {namesConfigMap: true}", []string{"names-configmap"}, ""},
+		{"egress.enabled", "egress: {enabled: true}", []string{"egress"}, ""},
+		{"egress.internalCIDRs", "egress: {enabled: true, internalCIDRs: [10.244.0.0/16, 10.96.0.0/12]}", []string{"egress"},
+			dsPatch(fmt.Sprintf("      - {op: replace, path: /spec/template/spec/containers/0/env/%d/value, value: \"10.244.0.0/16,10.96.0.0/12\"}",
+				len(baseDS.Spec.Template.Spec.Containers[0].Env)))},
 		{"serviceMonitor", "serviceMonitor: {enabled: true}", []string{"prometheus-operator"}, ""},
 		{"prometheusRule", "prometheusRule: {enabled: true}", []string{"prometheus-rules"}, ""},
 		{"dashboard", "dashboard: {enabled: true}", []string{"grafana-dashboard"}, ""},
-		{"every component", all,
-			[]string{"ebpf-only", "istio-remote-secrets", "names-configmap", "prometheus-operator", "prometheus-rules", "grafana-dashboard"}, ""},
+		{"every component", all + "\negress: {enabled: true}",
+			[]string{"ebpf-only", "istio-remote-secrets", "names-configmap", "egress", "prometheus-operator", "prometheus-rules", "grafana-dashboard"}, ""},
 		{"imagePullSecrets", "imagePullSecrets: [{name: regcred}]", nil,
 			dsPatch("      - {op: add, path: /spec/template/spec/imagePullSecrets, value: [{name: regcred}]}")},
 		{"podLabels and podAnnotations", "podLabels: {team: dns}\npodAnnotations: {example.com/owner: dns}", nil,
@@ -411,6 +415,8 @@ func TestChartSchema(t *testing.T) {
 		{"tolerations: {operator: Exists}", "tolerations"},
 		{"prometheusRule: {for: {MeshDNSAgentNotReady: 10}}", "MeshDNSAgentNotReady"},
 		{"prometheusRule: {severity: {MeshDNSCacheAtCap: page}}", "MeshDNSCacheAtCap"},
+		{"egress: {enable: true}", "enable"},
+		{"egress: {enabled: true, internalCIDRs: 10.244.0.0/16}", "internalCIDRs"},
 	} {
 		out, err := helmTemplate(t, tc.values)
 		if err == nil {

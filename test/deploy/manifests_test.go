@@ -255,6 +255,18 @@ func TestComponents(t *testing.T) {
 			t.Errorf("mounts %v", c.VolumeMounts)
 		}
 	})
+	t.Run("egress", func(t *testing.T) {
+		// --egress, and --egress-internal-cidrs from the env value an overlay sets
+		// (empty: no internal prefixes), as the chart's egress values render them.
+		c := agent(t, renderChecked(t, "egress"))
+		n := len(c.Args)
+		if n < 2 || c.Args[n-2] != "--egress" || c.Args[n-1] != "--egress-internal-cidrs=$(MESHDNS_EGRESS_INTERNAL_CIDRS)" {
+			t.Errorf("args %v: want --egress and --egress-internal-cidrs=$(MESHDNS_EGRESS_INTERNAL_CIDRS) last", c.Args)
+		}
+		if i := slices.IndexFunc(c.Env, func(e corev1.EnvVar) bool { return e.Name == "MESHDNS_EGRESS_INTERNAL_CIDRS" }); i < 0 || c.Env[i].Value != "" {
+			t.Errorf("env %v: want MESHDNS_EGRESS_INTERNAL_CIDRS, empty", c.Env)
+		}
+	})
 	t.Run("istio-remote-secrets", func(t *testing.T) {
 		objs := renderChecked(t, "istio-remote-secrets")
 		role := find[*rbacv1.Role](t, objs, "Role", "meshdns-ebpf-remote-secrets")

@@ -57,6 +57,7 @@ func buildImages(t *testing.T, root, dir string) images {
 	run(root, nil, "gcc", "-O2", "-pthread", "-o", filepath.Join(bin, "dnsload-glibc"), "test/e2e/testdata/dnsload/dnsload.c")
 	run(root, nil, "musl-gcc", "-static", "-O2", "-pthread", "-o", filepath.Join(bin, "dnsload-musl"), "test/e2e/testdata/dnsload/dnsload.c")
 	run(root, nil, "musl-gcc", "-static", "-O2", "-o", filepath.Join(bin, "muslresolve"), "test/e2e/testdata/muslresolve.c")
+	run(root, nil, "musl-gcc", "-static", "-O2", "-o", filepath.Join(bin, "egressload-musl"), "test/e2e/testdata/egressload/egressload.c")
 	run(filepath.Join(root, "tools", "image"), static, "go", "build", "-trimpath", "-o", tool, ".")
 
 	var im images
@@ -75,7 +76,8 @@ func buildImages(t *testing.T, root, dir string) images {
 			"-file", "/usr/local/bin/dnsload=" + filepath.Join(bin, "dnsload-glibc"),
 			"-text", "etc/nsswitch.conf=hosts: files dns"}},
 		{muslImage, []string{"-file", pause, "-file", "/usr/local/bin/dnsload=" + filepath.Join(bin, "dnsload-musl"),
-			"-file", "/usr/local/bin/muslresolve=" + filepath.Join(bin, "muslresolve")}},
+			"-file", "/usr/local/bin/muslresolve=" + filepath.Join(bin, "muslresolve"),
+			"-file", "/usr/local/bin/egressload=" + filepath.Join(bin, "egressload-musl")}},
 		{goImage, []string{"-file", pause, "-file", "/usr/local/bin/goload=" + filepath.Join(bin, "goload"),
 			"-file", "/usr/local/bin/goresolve=" + filepath.Join(bin, "goresolve"),
 			"-file", "/usr/local/bin/markerdns=" + filepath.Join(bin, "markerdns")}},

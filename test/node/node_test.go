@@ -101,6 +101,9 @@ func TestNode(t *testing.T) {
 		{"Freezer", func(t *testing.T) { e.checkStopped(t, "freezer", loadRate) }},
 		{"SIGSTOPLowRate", func(t *testing.T) { e.checkStopped(t, "sigstop", lowRate) }},
 		{"FreezerLowRate", func(t *testing.T) { e.checkStopped(t, "freezer", lowRate) }},
+		// DNS-gated egress: the agent with components/egress, then the plain
+		// install back for Uninstall.
+		{"Egress", e.checkEgress},
 		{"Uninstall", e.checkUninstall},
 		// The same agent installed, upgraded under load and uninstalled with helm,
 		// as docs/kubernetes.md's Helm section says.

@@ -81,6 +81,18 @@ change them in place (include returns nothing of use).
 {{- end }}
 {{- $_ := set $c "args" $args }}
 {{- end }}
+{{- if and $v.egress.enabled $v.egress.internalCIDRs }}
+{{- $found := false }}
+{{- range $e := $c.env }}
+{{- if eq $e.name "MESHDNS_EGRESS_INTERNAL_CIDRS" }}
+{{- $_ := set $e "value" (join "," $v.egress.internalCIDRs) }}
+{{- $found = true }}
+{{- end }}
+{{- end }}
+{{- if not $found }}
+{{- fail "egress.internalCIDRs: the agent container has no MESHDNS_EGRESS_INTERNAL_CIDRS env (components/egress) to set" }}
+{{- end }}
+{{- end }}
 {{- if $v.extraArgs }}
 {{- $_ := set $c "args" (concat $c.args $v.extraArgs) }}
 {{- end }}
