@@ -86,7 +86,10 @@
  *   a live grant (workload, dst) whose ports allow it -> allowed_grant
  *   dst in egress_internal, rule not internal-in-scope-> allowed_internal
  *   rule fail-open and the agent is down (no resolver
- *   socket registered, or the resolver stalled)       -> fail_open
+ *   socket registered, or the resolver stalled), or a
+ *   DNS query of the workload went around the agent in
+ *   the last EGRESS_FAILOPEN_NS (its answer came from
+ *   the original nameserver: no grant)               -> fail_open
  *   rule enforce                                      -> denied (EPERM), event
  *   else (audit)                                      -> audited (allowed), event
  * Grants are written by the agent before it releases the answer that resolved
@@ -487,6 +490,22 @@ struct {
 	__uint(max_entries, EGRESS_EVENTS_BYTES);
 } egress_events SEC(".maps");
 
+/*
+ * How long after a fail-open workload's DNS query went around the agent (no
+ * resolver, or a stalled one: the query reached its original nameserver, whose
+ * answer no grant covers) its connects are still let through as fail_open: the
+ * connect that follows such a lookup may come once the agent serves again.
+ */
+#define EGRESS_FAILOPEN_NS (30ULL * 1000000000ULL)
+
+/* Fail-open workload -> until when its connects are let through (bpf_ktime_get_ns). */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__type(key, __u32);
+	__type(value, __u64);
+	__uint(max_entries, EGRESS_MAX_WORKLOADS);
+} egress_failopen SEC(".maps");
+
 static __always_inline void count(enum hook hook, enum counter counter)
 {
 	struct hook_counters *c = bpf_map_lookup_elem(&stats, &hook);
@@ -765,6 +784,30 @@ static __always_inline int find_workload(struct meshdns_config *cfg, struct egre
 	return found;
 }
 
+/*
+ * A DNS query of the calling task goes around the agent (fail-open): when the
+ * task is in a fail-open egress workload, its connects are let through for
+ * EGRESS_FAILOPEN_NS (see egress_check).
+ */
+static __always_inline void note_failopen(struct meshdns_config *cfg)
+{
+	struct egress_rule rule = {};
+	__u64 until;
+
+	if (!find_workload(cfg, &rule) || (rule.flags & EGRESS_FAIL_CLOSED))
+		return;
+	until = bpf_ktime_get_ns() + EGRESS_FAILOPEN_NS;
+	bpf_map_update_elem(&egress_failopen, &rule.workload, &until, BPF_ANY);
+}
+
+/* Whether a DNS query of workload went around the agent within EGRESS_FAILOPEN_NS. */
+static __always_inline int failed_open_recently(__u32 workload, __u64 now)
+{
+	__u64 *until = bpf_map_lookup_elem(&egress_failopen, &workload);
+
+	return until && *until > now;
+}
+
 /* Records in the socket's storage who connects or sends through it. */
 static __always_inline void note_sender(struct meshdns_config *cfg, struct sock_origs *st)
 {
@@ -898,10 +941,12 @@ static __always_inline __u16 decide(struct bpf_sock_addr *ctx, __u32 hook, struc
 	proto = ctx->type == SOCK_STREAM ? RESOLVER_PROTO_TCP : RESOLVER_PROTO_UDP;
 	if (!resolver_listening(family, proto, slot)) {
 		skip(hook, COUNTER_SKIP_NO_RESOLVER);
+		note_failopen(cfg);
 		return 0;
 	}
 	if (resolver_stalled(cfg)) {
 		skip(hook, COUNTER_SKIP_STALLED);
+		note_failopen(cfg);
 		return 0;
 	}
 	sk = ctx->sk;
@@ -1060,7 +1105,7 @@ static __always_inline int egress_check(struct bpf_sock_addr *ctx, const __u32 *
 		count_egress(rule.workload, EGRESS_ALLOWED_INTERNAL);
 		return 1;
 	}
-	if (!(rule.flags & EGRESS_FAIL_CLOSED) && agent_down(cfg, now)) {
+	if (!(rule.flags & EGRESS_FAIL_CLOSED) && (agent_down(cfg, now) || failed_open_recently(rule.workload, now))) {
 		count_egress(rule.workload, EGRESS_FAIL_OPEN);
 		return 1;
 	}

@@ -103,7 +103,7 @@ func (a *Agent) startEgress(ctx context.Context, reg *prometheus.Registry) (err 
 		return fmt.Errorf("egress: %w", err)
 	}
 	cfg := egressctl.Config{Datapath: p.eg, Grants: p.eg.Grants(), CgroupRoot: a.plan.cgroup, UnitRoot: mount, Internal: ec.Internal,
-		Adopted: p.eg.Workloads(), Logger: log}
+		Adopted: p.eg.Workloads(), Expect: a.egressSources(), Logger: log}
 	if a.pods != nil {
 		cfg.Pods = a.egressPods
 	}
@@ -120,13 +120,64 @@ func (a *Agent) startEgress(ctx context.Context, reg *prometheus.Registry) (err 
 	evctx, cancel := context.WithCancel(context.Background())
 	p.stop = cancel
 	go p.ctl.ForwardEvents(evctx, p.eg.Events(), a.work.hub)
-	return a.startEgressSources(ctx, reg, p, log)
+	if err := a.startEgressSources(ctx, reg, p, log); err != nil {
+		return err
+	}
+	return a.waitEgressPolicies(ctx, p, len(cfg.Adopted) > 0, log)
+}
+
+// egressSources are the policy sources the controller waits for: the policy
+// file, and the DNSEgressPolicy source with a Kubernetes source (Istio's
+// REGISTRY_ONLY publishes only where Istio's CRDs are installed, so it is not
+// waited for).
+func (a *Agent) egressSources() []string {
+	var srcs []string
+	if a.cfg.Egress.PolicyFile != "" {
+		srcs = append(srcs, "file")
+	}
+	if a.plan.kubeRest != nil {
+		srcs = append(srcs, "kubernetes")
+	}
+	return srcs
+}
+
+// egressPolicyWait bounds how long a restarted agent (one that adopted selected
+// workloads) waits for its policy sources before its resolver serves.
+const egressPolicyWait = 10 * time.Second
+
+// waitEgressPolicies holds the start of a restarted agent until its policy
+// sources have published: its resolver then grants every answer to a selected
+// workload by that workload's policy from the first (a takeover's predecessor
+// serves meanwhile). Past egressPolicyWait it goes on, and says so.
+func (a *Agent) waitEgressPolicies(ctx context.Context, p *egressPart, adopted bool, log interface {
+	Info(string, ...any)
+	Warn(string, ...any)
+}) error {
+	if !adopted {
+		return nil
+	}
+	wctx, cancel := context.WithTimeout(ctx, egressPolicyWait)
+	defer cancel()
+	start := time.Now()
+	if !p.ctl.WaitPublished(wctx) {
+		if err := ctx.Err(); err != nil {
+			return err
+		}
+		log.Warn("egress policy sources not all published; serving with the workloads a previous agent left", "waited", egressPolicyWait)
+		return nil
+	}
+	if err := p.ctl.Sync(); err != nil {
+		return err
+	}
+	log.Info("egress policies published", "waited", time.Since(start).Round(time.Millisecond))
+	return nil
 }
 
 // startEgressSources starts the policy file and, with a Kubernetes source,
 // the DNSEgressPolicy and Istio REGISTRY_ONLY sources.
 func (a *Agent) startEgressSources(ctx context.Context, reg *prometheus.Registry, p *egressPart, log interface {
 	Info(string, ...any)
+	Warn(string, ...any)
 }) error {
 	publish := func(source string) func(*egresspolicy.Set) {
 		return func(s *egresspolicy.Set) { p.ctl.SetPolicies(source, s) }

@@ -332,3 +332,30 @@ func TestFailOpenWhileResolverStalled(t *testing.T) {
 		t.Errorf("fail-open workload: %+v, want 1 fail_open, 2 denied", c)
 	}
 }
+
+// A fail-open workload whose DNS query went around the agent (no resolver
+// sockets: the query reached its original nameserver, and no grant covers the
+// answer) may still connect once the agent serves again, for a while: the
+// connect that follows such a lookup is not denied at the agent's return. A
+// fail-closed workload gets no such allowance.
+func TestFailOpenLookupCoversTheConnectAfterTheAgentReturns(t *testing.T) {
+	e := newEnv(t, envOpts{})
+	open := e.workload(t, "open", 12, Rule{Enforce: true})
+	closed := e.workload(t, "closed", 13, enforce)
+	if err := e.eg.Enable(true); err != nil {
+		t.Fatal(err)
+	}
+	e.want(t, open, map[string]string{dst("tcp", inet3, port): "EPERM"})
+	if err := e.dp.Unserve(); err != nil { // the agent is away
+		t.Fatal(err)
+	}
+	// Each workload's lookup goes to the original nameserver.
+	e.want(t, open, map[string]string{dst("udp", ns1, 53): "ok"})
+	e.want(t, closed, map[string]string{dst("udp", ns1, 53): "ok"})
+	e.serve(t) // the agent is back
+	e.want(t, open, map[string]string{dst("tcp", inet3, port): "ok"})
+	e.want(t, closed, map[string]string{dst("tcp", inet3, port): "EPERM"})
+	if c := e.counts(t, 12); c.FailOpen != 1 || c.Denied != 1 {
+		t.Errorf("fail-open workload: %+v, want 1 fail_open (after its lookup went around the agent), 1 denied (before)", c)
+	}
+}

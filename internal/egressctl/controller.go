@@ -57,6 +57,10 @@ type Pod struct {
 // being told of a change.
 const DefaultResync = 2 * time.Second
 
+// DefaultSettle bounds how long a restarted controller keeps what a previous
+// agent left while its sources have not all published.
+const DefaultSettle = 30 * time.Second
+
 // Config configures a Controller. Every field but Logger, Pods, Adopted and
 // Resync is required.
 type Config struct {
@@ -79,6 +83,13 @@ type Config struct {
 	Adopted map[uint64]egress.WorkloadID
 	// Resync is how often the cgroup tree is looked at again (0: DefaultResync).
 	Resync time.Duration
+	// Expect are the sources whose first policies must arrive before the
+	// controller removes a workload it did not select itself (one a previous
+	// agent left) or switches enforcement off: a restarted agent that has not
+	// heard from its sources yet must not unselect workloads and drop their
+	// grants. After Settle (0: DefaultSettle) it acts on what it has.
+	Expect []string
+	Settle time.Duration
 	Logger *slog.Logger
 }
 
@@ -90,6 +101,9 @@ type Controller struct {
 	kick chan struct{}
 	stop context.CancelFunc
 	done sync.WaitGroup
+
+	created   time.Time
+	published chan struct{} // closed once every expected source has published
 
 	mu      sync.Mutex
 	sets    map[string]*egresspolicy.Set // by source
@@ -128,18 +142,24 @@ func New(cfg Config) (*Controller, error) {
 		return nil, errors.New("egressctl: no datapath or grants")
 	case cfg.CgroupRoot == "":
 		return nil, errors.New("egressctl: no cgroup root")
-	case cfg.Resync < 0:
-		return nil, fmt.Errorf("egressctl: negative resync %v", cfg.Resync)
+	case cfg.Resync < 0 || cfg.Settle < 0:
+		return nil, fmt.Errorf("egressctl: negative resync %v or settle %v", cfg.Resync, cfg.Settle)
 	}
 	if cfg.Resync == 0 {
 		cfg.Resync = DefaultResync
+	}
+	if cfg.Settle == 0 {
+		cfg.Settle = DefaultSettle
 	}
 	log := cfg.Logger
 	if log == nil {
 		log = slog.New(slog.NewTextHandler(io.Discard, nil))
 	}
 	c := &Controller{cfg: cfg, log: log, kick: make(chan struct{}, 1), sets: map[string]*egresspolicy.Set{},
-		applied: map[uint64]applied{}, nextID: 1}
+		applied: map[uint64]applied{}, nextID: 1, created: time.Now(), published: make(chan struct{})}
+	if len(cfg.Expect) == 0 {
+		close(c.published)
+	}
 	c.unallowed.init()
 	for cg, id := range cfg.Adopted {
 		c.applied[cg] = applied{id: id}
@@ -197,8 +217,49 @@ func (c *Controller) loop(ctx context.Context) {
 func (c *Controller) SetPolicies(source string, s *egresspolicy.Set) {
 	c.mu.Lock()
 	c.sets[source] = s
+	if c.allExpectedLocked() {
+		select {
+		case <-c.published:
+		default:
+			close(c.published)
+		}
+	}
 	c.mu.Unlock()
 	c.PodsChanged()
+}
+
+// allExpectedLocked reports whether every expected source has published.
+func (c *Controller) allExpectedLocked() bool {
+	for _, src := range c.cfg.Expect {
+		if _, ok := c.sets[src]; !ok {
+			return false
+		}
+	}
+	return true
+}
+
+// WaitPublished waits until every expected source has published its first
+// policies, or ctx ends; it reports whether they have. The agent waits for it
+// before its resolver serves, so that answers to selected workloads are granted
+// by their policy from the first.
+func (c *Controller) WaitPublished(ctx context.Context) bool {
+	select {
+	case <-c.published:
+		return true
+	case <-ctx.Done():
+		return false
+	}
+}
+
+// settled reports whether the controller may act on what it has: every
+// expected source has published, or Settle has passed.
+func (c *Controller) settled() bool {
+	select {
+	case <-c.published:
+		return true
+	default:
+		return time.Since(c.created) >= c.cfg.Settle
+	}
 }
 
 // PodsChanged asks for a sync soon (a pod came, went or changed labels).
@@ -258,8 +319,17 @@ func (c *Controller) Sync() error {
 		c.applied[cg] = applied{id: a.id, rule: r, sel: sel}
 		byID[a.id] = sel
 	}
+	settled := c.settled()
 	for cg, a := range c.applied {
 		if _, ok := want[cg]; ok {
+			continue
+		}
+		if !settled {
+			// Not heard from every source yet: keep it (a previous agent's
+			// workload keeps its rule, its id and its grants).
+			if a.sel != nil {
+				byID[a.id] = a.sel
+			}
 			continue
 		}
 		if err := c.cfg.Datapath.RemoveWorkload(cg); err != nil {
@@ -270,7 +340,7 @@ func (c *Controller) Sync() error {
 		c.unallowed.forget(a.id)
 	}
 	c.byID.Store(&byID)
-	if set.Len() == 0 && len(c.applied) == 0 {
+	if set.Len() == 0 && len(c.applied) == 0 && settled {
 		errs = append(errs, c.cfg.Datapath.Enable(false))
 	}
 	if err := errors.Join(errs...); err != nil {

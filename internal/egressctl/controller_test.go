@@ -366,3 +366,51 @@ func TestUnitsByNameAndByPath(t *testing.T) {
 		}
 	}
 }
+
+// TestRestartKeepsAdoptedWorkloadsUntilTheSourcesSpeak: a restarted agent that
+// has not yet heard from every expected policy source neither unselects the
+// workloads a previous agent left (their rule, id and grants stay) nor switches
+// enforcement off; once the sources have published, it acts on what they say;
+// and past Settle it acts without them.
+func TestRestartKeepsAdoptedWorkloadsUntilTheSourcesSpeak(t *testing.T) {
+	root, _ := cgroupTree(t, podA)
+	cg := inodeOf(t, filepath.Join(root, podA))
+	pods := func() []Pod { return []Pod{{Namespace: "ns", Name: "p", UID: "11111111-1111-1111-1111-111111111111"}} }
+	for _, tc := range []struct {
+		name   string
+		settle time.Duration
+		speak  bool
+		kept   bool
+	}{
+		{"sources silent", time.Hour, false, true},
+		{"sources published, selecting nothing", time.Hour, true, false},
+		{"past settle", time.Nanosecond, false, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			fake := newFake()
+			fake.enabled = true
+			fake.workloads[cg] = workloadEntry{7, egress.Rule{Enforce: true, FailClosed: true}}
+			c, err := New(Config{Datapath: fake, Grants: fake, CgroupRoot: root, Pods: pods,
+				Adopted: map[uint64]egress.WorkloadID{cg: 7}, Expect: []string{"kubernetes", "file"}, Settle: tc.settle})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if tc.speak {
+				c.SetPolicies("kubernetes", policySet(t))
+				c.SetPolicies("file", policySet(t))
+			}
+			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Millisecond)
+			defer cancel()
+			if got := c.WaitPublished(ctx); got != tc.speak {
+				t.Errorf("WaitPublished = %v, want %v", got, tc.speak)
+			}
+			if err := c.Sync(); err != nil {
+				t.Fatal(err)
+			}
+			_, kept := fake.workloads[cg]
+			if kept != tc.kept || fake.enabled != tc.kept {
+				t.Errorf("adopted workload kept %v, enforcement on %v; want both %v", kept, fake.enabled, tc.kept)
+			}
+		})
+	}
+}

@@ -276,6 +276,7 @@ const (
 	redirectMapCgroupStats        = "cgroup_stats"
 	redirectMapConfig             = "config"
 	redirectMapEgressEvents       = "egress_events"
+	redirectMapEgressFailopen     = "egress_failopen"
 	redirectMapEgressGrants       = "egress_grants"
 	redirectMapEgressInternal     = "egress_internal"
 	redirectMapEgressStats        = "egress_stats"
@@ -363,6 +364,7 @@ type redirectMapSpecs struct {
 	CgroupStats     *ebpf.MapSpec `ebpf:"cgroup_stats"`
 	Config          *ebpf.MapSpec `ebpf:"config"`
 	EgressEvents    *ebpf.MapSpec `ebpf:"egress_events"`
+	EgressFailopen  *ebpf.MapSpec `ebpf:"egress_failopen"`
 	EgressGrants    *ebpf.MapSpec `ebpf:"egress_grants"`
 	EgressInternal  *ebpf.MapSpec `ebpf:"egress_internal"`
 	EgressStats     *ebpf.MapSpec `ebpf:"egress_stats"`
@@ -408,6 +410,7 @@ type redirectMaps struct {
 	CgroupStats     *ebpf.Map `ebpf:"cgroup_stats"`
 	Config          *ebpf.Map `ebpf:"config"`
 	EgressEvents    *ebpf.Map `ebpf:"egress_events"`
+	EgressFailopen  *ebpf.Map `ebpf:"egress_failopen"`
 	EgressGrants    *ebpf.Map `ebpf:"egress_grants"`
 	EgressInternal  *ebpf.Map `ebpf:"egress_internal"`
 	EgressStats     *ebpf.Map `ebpf:"egress_stats"`
@@ -427,6 +430,7 @@ func (m *redirectMaps) Close() error {
 		m.CgroupStats,
 		m.Config,
 		m.EgressEvents,
+		m.EgressFailopen,
 		m.EgressGrants,
 		m.EgressInternal,
 		m.EgressStats,

@@ -150,6 +150,7 @@ const (
 	watchclockMapCgroupStats        = "cgroup_stats"
 	watchclockMapConfig             = "config"
 	watchclockMapEgressEvents       = "egress_events"
+	watchclockMapEgressFailopen     = "egress_failopen"
 	watchclockMapEgressGrants       = "egress_grants"
 	watchclockMapEgressInternal     = "egress_internal"
 	watchclockMapEgressStats        = "egress_stats"
@@ -220,6 +221,7 @@ type watchclockMapSpecs struct {
 	CgroupStats     *ebpf.MapSpec `ebpf:"cgroup_stats"`
 	Config          *ebpf.MapSpec `ebpf:"config"`
 	EgressEvents    *ebpf.MapSpec `ebpf:"egress_events"`
+	EgressFailopen  *ebpf.MapSpec `ebpf:"egress_failopen"`
 	EgressGrants    *ebpf.MapSpec `ebpf:"egress_grants"`
 	EgressInternal  *ebpf.MapSpec `ebpf:"egress_internal"`
 	EgressStats     *ebpf.MapSpec `ebpf:"egress_stats"`
@@ -266,6 +268,7 @@ type watchclockMaps struct {
 	CgroupStats     *ebpf.Map `ebpf:"cgroup_stats"`
 	Config          *ebpf.Map `ebpf:"config"`
 	EgressEvents    *ebpf.Map `ebpf:"egress_events"`
+	EgressFailopen  *ebpf.Map `ebpf:"egress_failopen"`
 	EgressGrants    *ebpf.Map `ebpf:"egress_grants"`
 	EgressInternal  *ebpf.Map `ebpf:"egress_internal"`
 	EgressStats     *ebpf.Map `ebpf:"egress_stats"`
@@ -286,6 +289,7 @@ func (m *watchclockMaps) Close() error {
 		m.CgroupStats,
 		m.Config,
 		m.EgressEvents,
+		m.EgressFailopen,
 		m.EgressGrants,
 		m.EgressInternal,
 		m.EgressStats,
