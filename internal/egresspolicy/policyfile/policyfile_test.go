@@ -3,7 +3,6 @@ package policyfile
 import (
 	"context"
 	"errors"
-	"fmt"
 	"log/slog"
 	"os"
 	"path/filepath"
@@ -219,39 +218,14 @@ func TestSourceReloadsAndKeepsTheLastGoodFile(t *testing.T) {
 	}
 }
 
-// kubeletWrite swaps a ConfigMap volume's ..data symlink, as kubelet does.
-func kubeletWrite(t *testing.T, dir, file, content string, gen int) {
-	t.Helper()
-	ts := filepath.Join(dir, fmt.Sprintf("..2026_01_01_00_00_%02d.%d", gen, gen))
-	if err := os.Mkdir(ts, 0o755); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.WriteFile(filepath.Join(ts, file), []byte(content), 0o644); err != nil {
-		t.Fatal(err)
-	}
-	tmp := filepath.Join(dir, "..data_tmp")
-	if err := os.Symlink(filepath.Base(ts), tmp); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.Rename(tmp, filepath.Join(dir, "..data")); err != nil {
-		t.Fatal(err)
-	}
-	link := filepath.Join(dir, file)
-	if _, err := os.Lstat(link); os.IsNotExist(err) {
-		if err := os.Symlink(filepath.Join("..data", file), link); err != nil {
-			t.Fatal(err)
-		}
-	}
-}
-
 func TestSourceFollowsTheConfigMapSwap(t *testing.T) {
 	dir := t.TempDir()
-	kubeletWrite(t, dir, "egress.yaml", good, 1)
+	testenv.KubeletWrite(t, dir, "egress.yaml", good, 1)
 	e, err := start(t, filepath.Join(dir, "egress.yaml"))
 	if err != nil {
 		t.Fatal(err)
 	}
-	kubeletWrite(t, dir, "egress.yaml", strings.Replace(good, "app.service", "web.service", 1), 2)
+	testenv.KubeletWrite(t, dir, "egress.yaml", strings.Replace(good, "app.service", "web.service", 1), 2)
 	testenv.Eventually(t, 5*time.Second, func() bool { return allows(e.src.Set(), "web.service", "api.example.com") },
 		"the ..data swap was not followed")
 }

@@ -19,35 +19,10 @@ import (
 	"github.com/meshdns/meshdns-ebpf/internal/metrictest"
 	"github.com/meshdns/meshdns-ebpf/internal/names"
 	"github.com/meshdns/meshdns-ebpf/internal/nametable"
+	"github.com/meshdns/meshdns-ebpf/internal/testenv"
 )
 
 var quiet = slog.New(slog.DiscardHandler)
-
-// kubeletWrite mimics the ConfigMap volume update: a new timestamped
-// directory, a temporary symlink to it, renamed over ..data atomically.
-func kubeletWrite(t *testing.T, dir, file, content string, gen int) {
-	t.Helper()
-	ts := filepath.Join(dir, fmt.Sprintf("..2026_01_01_00_00_%02d.%d", gen, gen))
-	if err := os.Mkdir(ts, 0o755); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.WriteFile(filepath.Join(ts, file), []byte(content), 0o644); err != nil {
-		t.Fatal(err)
-	}
-	tmp := filepath.Join(dir, "..data_tmp")
-	if err := os.Symlink(filepath.Base(ts), tmp); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.Rename(tmp, filepath.Join(dir, "..data")); err != nil {
-		t.Fatal(err)
-	}
-	link := filepath.Join(dir, file)
-	if _, err := os.Lstat(link); os.IsNotExist(err) {
-		if err := os.Symlink(filepath.Join("..data", file), link); err != nil {
-			t.Fatal(err)
-		}
-	}
-}
 
 func hostIP(tb *nametable.Table, name string) string {
 	if tb == nil {
@@ -128,15 +103,15 @@ func waitErrors(t *testing.T, e *env, want float64) {
 func TestFileConfigMapSwap(t *testing.T) {
 	dir := t.TempDir()
 	const file = "name-table.yaml"
-	kubeletWrite(t, dir, file, "table:\n  a.example.com:\n    ips: [192.0.2.1]\n", 1)
+	testenv.KubeletWrite(t, dir, file, "table:\n  a.example.com:\n    ips: [192.0.2.1]\n", 1)
 	e := start(t, filepath.Join(dir, file), true)
 	waitFor(t, e, "initial table", func(tb *nametable.Table) bool { return hostIP(tb, "a.example.com.") == "192.0.2.1" })
 
-	kubeletWrite(t, dir, file, "table:\n  a.example.com:\n    ips: [192.0.2.2]\n", 2)
+	testenv.KubeletWrite(t, dir, file, "table:\n  a.example.com:\n    ips: [192.0.2.2]\n", 2)
 	waitFor(t, e, "new address after ..data swap", func(tb *nametable.Table) bool { return hostIP(tb, "a.example.com.") == "192.0.2.2" })
 
 	// A bad file keeps the old table, counts, and says why.
-	kubeletWrite(t, dir, file, "table:\n  a.example.com:\n    ips: [not-an-ip]\n", 3)
+	testenv.KubeletWrite(t, dir, file, "table:\n  a.example.com:\n    ips: [not-an-ip]\n", 3)
 	waitErrors(t, e, 1)
 	if got := hostIP(e.store.Table(), "a.example.com."); got != "192.0.2.2" {
 		t.Fatalf("after bad file: a = %q, want the previous 192.0.2.2", got)
@@ -149,12 +124,12 @@ func TestFileConfigMapSwap(t *testing.T) {
 	}
 
 	// Fixed again, then an empty file is a valid empty table.
-	kubeletWrite(t, dir, file, "table:\n  b.example.com:\n    ips: [192.0.2.3]\n", 4)
+	testenv.KubeletWrite(t, dir, file, "table:\n  b.example.com:\n    ips: [192.0.2.3]\n", 4)
 	waitFor(t, e, "b after fix", func(tb *nametable.Table) bool { return hostIP(tb, "b.example.com.") == "192.0.2.3" })
 	if st := e.store.Status()[0]; !st.FailingSince.IsZero() {
 		t.Fatalf("still failing after a good load: %+v", st)
 	}
-	kubeletWrite(t, dir, file, "", 5)
+	testenv.KubeletWrite(t, dir, file, "", 5)
 	waitFor(t, e, "empty table", func(tb *nametable.Table) bool { return tb != nil && tb.Len() == 0 })
 }
 
