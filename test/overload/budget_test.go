@@ -1,9 +1,6 @@
 package overload
 
 import (
-	"fmt"
-	"math/rand/v2"
-	"net/netip"
 	"strconv"
 	"testing"
 	"time"
@@ -28,42 +25,20 @@ func TestNoisyWorkloadSpendsOnlyItsOwnBudget(t *testing.T) {
 	d := envDuration(t, "MESHDNS_BUDGET_PHASE", 8*time.Second) // each phase
 	a := startAgentWith(t, dnsfake.RateLimited(nxOrAnswers, 2000, 2*time.Millisecond), "--log-level", "warn",
 		"--workload-qps", strconv.Itoa(budget), "--workload-max-pending", "128")
-	server := netip.MustParseAddrPort(a.dnsAddr)
-	quietNames := []string{meshName, "ext1.example.org.", meshName, "ext2.example.org.", meshName, "ext3.example.org."}
 	phase := func(noisy bool) (quietRun, *dnsfake.Paced, int64) {
-		stop := make(chan struct{})
-		pc := make(chan *dnsfake.Paced, 1)
 		upBefore := a.up.Count()
 		a.cg.ResetPeak()
+		var name func(int) string
 		if noisy {
-			go func() {
-				p, err := dnsfake.PacedUDP(server, netip.MustParseAddr("127.0.0.1"), 20000, func(i int) string {
-					return fmt.Sprintf("n%d-%d.nx.test.", i, rand.Uint32())
-				}, stop)
-				if err != nil {
-					t.Error(err)
-				}
-				pc <- p
-			}()
+			name = nxName
 		}
-		q := make(chan *dnsfake.Probe, 1)
-		go func() {
-			p, err := dnsfake.MixProber(a.dnsAddr, netip.MustParseAddr("127.0.0.2"), quietNames, 5*time.Second, 5*time.Millisecond, stop)
-			if err != nil {
-				t.Error(err)
-			}
-			q <- p
-		}()
+		l := startLoad(t, a, name)
 		start := time.Now()
 		time.Sleep(d) // the phase's length: the load runs meanwhile
 		upCount := a.up.Count() - upBefore
 		el := time.Since(start)
-		close(stop)
-		r := quietRun{Probe: <-q, peak: a.cg.Int("memory.max_usage_in_bytes")}
-		var p *dnsfake.Paced
-		if noisy {
-			p = <-pc
-		}
+		p, q := l.stop()
+		r := quietRun{Probe: q, peak: a.cg.Int("memory.max_usage_in_bytes")}
 		return r, p, int64(float64(upCount) / el.Seconds())
 	}
 	base, _, _ := phase(false)

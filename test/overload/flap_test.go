@@ -3,7 +3,6 @@ package overload
 import (
 	"fmt"
 	"math/rand/v2"
-	"net/netip"
 	"os"
 	"strconv"
 	"strings"
@@ -42,33 +41,14 @@ func envDuration(t *testing.T, name string, def time.Duration) time.Duration {
 func TestNoisyWorkloadBehindARateLimitingUpstream(t *testing.T) {
 	d := envDuration(t, "MESHDNS_FLAP_SOAK", 10*time.Second)
 	a := startAgentWith(t, dnsfake.RateLimited(nxOrAnswers, 2000, 2*time.Millisecond), "--log-level", "info")
-	server := netip.MustParseAddrPort(a.dnsAddr)
 	search := []string{".default.svc.cluster.local.", ".svc.cluster.local.", ".cluster.local.", "."}
-	stop := make(chan struct{})
-	noisy := make(chan *dnsfake.Paced, 1)
-	go func() {
-		p, err := dnsfake.PacedUDP(server, netip.MustParseAddr("127.0.0.1"), 20000, func(i int) string {
-			return fmt.Sprintf("n%d-%d.nx.test%s", i/len(search), rand.Uint32(), search[i%len(search)])
-		}, stop)
-		if err != nil {
-			t.Error(err)
-		}
-		noisy <- p
-	}()
-	quietNames := []string{meshName, "ext1.example.org.", meshName, "ext2.example.org.", meshName, "ext3.example.org."}
-	quiet := make(chan *dnsfake.Probe, 1)
-	go func() {
-		p, err := dnsfake.MixProber(a.dnsAddr, netip.MustParseAddr("127.0.0.2"), quietNames, 5*time.Second, 5*time.Millisecond, stop)
-		if err != nil {
-			t.Error(err)
-		}
-		quiet <- p
-	}()
+	l := startLoad(t, a, func(i int) string {
+		return fmt.Sprintf("n%d-%d.nx.test%s", i/len(search), rand.Uint32(), search[i%len(search)])
+	})
 	for end := time.Now().Add(d); time.Now().Before(end) && !a.proc.Exited(); {
 		time.Sleep(time.Second) // the load's pace: check once a second that the agent still runs
 	}
-	close(stop)
-	n, q := <-noisy, <-quiet
+	n, q := l.stop()
 	alive := !a.proc.Exited()
 	log := a.proc.Log.String()
 	m, _ := a.metrics("meshdns_upstream_health_transitions_total", "meshdns_panics_total")
@@ -99,25 +79,36 @@ func TestNoisyWorkloadBehindARateLimitingUpstream(t *testing.T) {
 	}
 }
 
-// metricValue reads one series (name and labels, exactly as /metrics prints them).
+// metricValue reads one series (name and labels, exactly as /metrics prints them);
+// a series /metrics does not have fails the test.
 func metricValue(t *testing.T, a *agent, series string) float64 {
 	t.Helper()
-	name, _, _ := strings.Cut(series, "{")
+	v, ok := a.seriesValue(t, series)
+	if !ok {
+		name, _, _ := strings.Cut(series, "{")
+		t.Fatalf("/metrics has no series %s (metric %s)", series, name)
+	}
+	return v
+}
+
+// seriesValue reads one series (name and labels, exactly as /metrics prints them);
+// ok is false when /metrics does not have it.
+func (a *agent) seriesValue(t *testing.T, series string) (v float64, ok bool) {
+	t.Helper()
 	b, err := a.metricsText()
 	if err != nil {
 		t.Fatalf("scrape /metrics: %v", err)
 	}
 	for _, line := range strings.Split(b, "\n") {
-		if v, ok := strings.CutPrefix(line, series+" "); ok {
-			f, err := strconv.ParseFloat(v, 64)
+		if s, found := strings.CutPrefix(line, series+" "); found {
+			f, err := strconv.ParseFloat(s, 64)
 			if err != nil {
 				t.Fatalf("%s: %v", line, err)
 			}
-			return f
+			return f, true
 		}
 	}
-	t.Fatalf("/metrics has no series %s (metric %s)", series, name)
-	return 0
+	return 0, false
 }
 
 func tail(s string, lines int) string {

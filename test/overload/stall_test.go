@@ -1,9 +1,6 @@
 package overload
 
 import (
-	"fmt"
-	"math/rand/v2"
-	"net/netip"
 	"strconv"
 	"strings"
 	"testing"
@@ -40,29 +37,9 @@ func TestUpstreamStallKeepsTableAnswers(t *testing.T) {
 	stall := envDuration(t, "MESHDNS_STALL", 10*time.Second)
 	a := startAgentWith(t, dnsfake.RateLimited(shortTTL, 2000, 2*time.Millisecond), "--log-level", "warn",
 		"--workload-qps", strconv.Itoa(budget), "--workload-max-pending", "128")
-	server := netip.MustParseAddrPort(a.dnsAddr)
 	external := []string{"ext1.example.org.", "ext2.example.org.", "ext3.example.org."}
-	quietNames := []string{meshName, external[0], meshName, external[1], meshName, external[2]}
 	phase := func(stalled bool) *dnsfake.Probe {
-		stop := make(chan struct{})
-		pc := make(chan *dnsfake.Paced, 1)
-		go func() {
-			p, err := dnsfake.PacedUDP(server, netip.MustParseAddr("127.0.0.1"), 20000, func(i int) string {
-				return fmt.Sprintf("n%d-%d.nx.test.", i, rand.Uint32())
-			}, stop)
-			if err != nil {
-				t.Error(err)
-			}
-			pc <- p
-		}()
-		q := make(chan *dnsfake.Probe, 1)
-		go func() {
-			p, err := dnsfake.MixProber(a.dnsAddr, netip.MustParseAddr("127.0.0.2"), quietNames, 5*time.Second, 5*time.Millisecond, stop)
-			if err != nil {
-				t.Error(err)
-			}
-			q <- p
-		}()
+		l := startLoad(t, a, nxName)
 		if stalled {
 			thaw := a.up.Freeze()
 			time.Sleep(stall) // the stall's length: the load runs meanwhile
@@ -70,20 +47,20 @@ func TestUpstreamStallKeepsTableAnswers(t *testing.T) {
 		} else {
 			time.Sleep(stall)
 		}
-		close(stop)
-		if noisy := <-pc; noisy != nil {
+		noisy, p := l.stop()
+		if noisy != nil {
 			t.Logf("noisy (stalled %v): sent %d, answers %v", stalled, noisy.Sent, noisy.Answers)
 		}
-		p := <-q
 		if p == nil {
 			t.Fatal("the quiet workload's prober failed")
 		}
 		return p
 	}
 	base := phase(false)
-	staleBefore := a.metricValue(t, `meshdns_cache_hits_total{type="stale"}`)
+	staleBefore, _ := a.seriesValue(t, `meshdns_cache_hits_total{type="stale"}`) // absent: none yet
 	stalled := phase(true)
-	staleHits := a.metricValue(t, `meshdns_cache_hits_total{type="stale"}`) - staleBefore
+	staleAfter, _ := a.seriesValue(t, `meshdns_cache_hits_total{type="stale"}`)
+	staleHits := staleAfter - staleBefore
 	if a.proc.Exited() {
 		t.Fatalf("the agent died:\n%s", tail(a.proc.Log.String(), 40))
 	}
@@ -120,24 +97,4 @@ func TestUpstreamStallKeepsTableAnswers(t *testing.T) {
 			t.Errorf("%s during the stall: answered with %v, want the cached 192.0.2.1 only", n, addrs)
 		}
 	}
-}
-
-// metricValue is the value of one series (name with its labels as /metrics prints
-// them), 0 when absent.
-func (a *agent) metricValue(t *testing.T, series string) float64 {
-	t.Helper()
-	text, err := a.metricsText()
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, line := range strings.Split(text, "\n") {
-		if v, ok := strings.CutPrefix(line, series+" "); ok {
-			f, err := strconv.ParseFloat(v, 64)
-			if err != nil {
-				t.Fatalf("%s: %v", line, err)
-			}
-			return f
-		}
-	}
-	return 0
 }
