@@ -4,6 +4,7 @@ import (
 	"context"
 	"flag"
 	"fmt"
+	"log/slog"
 	"net/netip"
 	"strings"
 	"time"
@@ -149,10 +150,7 @@ const egressPolicyWait = 10 * time.Second
 // sources have published: its resolver then grants every answer to a selected
 // workload by that workload's policy from the first (a takeover's predecessor
 // serves meanwhile). Past egressPolicyWait it goes on, and says so.
-func (a *Agent) waitEgressPolicies(ctx context.Context, p *egressPart, adopted bool, log interface {
-	Info(string, ...any)
-	Warn(string, ...any)
-}) error {
+func (a *Agent) waitEgressPolicies(ctx context.Context, p *egressPart, adopted bool, log *slog.Logger) error {
 	if !adopted {
 		return nil
 	}
@@ -175,10 +173,7 @@ func (a *Agent) waitEgressPolicies(ctx context.Context, p *egressPart, adopted b
 
 // startEgressSources starts the policy file and, with a Kubernetes source,
 // the DNSEgressPolicy and Istio REGISTRY_ONLY sources.
-func (a *Agent) startEgressSources(ctx context.Context, reg *prometheus.Registry, p *egressPart, log interface {
-	Info(string, ...any)
-	Warn(string, ...any)
-}) error {
+func (a *Agent) startEgressSources(ctx context.Context, reg *prometheus.Registry, p *egressPart, log *slog.Logger) error {
 	publish := func(source string) func(*egresspolicy.Set) {
 		return func(s *egresspolicy.Set) { p.ctl.SetPolicies(source, s) }
 	}

@@ -26,7 +26,6 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
-	"syscall"
 	"time"
 
 	"github.com/meshdns/meshdns-ebpf/internal/egress"
@@ -410,9 +409,9 @@ func (c *Controller) selectLocked(set *egresspolicy.Set) (map[uint64]*Selected, 
 func (c *Controller) unitCgroup(unit string) (workload.Cgroup, bool) {
 	root := cmp.Or(c.cfg.UnitRoot, c.cfg.CgroupRoot)
 	if strings.HasPrefix(unit, "/") {
-		return cgroupAt(filepath.Clean(unit))
+		return workload.CgroupAt(filepath.Clean(unit))
 	}
-	if cg, ok := cgroupAt(filepath.Join(root, "system.slice", unit)); ok {
+	if cg, ok := workload.CgroupAt(filepath.Join(root, "system.slice", unit)); ok {
 		return cg, true
 	}
 	var found workload.Cgroup
@@ -424,7 +423,7 @@ func (c *Controller) unitCgroup(unit string) (workload.Cgroup, bool) {
 			return nil
 		}
 		if d.Name() == unit {
-			found, _ = cgroupAt(p)
+			found, _ = workload.CgroupAt(p)
 			return filepath.SkipAll
 		}
 		return nil
@@ -432,17 +431,6 @@ func (c *Controller) unitCgroup(unit string) (workload.Cgroup, bool) {
 	return found, found.ID != 0
 }
 
-func cgroupAt(p string) (workload.Cgroup, bool) {
-	fi, err := os.Stat(p)
-	if err != nil || !fi.IsDir() {
-		return workload.Cgroup{}, false
-	}
-	st, ok := fi.Sys().(*syscall.Stat_t)
-	if !ok {
-		return workload.Cgroup{}, false
-	}
-	return workload.Cgroup{Path: p, ID: st.Ino}, true
-}
 
 // ruleOf is what the datapath enforces for a policy.
 func ruleOf(p *egresspolicy.Policy) egress.Rule {

@@ -4,7 +4,9 @@ import (
 	"errors"
 	"fmt"
 	"io/fs"
+	"os"
 	"path/filepath"
+	"syscall"
 )
 
 // Cgroup is one cgroup directory: its path and its cgroup v2 id (the
@@ -12,6 +14,19 @@ import (
 type Cgroup struct {
 	Path string
 	ID   uint64
+}
+
+// CgroupAt is the cgroup directory at path, or false when there is none.
+func CgroupAt(path string) (Cgroup, bool) {
+	fi, err := os.Stat(path)
+	if err != nil || !fi.IsDir() {
+		return Cgroup{}, false
+	}
+	st, ok := fi.Sys().(*syscall.Stat_t)
+	if !ok {
+		return Cgroup{}, false
+	}
+	return Cgroup{Path: path, ID: st.Ino}, true
 }
 
 // PodCgroups walks the cgroup2 tree under root and returns each pod's own
@@ -34,8 +49,8 @@ func PodCgroups(root string) (map[string]Cgroup, error) {
 		if uid == "" {
 			return nil
 		}
-		if id := inodeOf(p); id != 0 {
-			pods[uid] = Cgroup{Path: p, ID: id}
+		if cg, ok := CgroupAt(p); ok {
+			pods[uid] = cg
 		}
 		return filepath.SkipDir // its containers are below it
 	})
