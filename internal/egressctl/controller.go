@@ -431,7 +431,6 @@ func (c *Controller) unitCgroup(unit string) (workload.Cgroup, bool) {
 	return found, found.ID != 0
 }
 
-
 // ruleOf is what the datapath enforces for a policy.
 func ruleOf(p *egresspolicy.Policy) egress.Rule {
 	return egress.Rule{
