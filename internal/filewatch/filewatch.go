@@ -9,7 +9,9 @@ package filewatch
 import (
 	"context"
 	"log/slog"
+	"os"
 	"path/filepath"
+	"syscall"
 	"time"
 
 	"github.com/fsnotify/fsnotify"
@@ -73,4 +75,32 @@ func Watch(ctx context.Context, path string, poll time.Duration, log *slog.Logge
 			reload()
 		}
 	}
+}
+
+// Fingerprint identifies a file's content cheaply, for telling whether it may
+// have changed since it was last read: the symlink chain (kubelet swaps a
+// ConfigMap volume's ..data) and the final file's identity, size, mtime and mode.
+// Fingerprints are compared with ==.
+type Fingerprint struct {
+	exists      bool
+	link, data  string
+	dev, ino    uint64
+	size, mtime int64
+	mode        os.FileMode
+}
+
+// Stat returns path's fingerprint (a file that is not there has one too).
+func Stat(path string) Fingerprint {
+	var fp Fingerprint
+	fp.link, _ = os.Readlink(path)
+	fp.data, _ = os.Readlink(filepath.Join(filepath.Dir(path), "..data"))
+	fi, err := os.Stat(path)
+	if err != nil {
+		return fp
+	}
+	fp.exists, fp.size, fp.mtime, fp.mode = true, fi.Size(), fi.ModTime().UnixNano(), fi.Mode()
+	if st, ok := fi.Sys().(*syscall.Stat_t); ok {
+		fp.dev, fp.ino = uint64(st.Dev), st.Ino
+	}
+	return fp
 }

@@ -157,7 +157,7 @@ type Source struct {
 	valid    prometheus.Gauge
 
 	loadMu sync.Mutex // one load at a time; guards last and tried
-	last   fingerprint
+	last   filewatch.Fingerprint
 	tried  bool
 
 	mu      sync.Mutex // guards set and lastErr
@@ -248,37 +248,13 @@ func (s *Source) Close() error {
 	return nil
 }
 
-// fingerprint identifies the file's content cheaply: the symlink chain
-// (kubelet swaps ..data) and the final file's identity, size and mtime.
-type fingerprint struct {
-	exists      bool
-	link, data  string
-	dev, ino    uint64
-	size, mtime int64
-}
-
-func (s *Source) stat() fingerprint {
-	var fp fingerprint
-	fp.link, _ = os.Readlink(s.path)
-	fp.data, _ = os.Readlink(filepath.Join(filepath.Dir(s.path), "..data"))
-	fi, err := os.Stat(s.path)
-	if err != nil {
-		return fp
-	}
-	fp.exists, fp.size, fp.mtime = true, fi.Size(), fi.ModTime().UnixNano()
-	if st, ok := fi.Sys().(*syscall.Stat_t); ok {
-		fp.dev, fp.ino = uint64(st.Dev), st.Ino
-	}
-	return fp
-}
-
 // load reads the file when it changed since the last attempt (or when
 // force), and publishes its Set when it loads. A failed load keeps the
 // Set in force.
 func (s *Source) load(force bool) error {
 	s.loadMu.Lock()
 	defer s.loadMu.Unlock()
-	fp := s.stat()
+	fp := filewatch.Stat(s.path)
 	if s.tried && fp == s.last && !force {
 		return nil
 	}

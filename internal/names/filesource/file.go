@@ -12,7 +12,6 @@ import (
 	"log/slog"
 	"net/netip"
 	"os"
-	"path/filepath"
 	"sync"
 	"syscall"
 	"time"
@@ -55,7 +54,7 @@ type File struct {
 	log  *slog.Logger
 
 	mu     sync.Mutex // guards the fields below
-	last   fingerprint
+	last   filewatch.Fingerprint
 	tried  bool
 	reader *nametable.Reader  // what was applied, to read only what changes
 	ready  *nametable.Version // checked before Run, delivered first by Run
@@ -95,7 +94,7 @@ func (f *File) Check() error {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	start := time.Now()
-	fp := f.stat()
+	fp := filewatch.Stat(f.path)
 	c, err := f.read()
 	f.last, f.tried = fp, true
 	if err != nil {
@@ -103,34 +102,6 @@ func (f *File) Check() error {
 	}
 	f.ready, f.took = c, time.Since(start)
 	return nil
-}
-
-// fingerprint identifies the file content cheaply: the symlink chain
-// (kubelet swaps ..data) and the final file's identity, size and mtime.
-type fingerprint struct {
-	exists      bool
-	link, data  string
-	dev, ino    uint64
-	size, mtime int64
-	mode        os.FileMode
-}
-
-func (f *File) stat() fingerprint {
-	var fp fingerprint
-	fp.link, _ = os.Readlink(f.path)
-	fp.data, _ = os.Readlink(filepath.Join(filepath.Dir(f.path), "..data"))
-	fi, err := os.Stat(f.path)
-	if err != nil {
-		return fp
-	}
-	fp.exists = true
-	fp.size = fi.Size()
-	fp.mtime = fi.ModTime().UnixNano()
-	fp.mode = fi.Mode()
-	if st, ok := fi.Sys().(*syscall.Stat_t); ok {
-		fp.dev, fp.ino = uint64(st.Dev), st.Ino
-	}
-	return fp
 }
 
 // read reads, parses and validates the file, and returns what it changes
@@ -223,7 +194,7 @@ func (l *limitReader) Read(p []byte) (int, error) {
 func (f *File) load(sink names.Sink, force bool) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	fp := f.stat()
+	fp := filewatch.Stat(f.path)
 	if f.tried && fp == f.last && !force {
 		return
 	}
