@@ -97,9 +97,10 @@ type Controller struct {
 	cfg Config
 	log *slog.Logger
 
-	kick chan struct{}
-	stop context.CancelFunc
-	done sync.WaitGroup
+	kick  chan struct{}
+	watch *cgroupWatch // from Start: wakes the loop when a workload's cgroup is made
+	stop  context.CancelFunc
+	done  sync.WaitGroup
 
 	created   time.Time
 	published chan struct{} // closed once every expected source has published
@@ -175,12 +176,18 @@ func (c *Controller) Start(ctx context.Context) error {
 	if err := c.cfg.Datapath.SetInternal(c.cfg.Internal); err != nil {
 		return fmt.Errorf("egressctl: internal prefixes: %w", err)
 	}
+	c.watch = newCgroupWatch(c.log)
 	if err := c.Sync(); err != nil {
+		c.watch.close()
 		return err
 	}
 	ctx, c.stop = context.WithCancel(ctx)
-	c.done.Add(1)
+	c.done.Add(2)
 	go c.loop(ctx)
+	go func() {
+		defer c.done.Done()
+		c.watch.run(ctx, c.PodsChanged)
+	}()
 	return nil
 }
 
@@ -191,6 +198,9 @@ func (c *Controller) Close() error {
 		c.stop()
 	}
 	c.done.Wait()
+	if c.watch != nil {
+		c.watch.close()
+	}
 	return nil
 }
 
@@ -291,11 +301,15 @@ func (c *Controller) Sync() error {
 		c.errs.Add(1)
 		return err
 	}
-	want, err := c.selectLocked(set)
+	sel, err := c.selectLocked(set)
 	if err != nil {
 		c.errs.Add(1)
 		return err
 	}
+	if c.watch != nil && c.watch.set(sel.dirs, sel.units) {
+		c.PodsChanged() // a cgroup made before its directory was watched
+	}
+	want := sel.want
 	var errs []error
 	if set.Len() > 0 {
 		errs = append(errs, c.cfg.Datapath.Enable(true))
@@ -364,24 +378,33 @@ func (c *Controller) mergedLocked() (*egresspolicy.Set, error) {
 	return s, nil
 }
 
+// selection is what a sync selects, and where the cgroups of the workloads it
+// selects are made (watched until the next sync).
+type selection struct {
+	want  map[uint64]*Selected // by cgroup id
+	dirs  []string             // the directories where pods' and units' cgroups are made
+	units map[string]bool      // the base names of the units' cgroups
+}
+
 // selectLocked finds the cgroup of every selected pod and unit.
-func (c *Controller) selectLocked(set *egresspolicy.Set) (map[uint64]*Selected, error) {
-	want := map[uint64]*Selected{}
+func (c *Controller) selectLocked(set *egresspolicy.Set) (selection, error) {
+	sel := selection{want: map[uint64]*Selected{}, units: map[string]bool{}}
 	if set.Len() == 0 {
-		return want, nil
+		return sel, nil
 	}
 	if c.cfg.Pods != nil {
-		cgroups, err := workload.PodCgroups(c.cfg.CgroupRoot)
+		tree, err := workload.PodCgroups(c.cfg.CgroupRoot)
 		if err != nil {
-			return nil, err
+			return selection{}, err
 		}
+		sel.dirs = tree.Parents
 		for _, p := range c.cfg.Pods() {
-			cg, ok := cgroups[p.UID]
+			cg, ok := tree.Pods[p.UID]
 			if !ok {
-				continue // not started yet: the next sync finds it
+				continue // not started yet: the watch or the next sync finds it
 			}
 			if pol, ok := set.Select(egresspolicy.Workload{Namespace: p.Namespace, Labels: p.Labels}); ok {
-				want[cg.ID] = &Selected{Cgroup: cg.ID, Path: cg.Path, Workload: p.Namespace + "/" + p.Name, Policy: pol}
+				sel.want[cg.ID] = &Selected{Cgroup: cg.ID, Path: cg.Path, Workload: p.Namespace + "/" + p.Name, Policy: pol}
 			}
 		}
 	}
@@ -393,14 +416,29 @@ func (c *Controller) selectLocked(set *egresspolicy.Set) (map[uint64]*Selected, 
 	}
 	for unit := range units {
 		cg, ok := c.unitCgroup(unit)
+		sel.units[filepath.Base(unit)] = true
+		sel.dirs = append(sel.dirs, c.unitParent(unit, cg, ok))
 		if !ok {
 			continue // not running
 		}
 		if pol, ok := set.Select(egresspolicy.Workload{Unit: unit}); ok {
-			want[cg.ID] = &Selected{Cgroup: cg.ID, Path: cg.Path, Workload: unit, Policy: pol}
+			sel.want[cg.ID] = &Selected{Cgroup: cg.ID, Path: cg.Path, Workload: unit, Policy: pol}
 		}
 	}
-	return want, nil
+	return sel, nil
+}
+
+// unitParent is the directory where a unit's cgroup is made: the found
+// cgroup's parent, else the parent of its path or system.slice.
+func (c *Controller) unitParent(unit string, cg workload.Cgroup, found bool) string {
+	switch {
+	case found:
+		return filepath.Dir(cg.Path)
+	case strings.HasPrefix(unit, "/"):
+		return filepath.Dir(filepath.Clean(unit))
+	default:
+		return filepath.Join(cmp.Or(c.cfg.UnitRoot, c.cfg.CgroupRoot), "system.slice")
+	}
 }
 
 // unitCgroup finds a unit's cgroup: an absolute cgroup directory

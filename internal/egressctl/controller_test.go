@@ -16,6 +16,7 @@ import (
 	"github.com/meshdns/meshdns-ebpf/internal/egress"
 	"github.com/meshdns/meshdns-ebpf/internal/egresspolicy"
 	"github.com/meshdns/meshdns-ebpf/internal/tap"
+	"github.com/meshdns/meshdns-ebpf/internal/testenv"
 )
 
 // fakeDatapath records what the controller writes.
@@ -44,6 +45,7 @@ type grantCall struct {
 func newFake() *fakeDatapath { return &fakeDatapath{workloads: map[uint64]workloadEntry{}} }
 
 func (f *fakeDatapath) Enable(on bool) error { f.mu.Lock(); f.enabled = on; f.mu.Unlock(); return nil }
+func (f *fakeDatapath) isEnabled() bool      { f.mu.Lock(); defer f.mu.Unlock(); return f.enabled }
 func (f *fakeDatapath) SetWorkload(cg uint64, id egress.WorkloadID, r egress.Rule) error {
 	f.mu.Lock()
 	defer f.mu.Unlock()
@@ -412,5 +414,88 @@ func TestRestartKeepsAdoptedWorkloadsUntilTheSourcesSpeak(t *testing.T) {
 				t.Errorf("adopted workload kept %v, enforcement on %v; want both %v", kept, fake.enabled, tc.kept)
 			}
 		})
+	}
+}
+
+// A pod's cgroup is selected as soon as kubelet creates it, before its
+// containers start, not at the next resync: a container that connects at once
+// is already enforced. Kubelet makes a QoS class's parent directory with its
+// first pod, so a pod in a parent that did not exist is found too.
+func TestAPodCgroupIsSelectedWhenKubeletCreatesIt(t *testing.T) {
+	root, _ := cgroupTree(t, "kubepods/besteffort")
+	web := map[string]string{"app": "web"}
+	pods := []Pod{
+		{Namespace: "shop", Name: "web-1", UID: "11111111-1111-1111-1111-111111111111", Labels: web},
+		{Namespace: "shop", Name: "web-2", UID: "22222222-2222-2222-2222-222222222222", Labels: web},
+	}
+	fake := startWatched(t, Config{CgroupRoot: root, Pods: func() []Pod { return pods }},
+		egresspolicy.Policy{Source: "DNSEgressPolicy", Name: "shop/web", Namespace: "shop",
+			PodSelector: egresspolicy.Selector{MatchLabels: web}, Egress: []egresspolicy.Rule{{Names: []string{"api.example.com"}}}})
+	for _, dir := range []string{
+		"kubepods/besteffort/pod11111111-1111-1111-1111-111111111111",
+		"kubepods/burstable/pod22222222-2222-2222-2222-222222222222", // a new parent
+	} {
+		if err := os.MkdirAll(filepath.Join(root, dir), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		testenv.Eventually(t, 2*time.Second, fake.selects(root, dir), "%s selected after its creation (resync is an hour)", dir)
+	}
+}
+
+// A unit's cgroup is made anew (a new id) at each start: the new one is
+// selected at once, not at the next resync.
+func TestAUnitCgroupIsSelectedWhenSystemdCreatesIt(t *testing.T) {
+	root, _ := cgroupTree(t, unit)
+	fake := startWatched(t, Config{CgroupRoot: root},
+		egresspolicy.Policy{Source: "file", Name: "app", Unit: "app.service", Egress: []egresspolicy.Rule{{Names: []string{"*.example.org"}}}})
+	testenv.Eventually(t, 2*time.Second, fake.selects(root, unit), "the running unit selected")
+	// The old directory moved away while the new one is made, so the new
+	// one's id is not the old one's reused.
+	dir, old := filepath.Join(root, unit), filepath.Join(root, "system.slice", "old")
+	if err := os.Rename(dir, old); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Mkdir(dir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Remove(old); err != nil {
+		t.Fatal(err)
+	}
+	testenv.Eventually(t, 2*time.Second, fake.selects(root, unit), "the restarted unit's new cgroup selected (resync is an hour)")
+}
+
+// startWatched starts a controller over cfg (the fake datapath, a resync of
+// an hour) and publishes policy, and returns once the sync it asked for has
+// walked the tree: later cgroups are found only by the watch.
+func startWatched(t *testing.T, cfg Config, policy egresspolicy.Policy) *fakeDatapath {
+	t.Helper()
+	fake := newFake()
+	cfg.Datapath, cfg.Grants, cfg.Resync = fake, fake, time.Hour
+	c, err := New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := c.Start(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	c.SetPolicies(policy.Source, policySet(t, policy))
+	// Enforcement is switched on after the walk.
+	testenv.Eventually(t, 5*time.Second, fake.isEnabled, "enforcement switched on")
+	return fake
+}
+
+// selects reports whether the cgroup directory root/dir, as it is now, is a
+// selected workload.
+func (f *fakeDatapath) selects(root, dir string) func() bool {
+	return func() bool {
+		fi, err := os.Stat(filepath.Join(root, dir))
+		if err != nil {
+			return false
+		}
+		f.mu.Lock()
+		defer f.mu.Unlock()
+		_, ok := f.workloads[fi.Sys().(*syscall.Stat_t).Ino]
+		return ok
 	}
 }

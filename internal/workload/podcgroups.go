@@ -4,8 +4,11 @@ import (
 	"errors"
 	"fmt"
 	"io/fs"
+	"maps"
 	"os"
 	"path/filepath"
+	"slices"
+	"strings"
 	"syscall"
 )
 
@@ -29,12 +32,26 @@ func CgroupAt(path string) (Cgroup, bool) {
 	return Cgroup{Path: path, ID: st.Ino}, true
 }
 
+// PodTree is what a walk of the cgroup2 tree finds of kubelet's pods.
+type PodTree struct {
+	// Pods is each pod's own cgroup by pod UID: the outermost directory whose
+	// name carries the UID (kubelet creates it before the pod's containers,
+	// which are its children).
+	Pods map[string]Cgroup
+	// Parents are the directories where kubelet makes pods' cgroups, sorted:
+	// the root, every directory above a pod's, and every other directory in
+	// or below one named for kubepods (a QoS class's directory holds no pod
+	// before its first). A watch of them sees a pod's cgroup made before its
+	// containers start.
+	Parents []string
+}
+
 // PodCgroups walks the cgroup2 tree under root and returns each pod's own
-// cgroup by pod UID: the outermost directory whose name carries the UID (kubelet
-// creates it before the pod's containers, which are its children). A directory
-// that disappears during the walk is skipped.
-func PodCgroups(root string) (map[string]Cgroup, error) {
-	pods := map[string]Cgroup{}
+// cgroup and the directories where pods' cgroups are made. A directory that
+// disappears during the walk is skipped.
+func PodCgroups(root string) (PodTree, error) {
+	tree := PodTree{Pods: map[string]Cgroup{}}
+	parents := map[string]bool{root: true}
 	err := filepath.WalkDir(root, func(p string, d fs.DirEntry, err error) error {
 		if err != nil {
 			if p == root || !errors.Is(err, fs.ErrNotExist) {
@@ -47,15 +64,22 @@ func PodCgroups(root string) (map[string]Cgroup, error) {
 		}
 		uid := PodUID(d.Name())
 		if uid == "" {
+			if rel, _ := filepath.Rel(root, p); strings.Contains(rel, "kubepods") {
+				parents[p] = true
+			}
 			return nil
 		}
 		if cg, ok := CgroupAt(p); ok {
-			pods[uid] = cg
+			tree.Pods[uid] = cg
+		}
+		for dir := filepath.Dir(p); dir != root && strings.HasPrefix(dir, root); dir = filepath.Dir(dir) {
+			parents[dir] = true
 		}
 		return filepath.SkipDir // its containers are below it
 	})
 	if err != nil {
-		return nil, fmt.Errorf("walk cgroups under %s: %w", root, err)
+		return PodTree{}, fmt.Errorf("walk cgroups under %s: %w", root, err)
 	}
-	return pods, nil
+	tree.Parents = slices.Sorted(maps.Keys(parents))
+	return tree, nil
 }
