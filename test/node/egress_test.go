@@ -29,9 +29,13 @@ const (
 	egressOtherIP    = "198.18.0.20"
 	egressRegistered = "registered.egress.example" // egress-registry's ServiceEntry host
 	egressRegIP      = "198.18.0.30"
+	egressFresh      = "fresh.egress.example" // a new address of egressFreshNet on every query, TTL 1
+	egressFreshNet   = "198.18.128.0/17"
 	egressNever      = "198.19" // a /16 no answer names
 	egressPort       = 8080
 	egressCycles     = 50
+	// egressRolloutCount is how many rollout restarts run under egress load.
+	egressRolloutCount = 10
 )
 
 func egressWorkloads() string {
@@ -60,7 +64,7 @@ kind: DNSEgressPolicy
 metadata: {name: allow-one, namespace: ` + egressNSPolicy + `}
 spec:
   podSelector: {matchLabels: {app: client}}
-  egress: [{names: [` + egressAllowed + `]}]
+  egress: [{names: [` + egressAllowed + `, ` + egressFresh + `]}]
   mode: enforce
 ---
 apiVersion: networking.istio.io/v1
@@ -143,6 +147,7 @@ func (e *env) checkEgress(t *testing.T) {
 	inet := testenv.StartInternet(t, world, netip.MustParsePrefix("198.18.0.0/15"), egressPort)
 	e.upstream.Set(egressAllowed, netip.MustParseAddr(egressAllowedIP))
 	e.upstream.Set(egressOther, netip.MustParseAddr(egressOtherIP))
+	e.upstream.SetFresh(egressFresh, netip.MustParsePrefix(egressFreshNet), 1)
 
 	// The Sidecar CRD before the agent starts (istioegress watches Sidecars).
 	e.n.CP.InstallIstioCRD(t, kubetest.SidecarCRD)
@@ -174,8 +179,9 @@ func (e *env) checkEgress(t *testing.T) {
 	})
 	e.rep.add(t, "DNSEgressPolicy %s/allow-one: Accepted=True", egressNSPolicy)
 
-	// A pod is selected within about two seconds of its cgroup appearing
-	// (docs/egress.md): wait until a never-resolved address is denied.
+	e.checkFirstConnect(t)
+	// Both policies in force (the Sidecar's comes through its own watch):
+	// wait until a never-resolved address is denied.
 	for _, ns := range []string{egressNSPolicy, egressNSRegistry} {
 		waitFor(t, 30*time.Second, ns+"/client selected (a never-resolved connect denied)", func() bool {
 			s, err := e.egressRun(ns, "-n", "1", "-x", egressNever, egressAllowed)
@@ -215,6 +221,92 @@ func (e *env) checkEgress(t *testing.T) {
 	e.rep.add(t, "the internet accepted %d connections", inet.Accepted()-acceptedBefore)
 	if got := inet.Accepted() - acceptedBefore; got < 2*egressCycles {
 		t.Errorf("the internet accepted %d connections, want at least %d (the allowed ones)", got, 2*egressCycles)
+	}
+	if !t.Failed() {
+		e.egressRollouts(t)
+	}
+}
+
+// checkFirstConnect runs a pod the enforce policy selects whose container's
+// first act is a lookup and a connect to a never-resolved address: the pod is
+// selected when kubelet makes its cgroup, before its containers start, so that
+// connect is denied.
+func (e *env) checkFirstConnect(t *testing.T) {
+	const name = "first-connect"
+	applyStdin(t, e.n, fmt.Sprintf(`apiVersion: v1
+kind: Pod
+metadata: {name: %s, namespace: %s, labels: {app: client}}
+spec:
+  restartPolicy: Never
+  terminationGracePeriodSeconds: 1
+  dnsConfig: {options: [{name: timeout, value: "2"}, {name: attempts, value: "1"}]}
+  containers:
+    - name: client
+      image: %s
+      imagePullPolicy: Never
+      command: [/usr/local/bin/egressload, -p, "%d", -n, "1", -x, "%s", %s]
+`, name, egressNSPolicy, muslImage, egressPort, egressNever, egressAllowed))
+	start := time.Now()
+	waitFor(t, 100*time.Second, "pod "+name+" ran", func() bool {
+		out, _ := e.n.Kubectl("get", "pod", "-n", egressNSPolicy, name, "-o", "jsonpath={.status.phase}")
+		return out == "Succeeded" || out == "Failed"
+	})
+	out, err := e.n.Kubectl("logs", "-n", egressNSPolicy, name)
+	s, perr := connload.Parse(out, 5)
+	if perr != nil {
+		t.Fatalf("pod %s: %v: %v", name, err, perr)
+	}
+	e.rep.add(t, "%s/%s, whose container's first act is a connect to a never-resolved address: %d EPERM, %d connected, %d other failures (%v from its creation to its end)",
+		egressNSPolicy, name, s.EPERM, s.OK, s.Failed, time.Since(start).Round(time.Millisecond))
+	if s.Cycles != 1 || s.EPERM != 1 {
+		t.Errorf("pod %s's first connect: %+v; want it denied with EPERM (the pod selected before its container started)", name, s)
+	}
+}
+
+// egressRollouts restarts the DaemonSet egressRolloutCount times, each as
+// RolloutRestart does (checkRollout: the DNS load, seamless resolution), while
+// the policy's pod runs resolve -> connect cycles of a name that answers a new
+// address every time: an EPERM is a false deny.
+func (e *env) egressRollouts(t *testing.T) {
+	stop := make(chan struct{})
+	done := make(chan connload.Summary)
+	go func() {
+		var total connload.Summary
+		for {
+			select {
+			case <-stop:
+				done <- total
+				return
+			default:
+			}
+			s, err := e.egressRun(egressNSPolicy, "-n", "100", egressFresh)
+			if err != nil {
+				total.Fails = append(total.Fails, err.Error())
+				continue
+			}
+			total.Cycles += s.Cycles
+			total.OK += s.OK
+			total.EPERM += s.EPERM
+			total.Failed += s.Failed
+			total.Fails = append(total.Fails, s.Fails...)
+		}
+	}()
+	start := time.Now()
+	for i := range egressRolloutCount {
+		t.Run(fmt.Sprintf("rollout%d", i+1), func(t *testing.T) { e.checkRollout(t, "restart", 0) })
+	}
+	close(stop)
+	total := <-done
+	e.rep.add(t, "%d rollout restarts in %v under %s's resolve -> connect cycles of %s (TTL 1, a new address every answer): %d cycles, %d connected, %d EPERM (false denies), %d other failures",
+		egressRolloutCount, time.Since(start).Round(time.Millisecond), egressNSPolicy, egressFresh, total.Cycles, total.OK, total.EPERM, total.Failed)
+	if len(total.Fails) > 0 {
+		t.Logf("failed cycles (first %d): %s", min(len(total.Fails), 20), strings.Join(total.Fails[:min(len(total.Fails), 20)], "; "))
+	}
+	if total.EPERM > 0 {
+		t.Errorf("%d false denies of an allowed name across the rollouts", total.EPERM)
+	}
+	if total.Cycles == 0 {
+		t.Errorf("no resolve -> connect cycle ran during the rollouts")
 	}
 }
 
