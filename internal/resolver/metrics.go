@@ -1,6 +1,8 @@
 package resolver
 
 import (
+	"time"
+
 	"github.com/miekg/dns"
 	"github.com/prometheus/client_golang/prometheus"
 )
@@ -88,6 +90,20 @@ type metrics struct {
 	overload  [3]prometheus.Counter // total, client, workload
 
 	tcpEvicted, tcpRefused prometheus.Counter
+}
+
+// answer counts one answered query: the request, the response and its latency. Only
+// finish calls it, once per response.
+func (m *metrics) answer(o *outcome) {
+	m.requests[o.c.proto][qtypeIndex(o.qtype)].Inc()
+	m.responses[rcodeIndex(o.rcode)][o.src].Inc()
+	m.duration[o.src].Observe(time.Since(o.start).Seconds())
+}
+
+// drop counts a message deliberately not answered (finish calls it).
+func (m *metrics) drop(p proto) {
+	m.requests[p][nQtypes-1].Inc()
+	m.dropped.Inc()
 }
 
 func newMetrics(reg prometheus.Registerer) (*metrics, error) {
