@@ -41,14 +41,84 @@ type outcome struct {
 // A gate on the addresses a workload may reach (DNS-gated egress) hooks in here.
 func (s *Server) finish(o *outcome) {
 	if o.drop {
-		s.m.drop(o.c.proto)
+		s.recordDrop(o.c.proto)
 		return
 	}
 	if o.c.egress != 0 && s.grant != nil {
 		s.grantAnswer(o)
 	}
-	s.m.answer(o)
+	s.record(o)
 	s.observe(o)
+}
+
+// record counts one answered query: the request (by transport and qtype class), the
+// response (by rcode class and source) and its latency. Only finish calls it, once per
+// response.
+func (s *Server) record(o *outcome) {
+	m := s.m
+	m.requests[o.c.proto][qtypeIndex(o.qtype)].Inc()
+	m.responses[rcodeIndex(o.rcode)][o.src].Inc()
+	m.duration[o.src].Observe(time.Since(o.start).Seconds())
+}
+
+// recordDrop counts a message deliberately not answered (finish calls it).
+func (s *Server) recordDrop(p proto) {
+	s.m.requests[p][nQtypes-1].Inc()
+	s.m.dropped.Inc()
+}
+
+// The classes an outcome is counted in: bounded label sets, so that a client cannot
+// make the metrics grow (metrics.go creates one child per class).
+
+// qtypeLabels is the bounded qtype label set; anything else is "other".
+var qtypeLabels = []string{"A", "AAAA", "PTR", "SRV", "CNAME", "MX", "TXT", "NS", "SOA", "HTTPS", "SVCB", "ANY", "other"}
+
+const nQtypes = 13
+
+// qtypeIndex is the class of qtype t: its index in qtypeLabels.
+func qtypeIndex(t uint16) int {
+	switch t {
+	case dns.TypeA:
+		return 0
+	case dns.TypeAAAA:
+		return 1
+	case dns.TypePTR:
+		return 2
+	case dns.TypeSRV:
+		return 3
+	case dns.TypeCNAME:
+		return 4
+	case dns.TypeMX:
+		return 5
+	case dns.TypeTXT:
+		return 6
+	case dns.TypeNS:
+		return 7
+	case dns.TypeSOA:
+		return 8
+	case dns.TypeHTTPS:
+		return 9
+	case dns.TypeSVCB:
+		return 10
+	case dns.TypeANY:
+		return 11
+	}
+	return 12
+}
+
+var rcodeLabels = []string{"NOERROR", "FORMERR", "SERVFAIL", "NXDOMAIN", "NOTIMP", "REFUSED", "BADVERS", "other"}
+
+const nRcodes = 8
+
+// rcodeIndex is the class of rcode rc: its index in rcodeLabels.
+func rcodeIndex(rc int) int {
+	switch {
+	case rc >= 0 && rc <= dns.RcodeRefused:
+		return rc
+	case rc == dns.RcodeBadVers:
+		return 6
+	}
+	return 7
 }
 
 // observe tells the talkers and the tap of one answered query: who sent it
