@@ -67,28 +67,21 @@ type decisionMore struct {
 	extra               []srvTarget
 }
 
-// decide makes r's decision (w.dec, valid until the next query). It takes one table
-// snapshot: every lookup of the query is in it.
-func (w *worker) decide(r *request) *decision {
+// decide makes r's decision in d, a zero decision (the caller's, on its stack: not
+// zeroed twice); the chain is kept in the worker's storage, valid until the next
+// query. It takes one table snapshot: every lookup of the query is in it. The rules
+// run in the order of docs/resolver.md.
+func (w *worker) decide(r *request, d *decision) {
 	s := w.s
 	w.decided++
-	d := &w.dec
-	*d = decision{chain: w.chain[:0]}
+	d.chain = w.chain[:0]
 	t := s.tables.Table()
 	d.t = t
 	if t == nil {
 		d.forward, d.fwd = true, r.lname // not loaded yet: forward rather than fail
-		return d
+		return
 	}
-	s.decideTable(d, t, r.lname, r.qtype, r.client.addr)
-	if d.forward && s.filterAAAA && r.qtype == dns.TypeAAAA {
-		d.filtered, d.soa = true, t.DomainSOA()
-	}
-	return d
-}
-
-// decideTable is decide's work, in the order of docs/resolver.md.
-func (s *Server) decideTable(d *decision, t *nametable.Table, name string, qtype uint16, client netip.Addr) {
+	name, qtype, client := r.lname, r.qtype, r.client.addr
 	if qtype == dns.TypePTR {
 		if targets := t.PTR(name); targets != nil {
 			d.aa, d.more = true, &decisionMore{ptr: targets}
@@ -96,7 +89,7 @@ func (s *Server) decideTable(d *decision, t *nametable.Table, name string, qtype
 		}
 	}
 	if n, wild := t.Find(name, client); n != nil {
-		s.decideName(d, t, qtype, name, n, wild, client)
+		s.decideName(d, t, r, n, wild)
 		return
 	}
 	if s.podRecords && strings.HasSuffix(name, s.dotPod) && s.decidePod(d, t, qtype, name) {
@@ -119,8 +112,9 @@ func (s *Server) decideTable(d *decision, t *nametable.Table, name string, qtype
 	}
 	if !expanded {
 		if ext, ok := s.externalAutopath(t, name, client); ok {
-			d.autopath, d.forward, d.fwd = true, true, ext
+			d.autopath = true
 			d.chain = append(d.chain, link{target: ext})
+			s.forwardTo(d, t, qtype, ext)
 			return
 		}
 	}
@@ -133,7 +127,16 @@ func (s *Server) decideTable(d *decision, t *nametable.Table, name string, qtype
 		}
 		return
 	}
+	s.forwardTo(d, t, qtype, name)
+}
+
+// forwardTo decides to forward name: the upstream answers the rest, or with the AAAA
+// filter an AAAA question is answered NODATA (with the cluster domain's SOA) instead.
+func (s *Server) forwardTo(d *decision, t *nametable.Table, qtype uint16, name string) {
 	d.forward, d.fwd = true, name
+	if s.filterAAAA && qtype == dns.TypeAAAA {
+		d.filtered, d.soa = true, t.DomainSOA()
+	}
 }
 
 // underDomain reports whether name is the cluster domain or under it. A name under it
@@ -147,13 +150,14 @@ func (s *Server) underDomain(name string) bool {
 	return strings.IndexByte(name, '\\') < 0 || dns.IsSubDomain(s.domain, name)
 }
 
-// decideName decides for a name the table knows (wild: by a wildcard, whose records
-// the question's name owns).
-func (s *Server) decideName(d *decision, t *nametable.Table, qtype uint16, name string, n *nametable.Name, wild bool, client netip.Addr) {
+// decideName decides r's question for a name the table knows (wild: by a wildcard,
+// whose records the question's name owns).
+func (s *Server) decideName(d *decision, t *nametable.Table, r *request, n *nametable.Name, wild bool) {
+	qtype := r.qtype
 	d.aa = true
 	h := n.Host
 	if h.CNAME() != "" {
-		s.decideAlias(d, t, qtype, "", h, client)
+		s.decideAlias(d, t, qtype, "", h, r.client.addr)
 		return
 	}
 	d.host = h
@@ -168,9 +172,9 @@ func (s *Server) decideName(d *decision, t *nametable.Table, qtype uint16, name 
 	case dns.TypeSRV:
 		m := &decisionMore{self: h.Name}
 		if wild {
-			m.self = name
+			m.self = r.lname
 		}
-		m.extra = srvExtra(t, h, m.self, "", "", client)
+		m.extra = srvExtra(t, h, m.self, "", "", r.client.addr)
 		d.srv, d.more, empty = true, m, len(h.Ports) == 0
 	}
 	if empty {
@@ -206,7 +210,7 @@ func (s *Server) decideAlias(d *decision, t *nametable.Table, qtype uint16, owne
 		d.rcode, d.soa = dns.RcodeNameError, t.DomainSOA()
 		return
 	}
-	d.forward, d.fwd = true, target
+	s.forwardTo(d, t, qtype, target)
 }
 
 // decidePod decides <a-b-c-d>.<ns>.pod.<domain> (and the dashed IPv6 form): the

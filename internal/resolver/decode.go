@@ -40,7 +40,10 @@ func (w *worker) decodeWire(r *request) bool {
 		if l > 63 || off+l > len(pkt) || ln+l+1 > 254 {
 			return false
 		}
-		for _, ch := range pkt[off : off+l] {
+		// The label and its dot, lower-cased into the name buffer; dst and src have
+		// the label's length, so the loop indexes both without bounds checks.
+		src, dst := pkt[off:off+l], w.lname[ln:ln+l+1]
+		for i, ch := range src {
 			switch {
 			case ch >= 'a' && ch <= 'z', ch >= '0' && ch <= '9', ch == '-', ch == '_':
 			case ch >= 'A' && ch <= 'Z':
@@ -48,11 +51,10 @@ func (w *worker) decodeWire(r *request) bool {
 			default:
 				return false // needs escaping: decodeMsg
 			}
-			w.lname[ln] = ch
-			ln++
+			dst[i] = ch
 		}
-		w.lname[ln] = '.'
-		ln++
+		dst[l] = '.'
+		ln += l + 1
 		off += l
 	}
 	if ln == 0 || off+4 > len(pkt) {

@@ -371,15 +371,15 @@ func diffCheck(w *diffWorld, q diffQuestion) string {
 	ch := make(chan []byte, 1)
 	c := &client{proto: q.proto, addr: q.client}
 	c.reply.sync = ch
-	r := &wk.req
-	*r = request{pkt: q.pkt, proto: q.proto, client: c, start: time.Now(), o: &wk.o}
+	r := wk.newRequest(q.pkt, c, time.Now())
 	if !wk.decodeWire(r) {
 		if _, done := wk.decodeMsg(r, w.out); done {
 			return "" // screened: never decided
 		}
 	}
 	tables, decided := w.tables.n.Load(), wk.decided
-	d := wk.decide(r)
+	d := new(decision)
+	wk.decide(r, d)
 	fm, err := diffRender(wk, r, d, w.out, ch, false)
 	if err != nil {
 		return "wire encoder: " + err.Error()

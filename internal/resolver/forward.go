@@ -11,7 +11,6 @@ import (
 
 	"github.com/meshdns/meshdns-ebpf/internal/resolver/upstream"
 	"github.com/meshdns/meshdns-ebpf/internal/tap"
-	"github.com/meshdns/meshdns-ebpf/internal/workload"
 )
 
 // The forward stage: cache hits are answered inline from the answer's packed records;
@@ -68,12 +67,7 @@ const maxEcho = 12 + 255 + 4
 // nothing of the transport's buffers.
 type pending struct {
 	s        *Server
-	reply    replyTo
-	proto    proto
-	client   netip.Addr
-	port     uint16
-	who      workload.Key
-	egress   uint32 // the sender's egress workload
+	c        client // who asked and how to answer it (a copy of the transport's)
 	qname    string // the question's name (for the tap)
 	start    int64  // unix nanoseconds
 	qtype    uint16
@@ -237,7 +231,7 @@ func (s *Server) newPending(r *request) *pending {
 	}
 	s.pending.Add(1)
 	p := &pending{
-		s: s, reply: r.client.reply, proto: r.proto, client: r.client.addr, port: r.client.port, who: r.client.who, egress: r.client.egress, start: r.start.UnixNano(),
+		s: s, c: *r.client, start: r.start.UnixNano(),
 		qtype: r.qtype, edns: r.edns, do: r.do, limit: r.limit,
 	}
 	r.pending, r.p = true, p
@@ -306,9 +300,9 @@ func (p *pending) done(a upstream.Answer, err error) {
 	}
 	// The callback's one exit: finished before sending, as on the inline path, so a
 	// client that has its answer sees it in the metrics.
-	o := outcome{who: p.who, port: p.port, proto: p.proto, start: unixTime(p.start), name: p.qname, qtype: p.qtype,
+	o := outcome{c: &p.c, start: unixTime(p.start), name: p.qname, qtype: p.qtype,
 		rcode: rcodeOf(&a, p.edns || p.opt != nil), src: src, kind: tap.Upstream, size: len(b), up: a.Server,
-		egress: p.egress, resp: b}
+		resp: b}
 	switch {
 	case src == srcError:
 		o.kind, o.up = tap.Failed, netip.AddrPort{}
@@ -318,7 +312,7 @@ func (p *pending) done(a upstream.Answer, err error) {
 		o.kind = tap.Autopath
 	}
 	s.finish(&o)
-	p.reply.send(b)
+	p.c.reply.send(b)
 }
 
 // rcodeOf is the rcode the client sees: an extended rcode needs EDNS.

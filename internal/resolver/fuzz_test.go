@@ -117,10 +117,10 @@ func FuzzServeDNS(f *testing.F) {
 	})
 }
 
-func benchServer(b *testing.B, mod func(*Config)) *worker {
+func benchServer(t testing.TB, mod func(*Config)) *worker {
 	tb, err := nametable.Build(testFile(), nametable.Options{})
 	if err != nil {
-		b.Fatal(err)
+		t.Fatal(err)
 	}
 	st := &staticTable{}
 	st.t.Store(tb)
@@ -131,7 +131,7 @@ func benchServer(b *testing.B, mod func(*Config)) *worker {
 	}
 	s, err := New(cfg)
 	if err != nil {
-		b.Fatal(err)
+		t.Fatal(err)
 	}
 	return newWorker(s)
 }

@@ -112,8 +112,8 @@ func (s *Server) grantAnswer(o *outcome) {
 			name = target
 		}
 	}
-	if _, err := s.grant(o.egress, name, addrs, time.Duration(ttl)*time.Second); err != nil {
-		s.log.Debug("egress grant", "workload", o.egress, "name", name, "err", err)
+	if _, err := s.grant(o.c.egress, name, addrs, time.Duration(ttl)*time.Second); err != nil {
+		s.log.Debug("egress grant", "workload", o.c.egress, "name", name, "err", err)
 	}
 }
 

@@ -1,7 +1,6 @@
 package resolver
 
 import (
-	"github.com/miekg/dns"
 	"github.com/prometheus/client_golang/prometheus"
 )
 
@@ -29,57 +28,9 @@ const (
 
 var sourceNames = [nSources]string{"table", "cache", "upstream", "stale", "error", "autopath"}
 
-// qtypeLabels is the bounded qtype label set; anything else is "other".
-var qtypeLabels = []string{"A", "AAAA", "PTR", "SRV", "CNAME", "MX", "TXT", "NS", "SOA", "HTTPS", "SVCB", "ANY", "other"}
-
-const nQtypes = 13
-
-func qtypeIndex(t uint16) int {
-	switch t {
-	case dns.TypeA:
-		return 0
-	case dns.TypeAAAA:
-		return 1
-	case dns.TypePTR:
-		return 2
-	case dns.TypeSRV:
-		return 3
-	case dns.TypeCNAME:
-		return 4
-	case dns.TypeMX:
-		return 5
-	case dns.TypeTXT:
-		return 6
-	case dns.TypeNS:
-		return 7
-	case dns.TypeSOA:
-		return 8
-	case dns.TypeHTTPS:
-		return 9
-	case dns.TypeSVCB:
-		return 10
-	case dns.TypeANY:
-		return 11
-	}
-	return 12
-}
-
-var rcodeLabels = []string{"NOERROR", "FORMERR", "SERVFAIL", "NXDOMAIN", "NOTIMP", "REFUSED", "BADVERS", "other"}
-
-const nRcodes = 8
-
-func rcodeIndex(rc int) int {
-	switch {
-	case rc >= 0 && rc <= dns.RcodeRefused:
-		return rc
-	case rc == dns.RcodeBadVers:
-		return 6
-	}
-	return 7
-}
-
 // metrics holds pre-created label children so the query path does no label
-// lookups.
+// lookups: one per transport and qtype class, per rcode class and source (the
+// classes an outcome is counted in: finish.go).
 type metrics struct {
 	requests  [nProtos][nQtypes]prometheus.Counter
 	responses [nRcodes][nSources]prometheus.Counter

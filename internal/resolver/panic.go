@@ -63,8 +63,8 @@ func (p *pending) claim() bool { return p.claimed.CompareAndSwap(false, true) }
 
 // release frees p's share of the pending bounds and of its workload's budget.
 func (p *pending) release() {
-	p.s.budgets.release(p.who)
-	p.s.limits.release(p.client)
+	p.s.budgets.release(p.c.who)
+	p.s.limits.release(p.c.addr)
 	p.s.pending.Done()
 }
 
@@ -75,7 +75,7 @@ func (p *pending) recoverAnswer() {
 	if v == nil {
 		return
 	}
-	p.s.panics.Recovered(panicguard.StageAnswer, v, "client", p.client, "qtype", p.qtype, "qname", p.qname)
+	p.s.panics.Recovered(panicguard.StageAnswer, v, "client", p.c.addr, "qtype", p.qtype, "qname", p.qname)
 	out := make([]byte, maxEcho+64)
 	var b []byte
 	if p.msg != nil {
@@ -83,7 +83,7 @@ func (p *pending) recoverAnswer() {
 	} else {
 		b = servfailWire(&request{pkt: p.echo[:p.nEcho], qend: p.nEcho, edns: p.edns, do: p.do}, out)
 	}
-	bestEffort(func() { p.reply.send(b) })
+	bestEffort(func() { p.c.reply.send(b) })
 }
 
 // bestEffort runs fn, which reports or sends for a query that already failed; a second

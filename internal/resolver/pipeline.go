@@ -71,8 +71,7 @@ type worker struct {
 	soa   soaCache
 	req   request
 	o     outcome        // the outcome req.o points to
-	dec   decision       // decide's answer for req
-	chain [maxChain]link // dec.chain's storage
+	chain [maxChain]link // the storage of the decision's CNAME chain
 	q     upstream.Query
 	// unpacked counts messages unpacked with miekg/dns, decided counts decisions
 	// (tests check which path served a query, and that each is decided once).
@@ -91,25 +90,35 @@ func newWorker(s *Server) *worker { return &worker{s: s} }
 // (its callback records it). A panic while serving (recording included) is answered
 // SERVFAIL (see panicked) and recorded as such.
 func (w *worker) serve(pkt, out []byte, c *client, start time.Time) (resp []byte) {
+	r := w.newRequest(pkt, c, start)
 	defer func() {
 		if v := recover(); v != nil {
 			resp = w.panicked(v, out)
-			bestEffort(func() { w.exit(c, start, resp) })
+			bestEffort(func() { w.exit(resp) })
 		}
 	}()
-	resp = w.serveQuery(pkt, out, c, start)
-	w.exit(c, start, resp)
+	resp = w.serveQuery(r, out)
+	w.exit(resp)
 	return resp
+}
+
+// newRequest resets the worker's request for message pkt from c, received at start.
+// (Zeroed in place, then filled: a composite literal would be built on the stack
+// and copied.)
+func (w *worker) newRequest(pkt []byte, c *client, start time.Time) *request {
+	r := &w.req
+	*r = request{}
+	r.pkt, r.proto, r.client, r.start, r.o = pkt, c.proto, c, start, &w.o
+	return r
 }
 
 // exit finishes the query being served: its outcome, written by the stage that
 // answered it, is recorded once (and resp, the response about to be sent, offered
 // to the egress grant). A pending query is finished by its callback.
-func (w *worker) exit(c *client, start time.Time, resp []byte) {
+func (w *worker) exit(resp []byte) {
 	if r := &w.req; !r.pending {
 		o := r.o
-		o.who, o.port, o.proto, o.start, o.name, o.qtype = c.who, c.port, c.proto, start, r.tapName(), r.qtype
-		o.egress, o.resp = c.egress, resp
+		o.c, o.start, o.name, o.qtype, o.resp = r.client, r.start, r.tapName(), r.qtype, resp
 		w.s.finish(o)
 		o.resp = nil
 	}
@@ -147,12 +156,11 @@ func (r *request) answeredTable(b []byte, d *decision) []byte {
 	return r.answered(b, d.rcode, src, kind)
 }
 
-// serveQuery is serve's work: decode, decide, then render the decision (encode) or
-// hand it to the forward stage.
-func (w *worker) serveQuery(pkt, out []byte, c *client, start time.Time) []byte {
-	r := &w.req
-	*r = request{pkt: pkt, proto: c.proto, client: c, start: start, o: &w.o}
-	if len(pkt) < 12 {
+// serveQuery is serve's work on r (its message and client set): decode, decide, then
+// render the decision (encode) or hand it to the forward stage. No stage after decide
+// looks anything up.
+func (w *worker) serveQuery(r *request, out []byte) []byte {
+	if len(r.pkt) < 12 {
 		return r.drop() // no header: there is no ID to answer to
 	}
 	if !w.decodeWire(r) {
@@ -160,12 +168,13 @@ func (w *worker) serveQuery(pkt, out []byte, c *client, start time.Time) []byte 
 			return b // a protocol error, CHAOS, another class: answered or dropped
 		}
 	}
-	return w.encode(r, w.decide(r), out)
+	var d decision // on the stack: no write barriers, nothing kept past the query
+	w.decide(r, &d)
+	return w.encode(r, &d, out)
 }
 
 // encode renders decision d for r: the forward stage for a decision to forward, else
-// the wire encoder, or the dns.Msg encoder for what the wire encoder declines. No
-// stage after decide looks anything up.
+// the wire encoder, or the dns.Msg encoder for what the wire encoder declines.
 func (w *worker) encode(r *request, d *decision, out []byte) []byte {
 	if d.forward {
 		return w.forward(r, d, out)
