@@ -158,7 +158,7 @@ func budgets(c budgetsConfig) error {
 		}
 		failsBefore := sumMetric(admin, "meshdns_upstream_failures_total")
 		stop := make(chan struct{})
-		memc := sampleMem(agent.pid(), admin, 250*time.Millisecond, stop)
+		memc := sampleMem(agent.pid(), admin, 250*time.Millisecond, 2*time.Second, stop)
 		pc := make(chan *dnsfake.Paced, 1)
 		if noisy {
 			go func() {

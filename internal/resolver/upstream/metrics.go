@@ -116,12 +116,30 @@ func newCacheMetrics(c *cache) cacheMetrics {
 		}
 		return float64(c.shardBytes * len(c.shards))
 	})
+	workloadEvictions := prometheus.NewCounterFunc(prometheus.CounterOpts{
+		Name: "meshdns_cache_workload_evictions_total",
+		Help: "Cache entries evicted because the workload whose miss cached them was over its share (--cache-workload-bytes): its own oldest.",
+	}, func() float64 {
+		if c == nil {
+			return 0
+		}
+		return float64(c.shares.evictions())
+	})
+	workloadMax := prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+		Name: "meshdns_cache_workload_max_bytes",
+		Help: "The share of the upstream cache one workload's misses may hold (--cache-workload-bytes; 0: no cap).",
+	}, func() float64 {
+		if c == nil {
+			return 0
+		}
+		return float64(c.shares.cap)
+	})
 	prefetch := prometheus.NewCounter(prometheus.CounterOpts{
 		Name: "meshdns_cache_prefetch_total",
 		Help: "Popular cache entries refreshed before they expired.",
 	})
 	return cacheMetrics{hits: hits, misses: misses, prefetch: prefetch,
-		collectors: []prometheus.Collector{hits, misses, entries, cacheBytes, cacheMax, evictions, prefetch}}
+		collectors: []prometheus.Collector{hits, misses, entries, cacheBytes, cacheMax, evictions, workloadEvictions, workloadMax, prefetch}}
 }
 
 // upstreamVecs are the per-upstream metrics, labelled by upstream.
