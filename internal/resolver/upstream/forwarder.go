@@ -67,6 +67,8 @@ type Forwarder struct {
 	flightMu sync.Mutex
 	flights  map[cacheKey]*flight
 
+	retry atomic.Pointer[func(owner uint64) bool] // SetRetryBudget; nil: every retry is sent
+
 	started   atomic.Bool
 	closeOnce sync.Once
 }
@@ -155,6 +157,34 @@ func (f *Forwarder) Close() error {
 		}
 	})
 	return nil
+}
+
+// errRetryBudget ends a resolution whose next attempt its workload's budget did not allow.
+var errRetryBudget = errors.New("no retry: the workload's upstream budget is spent")
+
+// SetRetryBudget makes every attempt of a resolution after its first (a retry after
+// a timeout, the next upstream after a SERVFAIL) ask allow whether the workload the
+// miss is charged to (Query.Owner, when not 0) may send one more upstream query:
+// the resolver takes a token of that workload's budget. When allow says no, the
+// attempt is not sent and the resolution ends as on its last timeout (a stale
+// answer, a SERVFAIL answer kept from another upstream, else ErrAllFailed). nil
+// sends every retry.
+func (f *Forwarder) SetRetryBudget(allow func(owner uint64) bool) {
+	if allow == nil {
+		f.retry.Store(nil)
+		return
+	}
+	f.retry.Store(&allow)
+}
+
+// retryAllowed reports whether owner may send one more attempt.
+func (f *Forwarder) retryAllowed(owner uint64) bool {
+	allow := f.retry.Load()
+	if allow == nil || owner == 0 || (*allow)(owner) {
+		return true
+	}
+	f.m.retryOverBudget.Inc()
+	return false
 }
 
 // Cached answers q from a fresh cache entry, or reports false (counting nothing) when
@@ -374,7 +404,7 @@ func (f *Forwarder) run(key cacheKey, h uint64, clientID uint16, owner uint64) (
 	q.CheckingDisabled = key.flags&flagCD != 0
 	q.Question = []dns.Question{{Name: key.name, Qtype: key.qtype, Qclass: key.qclass}}
 	q.SetEdns0(EDNSBufferSize, key.flags&flagDO != 0)
-	resp, from, err := f.fetch(q, clientID)
+	resp, from, err := f.fetch(q, clientID, owner)
 	if err != nil {
 		return nil, err
 	}

@@ -29,6 +29,7 @@ type metrics struct {
 	hitSuccess, hitDenial, hitStale prometheus.Counter
 	misses, prefetch                prometheus.Counter
 	overload                        prometheus.Counter
+	retryOverBudget                 prometheus.Counter
 }
 
 // serverMetrics are one upstream's pre-created children.
@@ -43,14 +44,19 @@ type serverMetrics struct {
 func newMetrics(reg prometheus.Registerer, c *cache, servers []*server) (*metrics, error) {
 	cm := newCacheMetrics(c)
 	um := newUpstreamVecs()
+	retryOverBudget := prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "meshdns_upstream_retries_over_budget_total",
+		Help: "Upstream retries not sent because the workload charged for the miss had no token left in its budget (--workload-qps): the query was answered as on a last timeout.",
+	})
 	m := &metrics{
-		collectors: append(cm.collectors, um.requests, um.failures, um.transitions, um.healthy, um.duration),
-		hitSuccess: cm.hits.WithLabelValues("success"),
-		hitDenial:  cm.hits.WithLabelValues("denial"),
-		hitStale:   cm.hits.WithLabelValues("stale"),
-		misses:     cm.misses,
-		prefetch:   cm.prefetch,
-		overload:   um.failures.WithLabelValues("", reasonOverload),
+		collectors:      append(cm.collectors, um.requests, um.failures, um.transitions, um.healthy, um.duration, retryOverBudget),
+		retryOverBudget: retryOverBudget,
+		hitSuccess:      cm.hits.WithLabelValues("success"),
+		hitDenial:       cm.hits.WithLabelValues("denial"),
+		hitStale:        cm.hits.WithLabelValues("stale"),
+		misses:          cm.misses,
+		prefetch:        cm.prefetch,
+		overload:        um.failures.WithLabelValues("", reasonOverload),
 	}
 	for _, s := range servers {
 		s.m = um.forServer(s.name)
