@@ -157,6 +157,7 @@ func budgets(c budgetsConfig) error {
 			return r, fmt.Errorf("reset the agent's VmHWM: %w", err)
 		}
 		failsBefore := sumMetric(admin, "meshdns_upstream_failures_total")
+		gcBefore := sumMetric(admin, "go_gc_duration_seconds_count")
 		stop := make(chan struct{})
 		memc := sampleMem(agent.pid(), admin, 250*time.Millisecond, 2*time.Second, stop)
 		pc := make(chan *dnsfake.Paced, 1)
@@ -200,6 +201,7 @@ func budgets(c budgetsConfig) error {
 		r.profile = prof
 		close(stop)
 		r.mem = <-memc
+		r.mem.gcCycles = sumMetric(admin, "go_gc_duration_seconds_count") - gcBefore
 		r.quiet = <-qc
 		if noisy {
 			r.noisy = <-pc

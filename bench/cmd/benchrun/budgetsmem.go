@@ -28,6 +28,7 @@ type budgetMem struct {
 	goroutines           float64
 	cacheBytes           float64 // meshdns_cache_bytes (the cache's own estimate)
 	cacheEntries         float64
+	gcCycles             float64 // collections during the phase (go_gc_duration_seconds_count)
 	samples              int
 }
 
@@ -170,8 +171,8 @@ func printBudgetMem(w io.Writer, base, loud budgetPhase) {
 	mib := func(v float64) string { return fmt.Sprintf("%.1f", v/(1<<20)) }
 	fmt.Fprintln(w, "Memory breakdown, the highest reading of each in the phase (RSS sampled every 250 ms, /metrics every 2 s; MiB unless a count):")
 	fmt.Fprintln(w)
-	fmt.Fprintln(w, "| phase | VmHWM | RssAnon | RssFile | Go heap in use | heap alloc | GC goal | stacks | goroutines | cache (estimate) | cache entries | heap profile |")
-	fmt.Fprintln(w, "|---|---|---|---|---|---|---|---|---|---|---|---|")
+	fmt.Fprintln(w, "| phase | VmHWM | RssAnon | RssFile | Go heap in use | heap alloc | GC goal | GC cycles | stacks | goroutines | cache (estimate) | cache entries | heap profile |")
+	fmt.Fprintln(w, "|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 	for _, r := range []struct {
 		name string
 		ph   budgetPhase
@@ -181,8 +182,8 @@ func printBudgetMem(w io.Writer, base, loud budgetPhase) {
 		if prof == "" {
 			prof = "-"
 		}
-		fmt.Fprintf(w, "| %s | %s | %s | %s | %s | %s | %s | %s | %.0f | %s | %.0f | %s |\n", r.name, mib(float64(r.ph.hwm)),
-			mib(float64(m.rssAnon)), mib(float64(m.rssFile)), mib(m.heapInuse), mib(m.heapAlloc), mib(m.nextGC), mib(m.stack),
+		fmt.Fprintf(w, "| %s | %s | %s | %s | %s | %s | %s | %.0f | %s | %.0f | %s | %.0f | %s |\n", r.name, mib(float64(r.ph.hwm)),
+			mib(float64(m.rssAnon)), mib(float64(m.rssFile)), mib(m.heapInuse), mib(m.heapAlloc), mib(m.nextGC), m.gcCycles, mib(m.stack),
 			m.goroutines, mib(m.cacheBytes), m.cacheEntries, prof)
 	}
 }
