@@ -136,3 +136,21 @@ func TestWorkloadCacheShareConcurrent(t *testing.T) {
 		}
 	}
 }
+
+// The share follows CacheBytes (set after NewConfig, as the agent does) unless set;
+// negative is no cap.
+func TestWorkloadCacheShareDefault(t *testing.T) {
+	up := startFake(t, shareUpstream)
+	for _, tc := range []struct {
+		workload int
+		want     float64
+	}{{0, (1 << 20) / DefaultCacheWorkloadParts}, {4096, 4096}, {-1, 0}} {
+		cfg := NewConfig(up.addr)
+		cfg.CacheBytes = 1 << 20
+		cfg.CacheWorkloadBytes = tc.workload
+		_, reg, _ := testForwarder(t, cfg)
+		if got := metrictest.Value(t, reg, "meshdns_cache_workload_max_bytes"); got != tc.want {
+			t.Errorf("CacheWorkloadBytes %d with CacheBytes 1 MiB: meshdns_cache_workload_max_bytes %v, want %v", tc.workload, got, tc.want)
+		}
+	}
+}
