@@ -24,7 +24,8 @@
 # bench/run.sh budgets [flags]: only the per-workload budgets lane (`benchrun
 # budgets`, a few minutes; make bench-budgets): the agent on CPU 1, the load
 # generators and the upstream on CPU 0; prints its section (flags: benchrun
-# budgets -h).
+# budgets -h). BENCH_PPROF=1: the agent built with -tags benchpprof, its heap
+# profile saved at each phase's end (benchrun budgets -heap-profiles).
 #
 # bench/run.sh egress [flags]: only the DNS-gated egress lane (`benchrun egress`,
 # make bench-egress; needs root, gcc and musl-gcc): resolve -> connect cycles from
@@ -59,6 +60,13 @@ if [ "${1:-}" = budgets ]; then
 	command -v taskset >/dev/null 2>&1 || { log "budgets: taskset is missing (util-linux)"; exit 1; }
 	log "building benchrun and bin/meshdns-ebpf"
 	go build -o "$work/bin/benchrun" ./bench/cmd/benchrun
+	if [ "${BENCH_PPROF:-0}" = 1 ]; then
+		# The agent with net/http/pprof (cmd/meshdns-ebpf/benchpprof.go): a heap
+		# profile at each phase's end, into $work/budgets/profiles.
+		go build -tags grpcnotrace,benchpprof -o "$work/bin/meshdns-ebpf-pprof" ./cmd/meshdns-ebpf
+		exec taskset -c 0 "$work/bin/benchrun" budgets -meshdns "$work/bin/meshdns-ebpf-pprof" -work "$work" -gen-cpu 0 -server-cpu 1 \
+			-heap-profiles "$work/budgets/profiles" "$@"
+	fi
 	go build -o "$repo/bin/meshdns-ebpf" ./cmd/meshdns-ebpf
 	exec taskset -c 0 "$work/bin/benchrun" budgets -meshdns "$repo/bin/meshdns-ebpf" -work "$work" -gen-cpu 0 -server-cpu 1 "$@"
 fi

@@ -316,6 +316,7 @@ func (a *Agent) startUpstream(ctx context.Context, reg *prometheus.Registry) (er
 	ucfg := upstream.NewConfig(a.plan.upstreams...)
 	ucfg.Mark = a.cfg.UpstreamMark
 	ucfg.CacheBytes = a.cfg.CacheBytes
+	ucfg.CacheWorkloadBytes = a.cfg.CacheWorkloadBytes // 0: a share of CacheBytes
 	ucfg.Registerer = reg
 	ucfg.Logger = a.log.With("component", "upstream")
 	ucfg.Panics = a.panics

@@ -75,7 +75,10 @@ type Config struct {
 	LogLevel         string
 	LogFormat        string
 	CacheBytes       int // upstream cache memory cap
-	MaxPending       int // queries waiting for the upstream, in total
+	// CacheWorkloadBytes caps the cache bytes one workload's misses may hold
+	// (--cache-workload-bytes; 0: a 64th of CacheBytes).
+	CacheWorkloadBytes int
+	MaxPending         int // queries waiting for the upstream, in total
 	// Each workload's budget of queries that go upstream (--workload-qps,
 	// --workload-burst, --workload-max-pending).
 	WorkloadBudget resolver.BudgetLimits
@@ -215,6 +218,7 @@ func (c *Config) registerResolverFlags(fs *flag.FlagSet) {
 		return nil
 	})
 	fs.IntVar(&c.CacheBytes, "cache-bytes", upstream.DefaultCacheBytes, "memory cap of the upstream answer cache, in bytes")
+	fs.IntVar(&c.CacheWorkloadBytes, "cache-workload-bytes", 0, "the bytes of the upstream cache one workload's misses may hold; over it its own oldest answers are evicted (0: a 64th of --cache-bytes)")
 	fs.IntVar(&c.MaxPending, "max-pending", resolver.DefaultMaxPending, "queries waiting for the upstream at once; over it: SERVFAIL at once")
 	fs.Float64Var(&c.WorkloadBudget.QPS, "workload-qps", 0, "queries a second each workload (pod, or cgroup) may send upstream; over it REFUSED at once (0: no limit)")
 	fs.IntVar(&c.WorkloadBudget.Burst, "workload-burst", 0, "upstream queries a workload may send at once within --workload-qps (default: one second's worth)")
@@ -277,8 +281,8 @@ func (c *Config) Validate() error {
 	if c.UpstreamMark == 0 {
 		return fmt.Errorf("--upstream-mark must be non-zero")
 	}
-	if c.CacheBytes < 0 || c.MaxPending < 0 || c.MaxTCPConns < 0 {
-		return fmt.Errorf("--cache-bytes, --max-pending and --max-tcp-conns must not be negative")
+	if c.CacheBytes < 0 || c.CacheWorkloadBytes < 0 || c.MaxPending < 0 || c.MaxTCPConns < 0 {
+		return fmt.Errorf("--cache-bytes, --cache-workload-bytes, --max-pending and --max-tcp-conns must not be negative")
 	}
 	if b := c.WorkloadBudget; b.QPS < 0 || b.Burst < 0 || b.InFlight < 0 {
 		return fmt.Errorf("--workload-qps, --workload-burst and --workload-max-pending must not be negative")

@@ -97,6 +97,9 @@ func TestFlags(t *testing.T) {
 		{"egress bad cidr", []string{"--egress", "--egress-internal-cidrs", "10.244.0.0"}, nil, "--egress-internal-cidrs"},
 		{"egress in iptables mode", []string{"--egress", "--mode", "iptables"}, nil, "needs the eBPF datapath"},
 		{"egress quota over the cap", []string{"--egress", "--egress-max-grants", "10", "--egress-workload-grants", "11"}, nil, "--egress-workload-grants"},
+		{"cache workload share by default", nil, func(c *Config) bool { return c.CacheWorkloadBytes == 0 }, ""},
+		{"cache workload share", []string{"--cache-workload-bytes", "65536"}, func(c *Config) bool { return c.CacheWorkloadBytes == 65536 }, ""},
+		{"cache workload share negative", []string{"--cache-workload-bytes", "-1"}, nil, "--cache-workload-bytes"},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {

@@ -160,6 +160,27 @@ func (b *budgets) acquire(k workload.Key) bool {
 	return true
 }
 
+// retry takes one token of the budget of the workload with id for a retry of an
+// upstream attempt (upstream.Forwarder.SetRetryBudget), or reports false when its
+// bucket is empty. A workload without a budget entry, or without a rate, is allowed.
+// A retry holds no place of its own in the in-flight cap: its query already does.
+func (b *budgets) retry(id uint64) bool {
+	sh := &b.shards[id%budgetShards]
+	now := b.now()
+	sh.mu.Lock()
+	defer sh.mu.Unlock()
+	e := sh.m[id]
+	if e == nil || e.lim.QPS == 0 {
+		return true
+	}
+	b.refill(e, now)
+	if e.tokens < 1 {
+		return false
+	}
+	e.tokens--
+	return true
+}
+
 // release returns the in-flight share of a query acquire admitted.
 func (b *budgets) release(k workload.Key) {
 	if b == nil {

@@ -162,7 +162,7 @@ func (w *worker) filtered(r *request, d *decision, out []byte, wire bool, cname 
 func (w *worker) forwardWire(r *request, out []byte, name, cname string, autopath bool) []byte {
 	s := w.s
 	q := &w.q // a field, not a local: passing it through the interface would allocate
-	*q = upstream.Query{Name: name, Qtype: r.qtype, Qclass: r.qclass, DO: r.do, CD: r.cd, ClientID: r.id()}
+	*q = upstream.Query{Name: name, Qtype: r.qtype, Qclass: r.qclass, DO: r.do, CD: r.cd, ClientID: r.id(), Owner: r.client.who.ID()}
 	if a, ok := s.fwd.Cached(q); ok {
 		b := encodeWire(out, r.pkt[:r.qend], r.edns, r.do, r.limit, s.ttl, cname, &a)
 		if b == nil {
@@ -197,7 +197,7 @@ func (w *worker) forwardWire(r *request, out []byte, name, cname string, autopat
 // miekg/dns: r.prefix, the decision's CNAME chain, before the forwarded answer.
 func (w *worker) forwardMsg(r *request, out []byte, name string, autopath bool) []byte {
 	s := w.s
-	q := upstream.Query{Name: strings.Clone(name), Qtype: r.qtype, Qclass: r.qclass, DO: r.do, CD: r.cd, ClientID: r.msg.Id}
+	q := upstream.Query{Name: strings.Clone(name), Qtype: r.qtype, Qclass: r.qclass, DO: r.do, CD: r.cd, ClientID: r.msg.Id, Owner: r.client.who.ID()}
 	if a, ok := s.fwd.Cached(&q); ok {
 		b := s.pack(s.answerMsg(r.msg, r.opt, r.limit, r.prefix, &a), out)
 		kind := tap.Cache

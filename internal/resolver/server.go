@@ -43,6 +43,12 @@ type Forwarder interface {
 	ForwardAsync(q *upstream.Query, done upstream.Waiter)
 }
 
+// retryBudgeter is a Forwarder that asks before each retry of an upstream attempt
+// (upstream.Forwarder): the workload budgets answer.
+type retryBudgeter interface {
+	SetRetryBudget(allow func(owner uint64) bool)
+}
+
 // TableSource provides the current name table; nil means not published yet.
 // *names.Store implements it.
 type TableSource interface {
@@ -231,6 +237,9 @@ func New(cfg Config) (*Server, error) {
 	}
 	for _, in := range cfg.Inherited {
 		s.inherited[in.Addr] = in
+	}
+	if rb, ok := cfg.Forwarder.(retryBudgeter); ok && s.budgets != nil {
+		rb.SetRetryBudget(s.budgets.retry) // a retry upstream takes a token, as the first attempt did
 	}
 	if s.log == nil {
 		s.log = slog.Default()

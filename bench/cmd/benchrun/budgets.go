@@ -9,7 +9,6 @@ import (
 	"io"
 	"math/rand/v2"
 	"net"
-	"net/http"
 	"net/netip"
 	"os"
 	"os/exec"
@@ -47,6 +46,7 @@ type budgetsConfig struct {
 	upstreamLatency     time.Duration
 	quietPause, timeout time.Duration
 	agentArgs           string
+	heapProfiles        string // directory for the agent's heap profiles ("" = none)
 }
 
 const (
@@ -75,6 +75,7 @@ func runBudgets(args []string) int {
 	fs.IntVar(&c.serverCPU, "server-cpu", 1, "core the agent is pinned to")
 	fs.IntVar(&c.genCPU, "gen-cpu", 0, "core the load generators and the upstream (this process) are pinned to")
 	fs.StringVar(&c.agentArgs, "agent-args", "", "extra flags of the agent, space-separated (e.g. --cache-bytes=1048576)")
+	fs.StringVar(&c.heapProfiles, "heap-profiles", "", "save the agent's heap profile at each phase's end into this directory (the agent built with -tags benchpprof; bench/run.sh does with BENCH_PPROF=1)")
 	_ = fs.Parse(args)
 	if err := budgets(c); err != nil {
 		fmt.Fprintln(os.Stderr, "benchrun budgets:", err)
@@ -92,6 +93,8 @@ type budgetPhase struct {
 	agentUp float64 // the agent's upstream attempts a second, same window as upRate
 	hwm     uint64  // the agent's VmHWM in the phase (reset at its start)
 	loadAvg string
+	mem     budgetMem // what the memory is made of (budgetsmem.go)
+	profile string    // the heap profile taken at the phase's end, if asked for
 }
 
 func budgets(c budgetsConfig) error {
@@ -121,7 +124,16 @@ func budgets(c budgetsConfig) error {
 	args := []string{c.meshBin, "run", "--mode", "off", "--listen", dnsAddr,
 		"--upstream", up.Addr.String(), "--names", names, "--admin", admin, "--state-dir", dir, "--authoritative=true",
 		"--log-level", "warn", "--workload-qps", strconv.Itoa(c.budget), "--workload-max-pending", strconv.Itoa(c.maxPending)}
-	agent, err := start("meshdns-budgets", serverCPU, append(args, strings.Fields(c.agentArgs)...), nil, logDir)
+	var env []string
+	pprofAddr := ""
+	if c.heapProfiles != "" {
+		if err := os.MkdirAll(c.heapProfiles, 0o755); err != nil {
+			return err
+		}
+		pprofAddr = freeAddr()
+		env = append(env, "MESHDNS_BENCH_PPROF="+pprofAddr)
+	}
+	agent, err := start("meshdns-budgets", serverCPU, append(args, strings.Fields(c.agentArgs)...), env, logDir)
 	if err != nil {
 		return err
 	}
@@ -145,7 +157,9 @@ func budgets(c budgetsConfig) error {
 			return r, fmt.Errorf("reset the agent's VmHWM: %w", err)
 		}
 		failsBefore := sumMetric(admin, "meshdns_upstream_failures_total")
+		gcBefore := sumMetric(admin, "go_gc_duration_seconds_count")
 		stop := make(chan struct{})
+		memc := sampleMem(agent.pid(), admin, 250*time.Millisecond, 2*time.Second, stop)
 		pc := make(chan *dnsfake.Paced, 1)
 		if noisy {
 			go func() {
@@ -176,7 +190,18 @@ func budgets(c budgetsConfig) error {
 		el := time.Since(t0).Seconds()
 		r.upRate = float64(up.Count()-upBefore) / el
 		r.agentUp = (sumMetric(admin, "meshdns_upstream_requests_total") - reqBefore) / el
+		name := "baseline"
+		if noisy {
+			name = "loaded"
+		}
+		prof, perr := heapProfile(pprofAddr, c.heapProfiles, name) // while the load still runs
+		if perr != nil {
+			fmt.Fprintln(os.Stderr, "benchrun budgets:", perr)
+		}
+		r.profile = prof
 		close(stop)
+		r.mem = <-memc
+		r.mem.gcCycles = sumMetric(admin, "go_gc_duration_seconds_count") - gcBefore
 		r.quiet = <-qc
 		if noisy {
 			r.noisy = <-pc
@@ -207,6 +232,8 @@ func budgets(c budgetsConfig) error {
 	}
 	endLoad, _ := loadAvg()
 	printBudgets(os.Stdout, c, pinned, serverCPU, base, loud, endLoad)
+	fmt.Fprintln(os.Stdout)
+	printBudgetMem(os.Stdout, base, loud)
 	return nil
 }
 
@@ -260,8 +287,7 @@ func onlineCPUs() int {
 
 // sumMetric sums the samples of metric family name on the agent's /metrics (-1 on error).
 func sumMetric(admin, name string) float64 {
-	c := http.Client{Timeout: 2 * time.Second}
-	resp, err := c.Get("http://" + admin + "/metrics")
+	resp, err := plainClient.Get("http://" + admin + "/metrics")
 	if err != nil {
 		return -1
 	}

@@ -39,6 +39,10 @@ type Query struct {
 	Qtype, Qclass uint16
 	DO, CD        bool   // the client's DNSSEC OK and Checking Disabled bits (part of the cache key)
 	ClientID      uint16 // the client's message ID, never reused for the upstream query
+	// Owner is the workload the miss is charged to (the resolver's workload id, never
+	// 0): the answer it brings into the cache counts against that workload's share
+	// (Config.CacheWorkloadBytes). 0 charges nobody.
+	Owner uint64
 }
 
 func (q *Query) flags() uint8 {
@@ -133,6 +137,9 @@ type entry struct {
 	hits   atomic.Uint32
 	fetch  atomic.Bool // a prefetch or stale refresh is under way
 	snap   atomic.Pointer[snapshot]
+
+	owner uint64 // the workload charged for the entry (Query.Owner; 0: nobody)
+	share shareLink
 }
 
 // snapshot is the entry's records with every TTL set to one value. Clients of the same

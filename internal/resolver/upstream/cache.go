@@ -65,8 +65,10 @@ type shard struct {
 
 // cache is a sharded map of entries bounded in entries and in bytes (each shard gets an
 // equal part of both). Eviction picks, among a few random samples of a full shard, the
-// entry whose stale window ends first.
+// entry whose stale window ends first. Each workload's entries are bounded too
+// (shares, share.go): over its share, its own oldest go first.
 type cache struct {
+	shares     *shares
 	shards     []shard
 	mask       uint64
 	shardBytes int
@@ -84,7 +86,9 @@ const (
 	minShardBytes   = 256 << 10 // a shard holds at least one large (64 KiB) TCP answer
 )
 
-func newCache(size, maxBytes int, stale time.Duration) *cache {
+// newCache makes a cache of size entries and maxBytes, each owner's entries capped
+// at workloadBytes (0: no cap).
+func newCache(size, maxBytes, workloadBytes int, stale time.Duration) *cache {
 	n := minShards
 	for n < maxShards && size/n > entriesPerShard && maxBytes/(2*n) >= minShardBytes {
 		n *= 2
@@ -93,7 +97,8 @@ func newCache(size, maxBytes int, stale time.Duration) *cache {
 		// Small caches: fewer shards so that each holds at least one entry.
 		n = 1 << (bits.Len(uint(max(size, 1))) - 1)
 	}
-	c := &cache{shards: make([]shard, n), mask: uint64(n - 1), shardBytes: max(maxBytes/n, 1), stale: int64(max(stale, 0))}
+	c := &cache{shards: make([]shard, n), mask: uint64(n - 1), shardBytes: max(maxBytes/n, 1), stale: int64(max(stale, 0)),
+		shares: newShares(workloadBytes)}
 	for i := range c.shards {
 		per := size / n // the capacities add up to size exactly
 		if i < size%n {
@@ -118,14 +123,46 @@ func (c *cache) get(h uint64, name string, qtype, qclass uint16, flags uint8) *e
 }
 
 // put stores e, replacing an older entry of the same key (or a hash collision) and
-// evicting entries while the shard is over its entry or byte budget. An entry larger
-// than a shard's byte budget is not stored.
+// evicting entries while the shard is over its entry or byte budget, then charges e to
+// its owner, whose oldest entries leave while it is over its share. An entry larger
+// than a shard's byte budget, or than a workload's share, is not stored.
 func (c *cache) put(e *entry) {
 	size := e.size()
-	if size > c.shardBytes {
+	if size > c.shardBytes || e.owner != 0 && c.shares.cap > 0 && size > c.shares.cap {
 		c.tooBig.Add(1)
 		return
 	}
+	c.store(e, size)
+	for _, v := range c.shares.charge(e, size) {
+		c.remove(v)
+	}
+}
+
+// remove takes v out of its shard if it is still there (an entry over its owner's
+// share: shares.charge already uncounted it).
+func (c *cache) remove(v *entry) {
+	s := c.shard(v.hash)
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	old := *s.m.Load()
+	if old[v.hash] != v {
+		return // evicted or replaced meanwhile
+	}
+	m := make(map[uint64]*entry, len(old))
+	for h, x := range old {
+		if h != v.hash {
+			m[h] = x
+		}
+	}
+	size := v.size()
+	s.m.Store(&m)
+	s.bytes -= size
+	c.bytes.Add(-int64(size))
+	c.entries.Add(-1)
+}
+
+// store puts e into its shard (put).
+func (c *cache) store(e *entry, size int) {
 	s := c.shard(e.hash)
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -138,6 +175,7 @@ func (c *cache) put(e *entry) {
 	if prev := m[e.hash]; prev != nil {
 		added--
 		freed += prev.size()
+		c.shares.uncharge(prev)
 	}
 	m[e.hash] = e
 	bytes := s.bytes + size - freed
@@ -161,6 +199,7 @@ func (c *cache) put(e *entry) {
 			break
 		}
 		bytes -= m[victim].size()
+		c.shares.uncharge(m[victim])
 		delete(m, victim)
 		evicted++
 	}

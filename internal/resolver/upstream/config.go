@@ -22,12 +22,16 @@ const (
 	DefaultCacheSize      = 100000
 	// DefaultCacheBytes keeps the cache well inside the DaemonSet's 256 MiB memory
 	// limit, with room for the Go heap's growth headroom, the name table and traffic.
-	DefaultCacheBytes     = 32 << 20
-	DefaultMinTTL         = 5 * time.Second
-	DefaultMaxTTL         = time.Hour
-	DefaultMaxNegTTL      = 30 * time.Minute
-	DefaultStaleTTL       = time.Hour
-	DefaultHealthInterval = 500 * time.Millisecond
+	DefaultCacheBytes = 32 << 20
+	// DefaultCacheWorkloadParts: one workload's misses may hold 1/64 of the cache's
+	// bytes (512 KiB of the default 32 MiB: about a thousand answers), so 64 workloads
+	// each at their share fill it, and one cannot grow it alone.
+	DefaultCacheWorkloadParts = 64
+	DefaultMinTTL             = 5 * time.Second
+	DefaultMaxTTL             = time.Hour
+	DefaultMaxNegTTL          = 30 * time.Minute
+	DefaultStaleTTL           = time.Hour
+	DefaultHealthInterval     = 500 * time.Millisecond
 
 	// SilenceForDown is how long an upstream that answered before must have answered
 	// nothing at all before its timeouts count as failures (MaxFails).
@@ -79,6 +83,10 @@ type Config struct {
 	// CacheBytes caps the cache's memory (its estimate of each entry's footprint):
 	// 0 = default.
 	CacheBytes int
+	// CacheWorkloadBytes caps the cache bytes charged to one workload (Query.Owner, the
+	// workload whose miss fetched the answer); over it the workload's own oldest
+	// entries are evicted: 0 = CacheBytes/DefaultCacheWorkloadParts, negative = no cap.
+	CacheWorkloadBytes int
 	// MinTTL is the floor, MaxTTL the cap of a positive answer's cache lifetime, and
 	// MaxNegTTL the cap of a negative (NXDOMAIN/NODATA) one.
 	MinTTL, MaxTTL, MaxNegTTL time.Duration
@@ -179,4 +187,17 @@ func (c *Config) validate() error {
 		c.MinAttemptTimeout = c.AttemptTimeout
 	}
 	return nil
+}
+
+// workloadBytes is the cache's cap per workload: CacheWorkloadBytes, its default
+// (a share of CacheBytes, whatever CacheBytes was set to after NewConfig), or 0
+// (no cap).
+func (c *Config) workloadBytes() int {
+	switch {
+	case c.CacheWorkloadBytes < 0:
+		return 0
+	case c.CacheWorkloadBytes == 0:
+		return max(c.CacheBytes/DefaultCacheWorkloadParts, 1)
+	}
+	return c.CacheWorkloadBytes
 }

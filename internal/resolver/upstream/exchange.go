@@ -38,8 +38,20 @@ func checkMark(mark uint32) error {
 	return pc.Close()
 }
 
-// bufPool holds receive buffers large enough for any UDP or TCP DNS message.
+// bufPool holds receive buffers large enough for any DNS message (TCP).
 var bufPool = sync.Pool{New: func() any { b := make([]byte, dns.MaxMsgSize); return &b }}
+
+// udpReadSize is the largest UDP reply read whole. We advertise EDNSBufferSize (1232)
+// and a server without EDNS sends at most 512 bytes; a reply larger than this (a
+// server that ignores the advertised size) is taken as truncated and the query is
+// retried over TCP. Every query waiting for the upstream has a reader blocked with
+// its buffer: 128 waiting queries (one workload's in-flight cap behind an upstream
+// that drops) held 8 MiB with buffers for the largest message, 0.5 MiB with these.
+const udpReadSize = 4096
+
+// udpBufPool holds UDP receive buffers: udpReadSize and one byte more, so that a
+// read that fills the buffer tells an oversized datagram.
+var udpBufPool = sync.Pool{New: func() any { b := make([]byte, udpReadSize+1); return &b }}
 
 // randomID returns a random query ID different from avoid.
 func randomID(avoid uint16) uint16 {
@@ -123,8 +135,8 @@ func (a *udpAttempt) close() { a.conn.Close() }
 // read delivers replies until the socket is closed. Replies that do not match the query
 // are dropped and counted: a spoofed or stale datagram cannot end the resolution.
 func (a *udpAttempt) read(f *Forwarder, q *dns.Msg, replies chan<- reply) {
-	bp := bufPool.Get().(*[]byte)
-	defer bufPool.Put(bp)
+	bp := udpBufPool.Get().(*[]byte)
+	defer udpBufPool.Put(bp)
 	buf := *bp
 	for {
 		n, err := a.conn.Read(buf)
@@ -138,6 +150,11 @@ func (a *udpAttempt) read(f *Forwarder, q *dns.Msg, replies chan<- reply) {
 			return
 		}
 		at := time.Now()
+		if n == len(buf) && n >= 12 {
+			// Larger than udpReadSize: cut by the read. Taken as truncated (TC), so
+			// the resolution retries over TCP; parseReply keeps the header and question.
+			buf[2] |= 0x02
+		}
 		resp, err := parseReply(buf[:n], q)
 		if err != nil {
 			a.s.m.failures[reasonMismatch].Inc()

@@ -67,6 +67,8 @@ type Forwarder struct {
 	flightMu sync.Mutex
 	flights  map[cacheKey]*flight
 
+	retry atomic.Pointer[func(owner uint64) bool] // SetRetryBudget; nil: every retry is sent
+
 	started   atomic.Bool
 	closeOnce sync.Once
 }
@@ -104,7 +106,7 @@ func New(cfg Config) (*Forwarder, error) {
 		f.stale = int64(cfg.StaleTTL)
 	}
 	if cfg.CacheSize > 0 {
-		f.cache = newCache(cfg.CacheSize, cfg.CacheBytes, max(cfg.StaleTTL, 0))
+		f.cache = newCache(cfg.CacheSize, cfg.CacheBytes, cfg.workloadBytes(), max(cfg.StaleTTL, 0))
 	}
 	for _, a := range cfg.Servers {
 		s := &server{addr: a, addrStr: a.String(), name: a.String(), rto: cfg.AttemptTimeout}
@@ -155,6 +157,34 @@ func (f *Forwarder) Close() error {
 		}
 	})
 	return nil
+}
+
+// errRetryBudget ends a resolution whose next attempt its workload's budget did not allow.
+var errRetryBudget = errors.New("no retry: the workload's upstream budget is spent")
+
+// SetRetryBudget makes every attempt of a resolution after its first (a retry after
+// a timeout, the next upstream after a SERVFAIL) ask allow whether the workload the
+// miss is charged to (Query.Owner, when not 0) may send one more upstream query:
+// the resolver takes a token of that workload's budget. When allow says no, the
+// attempt is not sent and the resolution ends as on its last timeout (a stale
+// answer, a SERVFAIL answer kept from another upstream, else ErrAllFailed). nil
+// sends every retry.
+func (f *Forwarder) SetRetryBudget(allow func(owner uint64) bool) {
+	if allow == nil {
+		f.retry.Store(nil)
+		return
+	}
+	f.retry.Store(&allow)
+}
+
+// retryAllowed reports whether owner may send one more attempt.
+func (f *Forwarder) retryAllowed(owner uint64) bool {
+	allow := f.retry.Load()
+	if allow == nil || owner == 0 || (*allow)(owner) {
+		return true
+	}
+	f.m.retryOverBudget.Inc()
+	return false
 }
 
 // Cached answers q from a fresh cache entry, or reports false (counting nothing) when
@@ -227,7 +257,7 @@ func (f *Forwarder) ForwardAsync(q *Query, done Waiter) {
 		return
 	}
 	key := cacheKey{name: lowerASCII(q.Name), qtype: q.Qtype, qclass: q.Qclass, flags: flags}
-	if err := f.resolve(key, h, q.ClientID, waiter{done: done, stale: stale}); err != nil {
+	if err := f.resolve(key, h, q.ClientID, q.Owner, waiter{done: done, stale: stale}); err != nil {
 		if stale != nil && !errors.Is(err, ErrClosed) {
 			f.m.hitStale.Inc()
 			done(stale.answer(StaleAnswerTTL, SourceStale), nil)
@@ -291,7 +321,7 @@ func (f *Forwarder) refreshAsync(e *entry) bool {
 	if !e.fetch.CompareAndSwap(false, true) {
 		return false
 	}
-	err := f.resolve(e.key, e.hash, 0, waiter{done: func(a Answer, err error) {
+	err := f.resolve(e.key, e.hash, 0, e.owner, waiter{done: func(a Answer, err error) {
 		if err != nil || a.Source != SourceUpstream {
 			e.fetch.Store(false) // nothing replaced e: let a later hit try again
 		}
@@ -319,8 +349,9 @@ func (f *Forwarder) goBackground(fn func()) bool {
 }
 
 // resolve adds w to the upstream resolution of key, starting one unless it runs. It
-// returns an error (and does not call w) when no resolution can be started.
-func (f *Forwarder) resolve(key cacheKey, h uint64, clientID uint16, w waiter) error {
+// returns an error (and does not call w) when no resolution can be started. The
+// answer a resolution caches is charged to owner, the workload whose miss started it.
+func (f *Forwarder) resolve(key cacheKey, h uint64, clientID uint16, owner uint64, w waiter) error {
 	f.flightMu.Lock()
 	defer f.flightMu.Unlock()
 	if fl := f.flights[key]; fl != nil {
@@ -340,7 +371,7 @@ func (f *Forwarder) resolve(key cacheKey, h uint64, clientID uint16, w waiter) e
 	f.wg.Add(1) // under flightMu, checked f.ctx above: see goBackground
 	go func() {
 		defer f.wg.Done()
-		e, err := f.runGuarded(key, h, clientID)
+		e, err := f.runGuarded(key, h, clientID, owner)
 		f.inflight.Add(-1)
 		f.flightMu.Lock()
 		delete(f.flights, key)
@@ -355,25 +386,25 @@ func (f *Forwarder) resolve(key cacheKey, h uint64, clientID uint16, w waiter) e
 }
 
 // runGuarded is run, with a panic turned into ErrPanic for the waiters.
-func (f *Forwarder) runGuarded(key cacheKey, h uint64, clientID uint16) (e *entry, err error) {
+func (f *Forwarder) runGuarded(key cacheKey, h uint64, clientID uint16, owner uint64) (e *entry, err error) {
 	defer func() {
 		if v := recover(); v != nil {
 			f.cfg.Panics.Recovered(panicguard.StageUpstream, v, "qname", key.name, "qtype", key.qtype)
 			e, err = nil, fmt.Errorf("%w: %v", ErrPanic, v)
 		}
 	}()
-	return f.run(key, h, clientID)
+	return f.run(key, h, clientID, owner)
 }
 
-// run performs one upstream resolution and caches a cacheable answer.
-func (f *Forwarder) run(key cacheKey, h uint64, clientID uint16) (*entry, error) {
+// run performs one upstream resolution and caches a cacheable answer, charged to owner.
+func (f *Forwarder) run(key cacheKey, h uint64, clientID uint16, owner uint64) (*entry, error) {
 	q := new(dns.Msg)
 	q.Opcode = dns.OpcodeQuery
 	q.RecursionDesired = true
 	q.CheckingDisabled = key.flags&flagCD != 0
 	q.Question = []dns.Question{{Name: key.name, Qtype: key.qtype, Qclass: key.qclass}}
 	q.SetEdns0(EDNSBufferSize, key.flags&flagDO != 0)
-	resp, from, err := f.fetch(q, clientID)
+	resp, from, err := f.fetch(q, clientID, owner)
 	if err != nil {
 		return nil, err
 	}
@@ -381,7 +412,7 @@ func (f *Forwarder) run(key cacheKey, h uint64, clientID uint16) (*entry, error)
 	if err != nil {
 		return nil, err
 	}
-	e.server = from
+	e.server, e.owner = from, owner
 	if e.kind != kindUncached && f.cache != nil {
 		f.cache.put(e)
 	}

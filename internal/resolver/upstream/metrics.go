@@ -29,6 +29,7 @@ type metrics struct {
 	hitSuccess, hitDenial, hitStale prometheus.Counter
 	misses, prefetch                prometheus.Counter
 	overload                        prometheus.Counter
+	retryOverBudget                 prometheus.Counter
 }
 
 // serverMetrics are one upstream's pre-created children.
@@ -43,14 +44,19 @@ type serverMetrics struct {
 func newMetrics(reg prometheus.Registerer, c *cache, servers []*server) (*metrics, error) {
 	cm := newCacheMetrics(c)
 	um := newUpstreamVecs()
+	retryOverBudget := prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "meshdns_upstream_retries_over_budget_total",
+		Help: "Upstream retries not sent because the workload charged for the miss had no token left in its budget (--workload-qps): the query was answered as on a last timeout.",
+	})
 	m := &metrics{
-		collectors: append(cm.collectors, um.requests, um.failures, um.transitions, um.healthy, um.duration),
-		hitSuccess: cm.hits.WithLabelValues("success"),
-		hitDenial:  cm.hits.WithLabelValues("denial"),
-		hitStale:   cm.hits.WithLabelValues("stale"),
-		misses:     cm.misses,
-		prefetch:   cm.prefetch,
-		overload:   um.failures.WithLabelValues("", reasonOverload),
+		collectors:      append(cm.collectors, um.requests, um.failures, um.transitions, um.healthy, um.duration, retryOverBudget),
+		retryOverBudget: retryOverBudget,
+		hitSuccess:      cm.hits.WithLabelValues("success"),
+		hitDenial:       cm.hits.WithLabelValues("denial"),
+		hitStale:        cm.hits.WithLabelValues("stale"),
+		misses:          cm.misses,
+		prefetch:        cm.prefetch,
+		overload:        um.failures.WithLabelValues("", reasonOverload),
 	}
 	for _, s := range servers {
 		s.m = um.forServer(s.name)
@@ -116,12 +122,30 @@ func newCacheMetrics(c *cache) cacheMetrics {
 		}
 		return float64(c.shardBytes * len(c.shards))
 	})
+	workloadEvictions := prometheus.NewCounterFunc(prometheus.CounterOpts{
+		Name: "meshdns_cache_workload_evictions_total",
+		Help: "Cache entries evicted because the workload whose miss cached them was over its share (--cache-workload-bytes): its own oldest.",
+	}, func() float64 {
+		if c == nil {
+			return 0
+		}
+		return float64(c.shares.evictions())
+	})
+	workloadMax := prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+		Name: "meshdns_cache_workload_max_bytes",
+		Help: "The share of the upstream cache one workload's misses may hold (--cache-workload-bytes; 0: no cap).",
+	}, func() float64 {
+		if c == nil {
+			return 0
+		}
+		return float64(c.shares.cap)
+	})
 	prefetch := prometheus.NewCounter(prometheus.CounterOpts{
 		Name: "meshdns_cache_prefetch_total",
 		Help: "Popular cache entries refreshed before they expired.",
 	})
 	return cacheMetrics{hits: hits, misses: misses, prefetch: prefetch,
-		collectors: []prometheus.Collector{hits, misses, entries, cacheBytes, cacheMax, evictions, prefetch}}
+		collectors: []prometheus.Collector{hits, misses, entries, cacheBytes, cacheMax, evictions, workloadEvictions, workloadMax, prefetch}}
 }
 
 // upstreamVecs are the per-upstream metrics, labelled by upstream.

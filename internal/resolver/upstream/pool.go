@@ -109,8 +109,9 @@ type reply struct {
 // the upstreams in turn (healthy ones first), each waiting that upstream's attempt
 // timeout; the first useful reply from any of them wins. SERVFAIL, REFUSED, NOTIMP and
 // FORMERR move on to the next upstream at once, and the last of them is returned if
-// nothing better comes.
-func (f *Forwarder) fetch(q *dns.Msg, clientID uint16) (*dns.Msg, netip.AddrPort, error) {
+// nothing better comes. An attempt after the first is sent only when owner's budget
+// allows it (SetRetryBudget); otherwise the resolution ends there.
+func (f *Forwarder) fetch(q *dns.Msg, clientID uint16, owner uint64) (*dns.Msg, netip.AddrPort, error) {
 	r := f.newResolution(q, clientID)
 	defer r.close()
 	timer := time.NewTimer(time.Hour)
@@ -123,6 +124,10 @@ func (f *Forwarder) fetch(q *dns.Msg, clientID uint16) (*dns.Msg, netip.AddrPort
 		wait := r.deadline.Sub(now)
 		var cur *udpAttempt
 		if r.sends < r.maxSends {
+			if r.sends > 0 && !f.retryAllowed(owner) {
+				r.lastErr = errRetryBudget
+				break
+			}
 			if cur = r.sendNext(); cur == nil {
 				continue
 			}
