@@ -37,6 +37,43 @@ func (p *Probe) Percentile(q float64) time.Duration {
 	return s[min(len(s)-1, int(q*float64(len(s))))]
 }
 
+// NewProbe is an empty probe, for Add.
+func NewProbe() *Probe {
+	return &Probe{ByName: map[string]*Probe{}, Addrs: map[string]map[string]int{}}
+}
+
+// Add adds what q saw to p.
+func (p *Probe) Add(q *Probe) {
+	p.Latencies = append(p.Latencies, q.Latencies...)
+	p.Lost += q.Lost
+	p.Failed += q.Failed
+	for n, bq := range q.ByName {
+		if p.ByName[n] == nil {
+			p.ByName[n] = &Probe{}
+		}
+		p.ByName[n].Add(bq)
+	}
+	for n, m := range q.Addrs {
+		if p.Addrs[n] == nil {
+			p.Addrs[n] = map[string]int{}
+		}
+		for a, k := range m {
+			p.Addrs[n][a] += k
+		}
+	}
+}
+
+// Over counts the answered queries slower than d.
+func (p *Probe) Over(d time.Duration) int {
+	n := 0
+	for _, l := range p.Latencies {
+		if l > d {
+			n++
+		}
+	}
+	return n
+}
+
 // Prober asks server for name (type A) over UDP, one query at a time with the given
 // timeout and a pause between them, until stop is closed, and returns what it saw.
 func Prober(server, name string, timeout, pause time.Duration, stop <-chan struct{}) (*Probe, error) {
@@ -59,7 +96,7 @@ func MixProber(server string, local netip.Addr, names []string, timeout, pause t
 		return nil, err
 	}
 	defer c.Close()
-	p := &Probe{ByName: map[string]*Probe{}, Addrs: map[string]map[string]int{}}
+	p := NewProbe()
 	for _, n := range names {
 		if p.ByName[n] == nil {
 			p.ByName[n], p.Addrs[n] = &Probe{}, map[string]int{}

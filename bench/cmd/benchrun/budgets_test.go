@@ -32,11 +32,31 @@ func TestBudgetTargets(t *testing.T) {
 		{"rate 6% under", budgetPhase{quiet: probe(time.Millisecond, 0, 0), upRate: 470, hwm: 100 << 20}, [4]bool{true, true, false, true}},
 		{"memory 1.2x", budgetPhase{quiet: probe(time.Millisecond, 0, 0), upRate: 500, hwm: 120 << 20}, [4]bool{true, true, true, false}},
 	} {
-		got := budgetTargets(500, base, tc.loud)
+		// The p99 windows see the loaded phase's latencies, and no failure.
+		got := budgetTargets(500, base, tc.loud, quietP99{alone: base.quiet, beside: &dnsfake.Probe{Latencies: tc.loud.quiet.Latencies}})
 		for i, g := range got {
 			if g.ok != tc.want[i] {
 				t.Errorf("%s: %q (%s): pass %v, want %v", tc.name, g.name, g.measured, g.ok, tc.want[i])
 			}
 		}
+	}
+}
+
+// The quiet p99 is judged over the alternating windows, not the phases, and a
+// timeout in a window fails the no-failure target.
+func TestBudgetTargetsJudgeTheP99OverTheWindows(t *testing.T) {
+	probe := func(p99 time.Duration, lost int) *dnsfake.Probe {
+		p := &dnsfake.Probe{Lost: lost}
+		for range 100 {
+			p.Latencies = append(p.Latencies, p99)
+		}
+		return p
+	}
+	base := budgetPhase{quiet: probe(time.Millisecond, 0), hwm: 100 << 20}
+	loud := budgetPhase{quiet: probe(5*time.Millisecond, 0), upRate: 500, hwm: 100 << 20}
+	got := budgetTargets(500, base, loud, quietP99{alone: probe(2*time.Millisecond, 0), beside: probe(2200*time.Microsecond, 1)})
+	if !got[0].ok || got[1].ok {
+		t.Errorf("windows 1.1x with a timeout, phases 5x: p99 %v (%s), no failure %v (%s); want the p99 met (the windows') and the no-failure target not",
+			got[0].ok, got[0].measured, got[1].ok, got[1].measured)
 	}
 }

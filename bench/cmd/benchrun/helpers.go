@@ -37,6 +37,12 @@ import (
 //	helper internet PORT DNSADDR NAME PREFIX
 //	                              the egress lane's internet and its nameserver (egress.go)
 //	helper rusage ARGV...         run ARGV, then print its CPU (egress.go)
+//	helper spin CPU                keep CPU from idling: a busy loop at SCHED_IDLE, which
+//	                              any other task preempts at once (budgets.go)
+//	helper quiet ADDR LOCAL PAUSE TIMEOUT NAME...
+//	                              the budgets lane's quiet workload, a process of its
+//	                              own (budgets.go): ask the names in turn from LOCAL
+//	                              until stdin closes, then print the probe as JSON
 
 // runHelper runs a helper and returns the exit code.
 func runHelper(args []string) int {
@@ -57,6 +63,10 @@ func runHelper(args []string) int {
 		err = helperInternet(args[1], args[2], args[3], args[4])
 	case len(args) > 1 && args[0] == "rusage":
 		err = helperRusage(args[1:])
+	case len(args) == 2 && args[0] == "spin":
+		err = helperSpin(args[1])
+	case len(args) > 5 && args[0] == "quiet":
+		err = helperQuiet(args[1], args[2], args[3], args[4], args[5:])
 	default:
 		err = fmt.Errorf("unknown helper %q", args)
 	}
