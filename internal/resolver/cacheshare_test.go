@@ -1,7 +1,6 @@
 package resolver
 
 import (
-	"context"
 	"fmt"
 	"net"
 	"testing"
@@ -48,19 +47,12 @@ func TestNoisyWorkloadKeepsToItsCacheShare(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(up.Close)
-	fcfg := upstream.NewConfig(up.Addr)
-	fcfg.CacheBytes = 256 << 10        // ~600 denials
-	fcfg.CacheWorkloadBytes = 32 << 10 // ~80
+	const share = 32 << 10 // ~80 denials
 	freg := prometheus.NewRegistry()
-	fcfg.Registerer = freg
-	fwd, err := upstream.New(fcfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := fwd.Start(context.Background()); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { fwd.Close() })
+	fwd := newForwarder(t, up.Addr.String(), freg, func(fcfg *upstream.Config) {
+		fcfg.CacheBytes = 256 << 10 // ~600
+		fcfg.CacheWorkloadBytes = share
+	})
 	ts := startServer(t, testFile(), func(c *Config) { c.Forwarder = fwd })
 
 	var quiet, noisy []string
@@ -78,8 +70,8 @@ func TestNoisyWorkloadKeepsToItsCacheShare(t *testing.T) {
 		t.Fatalf("noisy workload: rcodes %v, want %d NXDOMAIN", rc, len(noisy))
 	}
 	used := metrictest.Value(t, freg, "meshdns_cache_bytes")
-	if used > quietBytes+float64(fcfg.CacheWorkloadBytes) {
-		t.Errorf("cache %.0f bytes after the flood: more than the quiet workload's %.0f and one share (%d)", used, quietBytes, fcfg.CacheWorkloadBytes)
+	if used > quietBytes+share {
+		t.Errorf("cache %.0f bytes after the flood: more than the quiet workload's %.0f and one share (%d)", used, quietBytes, share)
 	}
 	before := up.Count()
 	if rc := lockstep(t, ts.addr, "127.0.4.21", quiet); rc[dns.RcodeNameError] != len(quiet) {

@@ -85,11 +85,15 @@ func startUpstream(t testing.TB) *fakeUpstream {
 	return &fakeUpstream{Server: s, addr: s.Addr.String()}
 }
 
-// newForwarder is a started upstream.Forwarder to addr on reg.
-func newForwarder(t testing.TB, addr string, reg prometheus.Registerer) *upstream.Forwarder {
+// newForwarder is a started upstream.Forwarder to addr on reg, its config
+// changed by opts.
+func newForwarder(t testing.TB, addr string, reg prometheus.Registerer, opts ...func(*upstream.Config)) *upstream.Forwarder {
 	t.Helper()
 	cfg := upstream.NewConfig(netip.MustParseAddrPort(addr))
 	cfg.Registerer = reg
+	for _, o := range opts {
+		o(&cfg)
+	}
 	f, err := upstream.New(cfg)
 	if err != nil {
 		t.Fatal(err)

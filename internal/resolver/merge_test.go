@@ -1,7 +1,6 @@
 package resolver
 
 import (
-	"context"
 	"fmt"
 	"net"
 	"strings"
@@ -56,17 +55,9 @@ func startGatedServer(t *testing.T) (*testServer, *gatedUpstream) {
 	// One attempt per resolution: the upstream is held for as long as the test
 	// needs, and a retransmission to it would be a second upstream query that says
 	// nothing about merging.
-	cfg := upstream.NewConfig(up.Addr)
-	cfg.Timeout, cfg.AttemptTimeout = 20*time.Second, 20*time.Second
-	cfg.Registerer = g.fwdReg
-	f, err := upstream.New(cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := f.Start(context.Background()); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { f.Close() })
+	f := newForwarder(t, up.Addr.String(), g.fwdReg, func(cfg *upstream.Config) {
+		cfg.Timeout, cfg.AttemptTimeout = 20*time.Second, 20*time.Second
+	})
 	ts := startServer(t, testFile(), func(c *Config) { c.Forwarder = f })
 	return ts, g
 }

@@ -1,7 +1,6 @@
 package resolver
 
 import (
-	"context"
 	"strings"
 	"sync"
 	"testing"
@@ -49,18 +48,8 @@ func TestRetriesTakeFromTheWorkloadBudget(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(up.Close)
-	fcfg := upstream.NewConfig(up.Addr)
-	fcfg.AttemptTimeout = 100 * time.Millisecond
 	freg := prometheus.NewRegistry()
-	fcfg.Registerer = freg
-	fwd, err := upstream.New(fcfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := fwd.Start(context.Background()); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { fwd.Close() })
+	fwd := newForwarder(t, up.Addr.String(), freg, func(fcfg *upstream.Config) { fcfg.AttemptTimeout = 100 * time.Millisecond })
 	const burst = 3
 	ts := startServer(t, testFile(), func(c *Config) {
 		c.Forwarder = fwd
