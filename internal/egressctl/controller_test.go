@@ -191,16 +191,9 @@ func TestSyncKeepsAdoptedWorkloadIDs(t *testing.T) {
 	root, _ := cgroupTree(t, podA)
 	cg := inodeOf(t, filepath.Join(root, podA))
 	fake := newFake()
-	c, err := New(Config{Datapath: fake, Grants: fake, CgroupRoot: root, Adopted: map[uint64]egress.WorkloadID{cg: 7, 999: 9},
-		Pods: func() []Pod { return []Pod{{Namespace: "ns", Name: "p", UID: "11111111-1111-1111-1111-111111111111"}} }})
-	if err != nil {
-		t.Fatal(err)
-	}
-	c.SetPolicies("kubernetes", policySet(t, egresspolicy.Policy{Source: "DNSEgressPolicy", Name: "ns/all", Namespace: "ns",
-		Egress: []egresspolicy.Rule{{Names: []string{"a.example.com"}}}}))
-	if err := c.Sync(); err != nil {
-		t.Fatal(err)
-	}
+	syncedController(t, fake, Config{CgroupRoot: root, Adopted: map[uint64]egress.WorkloadID{cg: 7, 999: 9}, Pods: onePod("ns", "p")},
+		egresspolicy.Policy{Source: "DNSEgressPolicy", Name: "ns/all", Namespace: "ns",
+			Egress: []egresspolicy.Rule{{Names: []string{"a.example.com"}}}})
 	if got := fake.workloads[cg].id; got != 7 {
 		t.Errorf("adopted workload got id %d, want 7 (its pinned grants stay valid)", got)
 	}
@@ -231,19 +224,12 @@ func TestSyncReportsDatapathErrors(t *testing.T) {
 func TestGrant(t *testing.T) {
 	root, _ := cgroupTree(t, podA)
 	fake := newFake()
-	c, err := New(Config{Datapath: fake, Grants: fake, CgroupRoot: root,
-		Pods: func() []Pod { return []Pod{{Namespace: "ns", Name: "p", UID: "11111111-1111-1111-1111-111111111111"}} }})
-	if err != nil {
-		t.Fatal(err)
-	}
-	c.SetPolicies("kubernetes", policySet(t, egresspolicy.Policy{Source: "DNSEgressPolicy", Name: "ns/all", Namespace: "ns",
-		Egress: []egresspolicy.Rule{
-			{Names: []string{"api.example.com"}, Ports: []egresspolicy.Port{{Port: 443}, {Port: 53, Protocol: egresspolicy.UDP}}},
-			{Names: []string{"*.cdn.example"}},
-		}}))
-	if err := c.Sync(); err != nil {
-		t.Fatal(err)
-	}
+	c := syncedController(t, fake, Config{CgroupRoot: root, Pods: onePod("ns", "p")},
+		egresspolicy.Policy{Source: "DNSEgressPolicy", Name: "ns/all", Namespace: "ns",
+			Egress: []egresspolicy.Rule{
+				{Names: []string{"api.example.com"}, Ports: []egresspolicy.Port{{Port: 443}, {Port: 53, Protocol: egresspolicy.UDP}}},
+				{Names: []string{"*.cdn.example"}},
+			}})
 	wl := uint32(c.Selected()[0].ID)
 	a1, a2 := netip.MustParseAddr("198.18.0.1"), netip.MustParseAddr("198.18.0.2")
 	for _, tc := range []struct {
@@ -312,16 +298,9 @@ func (f *fakeTap) len() int {
 func TestForwardEventsNamesTheUnallowedName(t *testing.T) {
 	root, _ := cgroupTree(t, podA)
 	fake := newFake()
-	c, err := New(Config{Datapath: fake, Grants: fake, CgroupRoot: root,
-		Pods: func() []Pod { return []Pod{{Namespace: "ns", Name: "p", UID: "11111111-1111-1111-1111-111111111111"}} }})
-	if err != nil {
-		t.Fatal(err)
-	}
-	c.SetPolicies("kubernetes", policySet(t, egresspolicy.Policy{Source: "DNSEgressPolicy", Name: "ns/all", Namespace: "ns",
-		Egress: []egresspolicy.Rule{{Names: []string{"ok.test"}}}}))
-	if err := c.Sync(); err != nil {
-		t.Fatal(err)
-	}
+	c := syncedController(t, fake, Config{CgroupRoot: root, Pods: onePod("ns", "p")},
+		egresspolicy.Policy{Source: "DNSEgressPolicy", Name: "ns/all", Namespace: "ns",
+			Egress: []egresspolicy.Rule{{Names: []string{"ok.test"}}}})
 	wl := c.Selected()[0].ID
 	bad := netip.MustParseAddr("198.18.1.1")
 	c.Grant(uint32(wl), "exfil.test.", []netip.Addr{bad}, time.Second) //nolint:errcheck // the fake does not fail
@@ -470,11 +449,8 @@ func TestAUnitCgroupIsSelectedWhenSystemdCreatesIt(t *testing.T) {
 func startWatched(t *testing.T, cfg Config, policy egresspolicy.Policy) *fakeDatapath {
 	t.Helper()
 	fake := newFake()
-	cfg.Datapath, cfg.Grants, cfg.Resync = fake, fake, time.Hour
-	c, err := New(cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
+	cfg.Resync = time.Hour
+	c := newController(t, fake, cfg)
 	if err := c.Start(context.Background()); err != nil {
 		t.Fatal(err)
 	}
@@ -497,5 +473,35 @@ func (f *fakeDatapath) selects(root, dir string) func() bool {
 		defer f.mu.Unlock()
 		_, ok := f.workloads[fi.Sys().(*syscall.Stat_t).Ino]
 		return ok
+	}
+}
+
+// newController is a controller over cfg writing to fake.
+func newController(t *testing.T, fake *fakeDatapath, cfg Config) *Controller {
+	t.Helper()
+	cfg.Datapath, cfg.Grants = fake, fake
+	c, err := New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return c
+}
+
+// syncedController is a controller over cfg writing to fake, with policy
+// published and one Sync done.
+func syncedController(t *testing.T, fake *fakeDatapath, cfg Config, policy egresspolicy.Policy) *Controller {
+	t.Helper()
+	c := newController(t, fake, cfg)
+	c.SetPolicies("kubernetes", policySet(t, policy))
+	if err := c.Sync(); err != nil {
+		t.Fatal(err)
+	}
+	return c
+}
+
+// onePod lists one pod, namespace/name, whose cgroup is podA's.
+func onePod(namespace, name string) func() []Pod {
+	return func() []Pod {
+		return []Pod{{Namespace: namespace, Name: name, UID: "11111111-1111-1111-1111-111111111111"}}
 	}
 }

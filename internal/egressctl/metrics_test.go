@@ -25,18 +25,11 @@ func (f fakeCounter) EventsLost() uint64                                   { ret
 func TestCollectorBoundsWorkloadSeries(t *testing.T) {
 	root, _ := cgroupTree(t, podA, podB)
 	fake := newFake()
-	c, err := New(Config{Datapath: fake, Grants: fake, CgroupRoot: root, Pods: func() []Pod {
+	c := syncedController(t, fake, Config{CgroupRoot: root, Pods: func() []Pod {
 		return []Pod{{Namespace: "ns", Name: "a", UID: "11111111-1111-1111-1111-111111111111"},
 			{Namespace: "ns", Name: "b", UID: "22222222-2222-2222-2222-222222222222"}}
-	}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	c.SetPolicies("kubernetes", policySet(t, egresspolicy.Policy{Source: "DNSEgressPolicy", Name: "ns/all", Namespace: "ns",
-		Egress: []egresspolicy.Rule{{Names: []string{"ok.test"}}}}))
-	if err := c.Sync(); err != nil {
-		t.Fatal(err)
-	}
+	}}, egresspolicy.Policy{Source: "DNSEgressPolicy", Name: "ns/all", Namespace: "ns",
+		Egress: []egresspolicy.Rule{{Names: []string{"ok.test"}}}})
 	ids := map[string]egress.WorkloadID{}
 	for _, s := range c.Selected() {
 		ids[s.Workload] = s.ID
@@ -91,17 +84,9 @@ func (fakeGrants) Limits() (int, int)                  { return 65536, 4096 }
 func TestStatusTable(t *testing.T) {
 	root, _ := cgroupTree(t, podA)
 	fake := newFake()
-	c, err := New(Config{Datapath: fake, Grants: fake, CgroupRoot: root, Pods: func() []Pod {
-		return []Pod{{Namespace: "shop", Name: "web", UID: "11111111-1111-1111-1111-111111111111"}}
-	}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	c.SetPolicies("kubernetes", policySet(t, egresspolicy.Policy{Source: "DNSEgressPolicy", Name: "shop/web", Namespace: "shop",
-		FailMode: egresspolicy.FailClosed, Egress: []egresspolicy.Rule{{Names: []string{"ok.test"}}}}))
-	if err := c.Sync(); err != nil {
-		t.Fatal(err)
-	}
+	c := syncedController(t, fake, Config{CgroupRoot: root, Pods: onePod("shop", "web")},
+		egresspolicy.Policy{Source: "DNSEgressPolicy", Name: "shop/web", Namespace: "shop",
+			FailMode: egresspolicy.FailClosed, Egress: []egresspolicy.Rule{{Names: []string{"ok.test"}}}})
 	id := c.Selected()[0].ID
 	st := c.Status(fakeCounter{id: {AllowedGrant: 7, Denied: 2}}, fakeGrants{})
 	var b strings.Builder
