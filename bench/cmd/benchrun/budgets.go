@@ -66,6 +66,15 @@ const (
 // not tried first (fewer than 5 dots): three search suffixes, then the name.
 var ndots5 = []string{".default.svc.cluster.local.", ".svc.cluster.local.", ".cluster.local.", "."}
 
+// The workloads' source addresses: each its own workload, with a budget of its own.
+const noisyAddr, quietAddr = "127.0.0.1", "127.0.0.3"
+
+// noisyName is the noisy workload's i-th query: a random name under nx.test
+// through the search path, each name's expansions in turn.
+func noisyName(i int) string {
+	return fmt.Sprintf("n%d-%d.nx.test%s", i/len(ndots5), rand.Uint32(), ndots5[i%len(ndots5)])
+}
+
 func runBudgets(args []string) int {
 	var c budgetsConfig
 	fs := flag.NewFlagSet("budgets", flag.ExitOnError)
@@ -182,9 +191,7 @@ func budgets(c budgetsConfig) error {
 		pc := make(chan *dnsfake.Paced, 1)
 		if noisy {
 			go func() {
-				p, err := dnsfake.PacedUDP(server, netip.MustParseAddr("127.0.0.1"), c.noisyQPS, func(i int) string {
-					return fmt.Sprintf("n%d-%d.nx.test%s", i/len(ndots5), rand.Uint32(), ndots5[i%len(ndots5)])
-				}, stop)
+				p, err := dnsfake.PacedUDP(server, netip.MustParseAddr(noisyAddr), c.noisyQPS, noisyName, stop)
 				if err != nil {
 					fmt.Fprintln(os.Stderr, "benchrun budgets: noisy workload:", err)
 				}
@@ -193,7 +200,7 @@ func budgets(c budgetsConfig) error {
 		}
 		qc := make(chan *dnsfake.Probe, 1)
 		go func() {
-			p, err := quietProcess(dnsAddr, "127.0.0.3", quietNames, c.timeout, c.quietPause, stop)
+			p, err := quietProcess(dnsAddr, quietAddr, quietNames, c.timeout, c.quietPause, stop)
 			if err != nil {
 				fmt.Fprintln(os.Stderr, "benchrun budgets: quiet workload:", err)
 			}
@@ -505,14 +512,12 @@ func quietWindows(c budgetsConfig, server netip.AddrPort, dnsAddr string, names 
 		nc := make(chan error, 1)
 		if noisy {
 			go func() {
-				_, err := dnsfake.PacedUDP(server, netip.MustParseAddr("127.0.0.1"), c.noisyQPS, func(i int) string {
-					return fmt.Sprintf("w%d-%d.nx.test%s", i/len(ndots5), rand.Uint32(), ndots5[i%len(ndots5)])
-				}, stop)
+				_, err := dnsfake.PacedUDP(server, netip.MustParseAddr(noisyAddr), c.noisyQPS, noisyName, stop)
 				nc <- err
 			}()
 		}
 		time.AfterFunc(c.window, func() { close(stop) })
-		q, err := quietProcess(dnsAddr, "127.0.0.3", names, c.timeout, c.quietPause, stop)
+		q, err := quietProcess(dnsAddr, quietAddr, names, c.timeout, c.quietPause, stop)
 		if err != nil {
 			return r, err
 		}
