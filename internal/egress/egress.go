@@ -25,7 +25,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
 	"log/slog"
 	"net/netip"
 	"sync"
@@ -144,7 +143,7 @@ func New(cfg Config) (*Egress, error) {
 	}
 	log := cfg.Logger
 	if log == nil {
-		log = slog.New(slog.NewTextHandler(io.Discard, nil))
+		log = slog.New(slog.DiscardHandler)
 	}
 	return &Egress{cfg: cfg, log: log, workloads: map[uint64]WorkloadID{}, events: make(chan Event, cfg.EventBuffer)}, nil
 }

@@ -16,7 +16,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
 	"log/slog"
 	"maps"
 	"net/netip"
@@ -153,7 +152,7 @@ func New(cfg Config) (*Controller, error) {
 	}
 	log := cfg.Logger
 	if log == nil {
-		log = slog.New(slog.NewTextHandler(io.Discard, nil))
+		log = slog.New(slog.DiscardHandler)
 	}
 	c := &Controller{cfg: cfg, log: log, kick: make(chan struct{}, 1), sets: map[string]*egresspolicy.Set{},
 		applied: map[uint64]applied{}, nextID: 1, created: time.Now(), published: make(chan struct{})}

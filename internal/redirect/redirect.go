@@ -23,7 +23,6 @@ package redirect
 import (
 	"context"
 	"fmt"
-	"io"
 	"log/slog"
 	"net"
 	"os"
@@ -89,7 +88,7 @@ func New(cfg Config) (*Datapath, error) {
 	}
 	log := cfg.Logger
 	if log == nil {
-		log = slog.New(slog.NewTextHandler(io.Discard, nil))
+		log = slog.New(slog.DiscardHandler)
 	}
 	order := Ordering{Supported: true}
 	if cfg.Unordered || os.Getenv(UnorderedEnv) == "1" {
