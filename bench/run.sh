@@ -57,7 +57,9 @@ fi
 
 if [ "${1:-}" = budgets ]; then
 	shift
-	command -v taskset >/dev/null 2>&1 || { log "budgets: taskset is missing (util-linux)"; exit 1; }
+	for t in taskset chrt; do
+		command -v "$t" >/dev/null 2>&1 || { log "budgets: $t is missing (util-linux)"; exit 1; }
+	done
 	log "building benchrun and bin/meshdns-ebpf"
 	go build -o "$work/bin/benchrun" ./bench/cmd/benchrun
 	if [ "${BENCH_PPROF:-0}" = 1 ]; then

@@ -19,8 +19,14 @@ import (
 // Probe is the outcome of Prober: latencies of the answered queries, and the lost ones.
 type Probe struct {
 	Latencies []time.Duration
-	Lost      int // no answer within the timeout
-	Failed    int // answered SERVFAIL or REFUSED (MixProber)
+	// Arrivals is each answered query's time from its send to its answer's arrival in
+	// the client's socket, by the kernel's receive timestamp (MixProber, on Linux; in
+	// step with Latencies): the answer's time without the client's own wake-up after
+	// it, which on a CPU shared with other busy processes can be longer than the
+	// answer took.
+	Arrivals []time.Duration
+	Lost     int // no answer within the timeout
+	Failed   int // answered SERVFAIL or REFUSED (MixProber)
 	// ByName is the same split by query name, and Addrs counts each answer's first
 	// A record ("" for none) by name (MixProber).
 	ByName map[string]*Probe
@@ -28,11 +34,16 @@ type Probe struct {
 }
 
 // Percentile returns the q-quantile (0..1) of the answered queries' latency.
-func (p *Probe) Percentile(q float64) time.Duration {
-	if len(p.Latencies) == 0 {
+func (p *Probe) Percentile(q float64) time.Duration { return quantile(p.Latencies, q) }
+
+// ArrivalPercentile returns the q-quantile (0..1) of Arrivals, 0 without them.
+func (p *Probe) ArrivalPercentile(q float64) time.Duration { return quantile(p.Arrivals, q) }
+
+func quantile(d []time.Duration, q float64) time.Duration {
+	if len(d) == 0 {
 		return 0
 	}
-	s := slices.Clone(p.Latencies)
+	s := slices.Clone(d)
 	slices.Sort(s)
 	return s[min(len(s)-1, int(q*float64(len(s))))]
 }
@@ -45,6 +56,7 @@ func NewProbe() *Probe {
 // Add adds what q saw to p.
 func (p *Probe) Add(q *Probe) {
 	p.Latencies = append(p.Latencies, q.Latencies...)
+	p.Arrivals = append(p.Arrivals, q.Arrivals...)
 	p.Lost += q.Lost
 	p.Failed += q.Failed
 	for n, bq := range q.ByName {
@@ -96,13 +108,14 @@ func MixProber(server string, local netip.Addr, names []string, timeout, pause t
 		return nil, err
 	}
 	defer c.Close()
+	stamped := stampArrivals(c)
 	p := NewProbe()
 	for _, n := range names {
 		if p.ByName[n] == nil {
 			p.ByName[n], p.Addrs[n] = &Probe{}, map[string]int{}
 		}
 	}
-	buf := make([]byte, 4096)
+	buf, oob := make([]byte, 4096), make([]byte, 128)
 	for i := 0; ; i++ {
 		select {
 		case <-stop:
@@ -121,7 +134,7 @@ func MixProber(server string, local netip.Addr, names []string, timeout, pause t
 		}
 		_ = c.SetReadDeadline(start.Add(timeout))
 		for {
-			n, err := c.Read(buf)
+			n, oobn, _, _, err := c.ReadMsgUDP(buf, oob)
 			if err != nil {
 				p.Lost++
 				byName.Lost++
@@ -135,6 +148,11 @@ func MixProber(server string, local netip.Addr, names []string, timeout, pause t
 					el := time.Since(start)
 					p.Latencies = append(p.Latencies, el)
 					byName.Latencies = append(byName.Latencies, el)
+					if at, ok := arrival(oob[:oobn]); stamped && ok {
+						a := min(max(at.Sub(start), 0), el)
+						p.Arrivals = append(p.Arrivals, a)
+						byName.Arrivals = append(byName.Arrivals, a)
+					}
 				}
 				p.Addrs[name][firstA(buf[:n])]++
 				break

@@ -55,6 +55,7 @@ type budgetsConfig struct {
 	rounds              int           // alternating window pairs of the quiet p99
 	window              time.Duration // each window's length
 	spin                bool          // keep both CPUs from idling (helper spin)
+	quietRealtime       bool          // the quiet workload's process at SCHED_FIFO (chrt)
 }
 
 const (
@@ -95,6 +96,7 @@ func runBudgets(args []string) int {
 	fs.StringVar(&c.heapProfiles, "heap-profiles", "", "save the agent's heap profile at each phase's end into this directory (the agent built with -tags benchpprof; bench/run.sh does with BENCH_PPROF=1)")
 	fs.IntVar(&c.rounds, "p99-rounds", 6, "pairs of alternating windows (quiet alone, quiet beside the noisy workload) whose pooled latencies give the quiet p99 target")
 	fs.DurationVar(&c.window, "p99-window", 5*time.Second, "length of each p99 window")
+	fs.BoolVar(&c.quietRealtime, "quiet-realtime", true, "run the quiet workload's process at real-time priority (chrt --fifo 1): it shares its CPU with the noisy sender and the upstream, and its own wake-up behind them would add to its latencies what no DNS server can take away; what is left is the agent's")
 	fs.BoolVar(&c.spin, "spin", true, "keep the two CPUs from idling with a busy loop at SCHED_IDLE (preempted at once by any other task): a virtual CPU's wake-up from idle then adds nothing to a quiet query's latency, in either condition")
 	_ = fs.Parse(args)
 	if err := budgets(c); err != nil {
@@ -200,7 +202,7 @@ func budgets(c budgetsConfig) error {
 		}
 		qc := make(chan *dnsfake.Probe, 1)
 		go func() {
-			p, err := quietProcess(dnsAddr, quietAddr, quietNames, c.timeout, c.quietPause, stop)
+			p, err := quietProcess(dnsAddr, quietAddr, quietNames, c.timeout, c.quietPause, c.quietRealtime, stop)
 			if err != nil {
 				fmt.Fprintln(os.Stderr, "benchrun budgets: quiet workload:", err)
 			}
@@ -365,6 +367,14 @@ func freeAddr() string {
 	}
 }
 
+// quietPrio says how the quiet workload's process was scheduled.
+func quietPrio(realtime bool) string {
+	if realtime {
+		return ", its process at real-time priority (chrt --fifo 1)"
+	}
+	return ", its process at normal priority"
+}
+
 // budgetTarget is one of the issue's targets, as measured.
 type budgetTarget struct {
 	name, measured string
@@ -391,10 +401,10 @@ func budgetTargets(budget int, base, loud budgetPhase, p99 quietP99) []budgetTar
 func printBudgets(w io.Writer, c budgetsConfig, pinned string, serverCPU int, base, loud budgetPhase, p99 quietP99, endLoad string) {
 	p := func(format string, a ...any) { fmt.Fprintf(w, format+"\n", a...) }
 	p("Budgets (`bench/run.sh budgets`): agent `--workload-qps %d --workload-max-pending %d%s` on CPU %d; %s. "+
-		"Upstream %d qps cap (drops above), %s latency. Quiet: a table name and three external names in turn, %s pause (at most %d qps), %s timeout. "+
+		"Upstream %d qps cap (drops above), %s latency. Quiet: a table name and three external names in turn, %s pause (at most %d qps), %s timeout%s. "+
 		"Noisy: %d qps of random `*.nx.test` names through an ndots:5 search path (three search suffixes answered NXDOMAIN from the table's zone, the fourth upstream). "+
 		"Each phase %s; the upstream rate of the loaded phase leaves out its first %s (the budget's burst). Load average %s at the start, %s at the end.",
-		c.budget, c.maxPending, strings.TrimRight(" "+c.agentArgs, " "), serverCPU, pinned, c.upstreamQPS, c.upstreamLatency, c.quietPause, int(time.Second/c.quietPause), c.timeout,
+		c.budget, c.maxPending, strings.TrimRight(" "+c.agentArgs, " "), serverCPU, pinned, c.upstreamQPS, c.upstreamLatency, c.quietPause, int(time.Second/c.quietPause), c.timeout, quietPrio(c.quietRealtime),
 		c.noisyQPS, c.phase, min(c.settle, c.phase/2), base.loadAvg, endLoad)
 	p("")
 	p("| phase | quiet answered / SERVFAIL+REFUSED / timed out | quiet p50 | quiet p99 | upstream rate (seen by it / sent by the agent) | failed upstream attempts | agent VmHWM |")
@@ -411,8 +421,8 @@ func printBudgets(w io.Writer, c budgetsConfig, pinned string, serverCPU int, ba
 	p("The quiet p99 target is judged over %d alternating windows of %s each (quiet alone, quiet beside the noisy workload; "+
 		"the order swapped every round), pooled by condition, so that what the machine does meanwhile falls on both alike:", 2*c.rounds, c.window)
 	p("")
-	p("| windows | quiet answered / SERVFAIL+REFUSED / timed out | p50 | p99 | over 1 ms | by name: p99 (over 1 ms) |")
-	p("|---|---|---|---|---|---|")
+	p("| windows | quiet answered / SERVFAIL+REFUSED / timed out | p50 | p99 | over 1 ms | p50 / p99 at the answer's arrival in the socket | by name: p99 (over 1 ms) |")
+	p("|---|---|---|---|---|---|---|")
 	for _, r := range []struct {
 		name string
 		q    *dnsfake.Probe
@@ -422,8 +432,9 @@ func printBudgets(w io.Writer, c budgetsConfig, pinned string, serverCPU int, ba
 			q := r.q.ByName[n]
 			by = append(by, fmt.Sprintf("%s %s (%d)", strings.TrimSuffix(n, "."), q.Percentile(0.99).Round(time.Microsecond), q.Over(time.Millisecond)))
 		}
-		p("| %s | %d / %d / %d | %s | %s | %d | %s |", r.name, len(r.q.Latencies), r.q.Failed, r.q.Lost, r.q.Percentile(0.5).Round(time.Microsecond),
-			r.q.Percentile(0.99).Round(time.Microsecond), r.q.Over(time.Millisecond), strings.Join(by, "; "))
+		p("| %s | %d / %d / %d | %s | %s | %d | %s / %s | %s |", r.name, len(r.q.Latencies), r.q.Failed, r.q.Lost, r.q.Percentile(0.5).Round(time.Microsecond),
+			r.q.Percentile(0.99).Round(time.Microsecond), r.q.Over(time.Millisecond), r.q.ArrivalPercentile(0.5).Round(time.Microsecond),
+			r.q.ArrivalPercentile(0.99).Round(time.Microsecond), strings.Join(by, "; "))
 	}
 	p("")
 	p("Noisy workload: sent %d, answers %v.", loud.noisy.Sent, loud.noisy.Answers)
@@ -443,12 +454,12 @@ func printBudgets(w io.Writer, c budgetsConfig, pinned string, serverCPU int, ba
 // helper quiet`), as another pod of the node would be, until stop is closed,
 // and returns what it saw. In the harness's own process its latencies would
 // include the harness's scheduling of the noisy sender and the upstream.
-func quietProcess(server, local string, names []string, timeout, pause time.Duration, stop <-chan struct{}) (*dnsfake.Probe, error) {
+func quietProcess(server, local string, names []string, timeout, pause time.Duration, realtime bool, stop <-chan struct{}) (*dnsfake.Probe, error) {
 	self, err := os.Executable()
 	if err != nil {
 		return nil, err
 	}
-	cmd := exec.Command(self, append([]string{"helper", "quiet", server, local, pause.String(), timeout.String()}, names...)...)
+	cmd := exec.Command("chrt", append([]string{"-f", "1", self, "helper", "quiet", server, local, pause.String(), timeout.String()}, names...)...)
 	in, err := cmd.StdinPipe()
 	if err != nil {
 		return nil, err
@@ -517,7 +528,7 @@ func quietWindows(c budgetsConfig, server netip.AddrPort, dnsAddr string, names 
 			}()
 		}
 		time.AfterFunc(c.window, func() { close(stop) })
-		q, err := quietProcess(dnsAddr, quietAddr, names, c.timeout, c.quietPause, stop)
+		q, err := quietProcess(dnsAddr, quietAddr, names, c.timeout, c.quietPause, c.quietRealtime, stop)
 		if err != nil {
 			return r, err
 		}
