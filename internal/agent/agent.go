@@ -374,7 +374,6 @@ func (a *Agent) startResolver(ctx context.Context, reg *prometheus.Registry) (er
 		Logger:         a.log.With("component", "resolver"),
 		OnReaders:      func(blocking int) { tuneProcs(blocking, a.log) },
 		ReaderNice:     readerNice,
-		ReaderRealtime: cfg.readerRealtime(),
 		Panics:         a.panics,
 	}
 	var flows *redirect.Flows

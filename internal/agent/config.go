@@ -83,9 +83,6 @@ type Config struct {
 	// --workload-burst, --workload-max-pending).
 	WorkloadBudget resolver.BudgetLimits
 	MaxTCPConns    int
-	// ReaderRealtime runs the resolver's UDP readers at real-time priority
-	// within their share of a CPU (--reader-realtime; resolver.Config.ReaderRealtime).
-	ReaderRealtime bool
 
 	// The container's memory limit in bytes (0: none) and the share of it
 	// the Go runtime's soft memory limit is set to (gc.go).
@@ -227,7 +224,6 @@ func (c *Config) registerResolverFlags(fs *flag.FlagSet) {
 	fs.IntVar(&c.WorkloadBudget.Burst, "workload-burst", 0, "upstream queries a workload may send at once within --workload-qps (default: one second's worth)")
 	fs.IntVar(&c.WorkloadBudget.InFlight, "workload-max-pending", 0, "queries each workload may have waiting for the upstream; over it REFUSED at once (0: no limit)")
 	fs.IntVar(&c.MaxTCPConns, "max-tcp-conns", resolver.DefaultMaxTCPConns, "open TCP client connections; at the bound the longest idle one is closed")
-	fs.BoolVar(&c.ReaderRealtime, "reader-realtime", true, "run the UDP reader threads at real-time priority (SCHED_FIFO 1) while each uses at most half a CPU, so that the agent's own upstream work never delays a query's wake-up; over it, and without CAP_SYS_NICE, at nice -5")
 }
 
 // registerKubernetesFlags defines the Kubernetes source's.

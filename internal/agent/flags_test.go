@@ -44,7 +44,6 @@ func TestBooleanFlagsOfRun(t *testing.T) {
 		"attribution":          func(c *Config) bool { return c.Workloads.Attribution },
 		"namespace-metrics":    func(c *Config) bool { return c.Workloads.Namespaces },
 		"egress":               func(c *Config) bool { return c.Egress.Enabled },
-		"reader-realtime":      func(c *Config) bool { return c.ReaderRealtime },
 	}
 	newFS := func() *flag.FlagSet { _, fs := runFlags(); return fs }
 	if got, want := boolLike(newFS), slices.Sorted(maps.Keys(fields)); !slices.Equal(got, want) {

@@ -185,25 +185,8 @@ func fractionalMarkWorker(procs int) bool {
 }
 
 // readerNice is the nice value of the resolver's UDP reader threads
-// (resolver.Config.ReaderNice) when they do not run at real-time priority
-// (--reader-realtime=false, refused, or over their share of a CPU): a
-// query's wake-up then tends to preempt the agent's other threads (the
-// collector's workers, a reload, the Kubernetes watches, the upstream
-// queries' goroutines) where they share a CPU, though not at once. The
-// readers do a few microseconds of work per query; the rest of the agent
-// keeps the process's priority.
+// (resolver.Config.ReaderNice): a query's wake-up preempts the agent's other
+// threads (the collector's workers, a reload, the Kubernetes watches)
+// where they share a CPU. The readers do a few microseconds of work per
+// query; the rest of the agent keeps the process's priority.
 const readerNice = -5
-
-// readerRealtimePriority is the SCHED_FIFO priority of the UDP reader threads
-// with --reader-realtime: the lowest, ahead of every normal thread and behind
-// every other real-time one (the kernel's own among them).
-const readerRealtimePriority = 1
-
-// readerRealtime is resolver.Config.ReaderRealtime: readerRealtimePriority
-// with --reader-realtime, else 0.
-func (c *Config) readerRealtime() int {
-	if c.ReaderRealtime {
-		return readerRealtimePriority
-	}
-	return 0
-}

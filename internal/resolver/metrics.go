@@ -39,7 +39,6 @@ type metrics struct {
 	overload  [3]prometheus.Counter // total, client, workload
 
 	tcpEvicted, tcpRefused prometheus.Counter
-	readerOverruns         prometheus.Counter // a reader over its real-time share (readerprio.go)
 }
 
 func newMetrics(reg prometheus.Registerer) (*metrics, error) {
@@ -68,19 +67,15 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 		Name: "meshdns_dns_tcp_connections_limited_total",
 		Help: "TCP connections closed at the connection bound: the longest idle one for a new one (evicted), or the new one when none was idle (refused).",
 	}, []string{"action"})
-	overruns := prometheus.NewCounter(prometheus.CounterOpts{
-		Name: "meshdns_dns_reader_realtime_overruns_total",
-		Help: "Times a UDP reader used more than its real-time share of a CPU in a 10 ms window and ran at normal priority for the rest of it (flooded; --reader-realtime).",
-	})
 	if reg != nil {
-		for _, c := range []prometheus.Collector{req, resp, dur, dropped, over, tcpClosed, overruns} {
+		for _, c := range []prometheus.Collector{req, resp, dur, dropped, over, tcpClosed} {
 			if err := reg.Register(c); err != nil {
 				return nil, err
 			}
 		}
 	}
 	m := &metrics{dropped: dropped, overload: [3]prometheus.Counter{over.WithLabelValues("total"), over.WithLabelValues("client"), over.WithLabelValues("workload")},
-		tcpEvicted: tcpClosed.WithLabelValues("evicted"), tcpRefused: tcpClosed.WithLabelValues("refused"), readerOverruns: overruns}
+		tcpEvicted: tcpClosed.WithLabelValues("evicted"), tcpRefused: tcpClosed.WithLabelValues("refused")}
 	for p := range nProtos {
 		for q := range nQtypes {
 			m.requests[p][q] = req.WithLabelValues(protoNames[p], qtypeLabels[q])

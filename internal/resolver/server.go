@@ -115,19 +115,6 @@ type Config struct {
 	// priority takes CAP_SYS_NICE; without it the readers stay as they are.
 	// The agent sets it (internal/agent/tune.go).
 	ReaderNice int
-	// ReaderRealtime, when not 0, is the real-time priority (SCHED_FIFO,
-	// 1-99) the UDP readers' threads run at (Linux) while each uses at most
-	// ReaderRealtimeShare of its CPU in a window of 10 ms: a query's wake-up
-	// then runs its reader at once, ahead of every thread at normal priority,
-	// the process's own among them (the upstream queries' goroutines, the
-	// collector). A reader over its share runs at ReaderNice for the rest of
-	// the window (meshdns_dns_reader_realtime_overruns_total), so a flood
-	// holds a CPU at real-time priority for at most the share of each window.
-	// Takes CAP_SYS_NICE; where it is refused, ReaderNice alone.
-	ReaderRealtime int
-	// ReaderRealtimeShare is the share (0-1] of a CPU each reader may use at
-	// real-time priority; 0 means DefaultReaderRealtimeShare.
-	ReaderRealtimeShare float64
 	// Senders tells who sent from a source address and port (the datapath's
 	// flow records, redirect.Flows); nil: senders are known by address only.
 	Senders func(src netip.AddrPort, tcp bool) (Sender, bool)
@@ -179,14 +166,11 @@ type Server struct {
 	budgets *budgets // nil: no per-workload budgets
 	outBufs bufPools
 
-	inherited      map[string]InheritedListener // by listen address, until Start
-	onDequeue      func(n int)
-	onReaders      func(blocking int)
-	readerNice     int
-	readerRealtime int     // Config.ReaderRealtime
-	readerRTShare  float64 // Config.ReaderRealtimeShare, defaulted
-	niceFailed     sync.Once
-	rtFailed       sync.Once
+	inherited  map[string]InheritedListener // by listen address, until Start
+	onDequeue  func(n int)
+	onReaders  func(blocking int)
+	readerNice int
+	niceFailed sync.Once
 
 	senders func(src netip.AddrPort, tcp bool) (Sender, bool)
 	grant   Granter
@@ -232,26 +216,24 @@ func New(cfg Config) (*Server, error) {
 		return nil, errors.New("resolver: Forwarder is nil")
 	}
 	s := &Server{
-		tables:         cfg.Table,
-		fwd:            cfg.Forwarder,
-		authoritative:  cfg.Authoritative,
-		log:            cfg.Logger,
-		conns:          map[*tcpConn]struct{}{},
-		udpReaders:     runtime.NumCPU(),
-		maxConns:       cfg.MaxTCPConns,
-		limits:         &pendingLimits{max: int32(cfg.MaxPending), perClient: int32(cfg.MaxPendingPerClient), seed: maphash.MakeSeed()},
-		inherited:      map[string]InheritedListener{},
-		onDequeue:      cfg.OnDequeue,
-		onReaders:      cfg.OnReaders,
-		readerNice:     cfg.ReaderNice,
-		readerRealtime: cfg.ReaderRealtime,
-		readerRTShare:  cfg.ReaderRealtimeShare,
-		senders:        cfg.Senders,
-		grant:          cfg.Grant,
-		panics:         cfg.Panics,
-		budgets:        newBudgets(cfg.WorkloadBudget, cfg.BudgetOverrides),
-		talkers:        cfg.Talkers,
-		tap:            cfg.Tap,
+		tables:        cfg.Table,
+		fwd:           cfg.Forwarder,
+		authoritative: cfg.Authoritative,
+		log:           cfg.Logger,
+		conns:         map[*tcpConn]struct{}{},
+		udpReaders:    runtime.NumCPU(),
+		maxConns:      cfg.MaxTCPConns,
+		limits:        &pendingLimits{max: int32(cfg.MaxPending), perClient: int32(cfg.MaxPendingPerClient), seed: maphash.MakeSeed()},
+		inherited:     map[string]InheritedListener{},
+		onDequeue:     cfg.OnDequeue,
+		onReaders:     cfg.OnReaders,
+		readerNice:    cfg.ReaderNice,
+		senders:       cfg.Senders,
+		grant:         cfg.Grant,
+		panics:        cfg.Panics,
+		budgets:       newBudgets(cfg.WorkloadBudget, cfg.BudgetOverrides),
+		talkers:       cfg.Talkers,
+		tap:           cfg.Tap,
 	}
 	for _, in := range cfg.Inherited {
 		s.inherited[in.Addr] = in
@@ -273,15 +255,6 @@ func New(cfg Config) (*Server, error) {
 	}
 	if s.maxConns < 0 || s.limits.max < 0 || s.limits.perClient < 0 {
 		return nil, errors.New("resolver: negative connection or pending-query bound")
-	}
-	if s.readerRealtime < 0 || s.readerRealtime > 99 {
-		return nil, fmt.Errorf("resolver: reader real-time priority %d out of range 0-99", s.readerRealtime)
-	}
-	if s.readerRTShare == 0 {
-		s.readerRTShare = DefaultReaderRealtimeShare
-	}
-	if !(s.readerRTShare > 0 && s.readerRTShare <= 1) {
-		return nil, fmt.Errorf("resolver: reader real-time share %v out of range (0, 1]", cfg.ReaderRealtimeShare)
 	}
 	for _, l := range cfg.Listen {
 		la, err := parseListen(l)

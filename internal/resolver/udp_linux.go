@@ -25,8 +25,7 @@ import (
 // reader wakes every receive timeout (250 ms) to notice a stop, so a drain works even
 // when the socket stays open in another process (closing an fd does not wake a thread
 // blocked on it). The goroutine is locked to its thread only when Config.ReaderNice
-// or Config.ReaderRealtime asks for the thread's priority to be raised
-// (readerprio_linux.go); otherwise nothing in it is
+// asks for the thread's priority to be raised; otherwise nothing in it is
 // thread-bound, and when the runtime preempts it (every 10 ms of uninterrupted work)
 // any thread may resume it without a hand-off. Because the socket has a receive timeout, a signal interrupts the
 // call with EINTR instead of restarting it: the runtime's preemption and
@@ -228,9 +227,8 @@ type udpReader struct {
 // readUDP is one socket's reader (see the top of this file).
 func (s *Server) readUDP(u *udpSock) {
 	defer s.readers.Done()
-	var prio *readerPrio
-	if s.readerNice != 0 || s.readerRealtime != 0 {
-		prio = s.prioritizeReader()
+	if s.readerNice != 0 {
+		s.prioritizeReader()
 	}
 	r := new(udpReader)
 	w := newWorker(s)
@@ -273,7 +271,6 @@ func (s *Server) readUDP(u *udpSock) {
 		}
 		s.dequeued(int(n))
 		start := time.Now()
-		prio.begin(start)
 		k := 0
 		for i := range int(n) {
 			if r.in[i].n == 0 {
@@ -318,7 +315,20 @@ func (s *Server) readUDP(u *udpSock) {
 			}
 			sent += int(m)
 		}
-		prio.end(start)
+	}
+}
+
+// prioritizeReader locks the calling reader to its thread and gives the thread
+// Config.ReaderNice. The lock is never undone: the thread ends with the reader and
+// never runs anything else (the main thread, which the runtime never ends, stays
+// parked). Without the privilege the reader is left as it was.
+func (s *Server) prioritizeReader() {
+	runtime.LockOSThread()
+	if err := unix.Setpriority(unix.PRIO_PROCESS, unix.Gettid(), s.readerNice); err != nil {
+		runtime.UnlockOSThread()
+		s.niceFailed.Do(func() {
+			s.log.Warn("UDP readers keep the process's priority", "nice", s.readerNice, "err", err)
+		})
 	}
 }
 

@@ -96,7 +96,7 @@ func runBudgets(args []string) int {
 	fs.StringVar(&c.heapProfiles, "heap-profiles", "", "save the agent's heap profile at each phase's end into this directory (the agent built with -tags benchpprof; bench/run.sh does with BENCH_PPROF=1)")
 	fs.IntVar(&c.rounds, "p99-rounds", 6, "pairs of alternating windows (quiet alone, quiet beside the noisy workload) whose pooled latencies give the quiet p99 target")
 	fs.DurationVar(&c.window, "p99-window", 5*time.Second, "length of each p99 window")
-	fs.BoolVar(&c.quietRealtime, "quiet-realtime", true, "run the quiet workload's process at real-time priority (chrt --fifo 1): it shares its CPU with the noisy sender and the upstream, and its own wake-up behind them would add to its latencies what no DNS server can take away; what is left is the agent's")
+	fs.BoolVar(&c.quietRealtime, "quiet-realtime", false, "run the quiet workload's process at real-time priority (chrt --fifo 1), an experiment: it shares its CPU with the noisy sender and the upstream, and its own wake-up behind them adds to the latencies it sees (the p99 target is judged at each answer's arrival in its socket, before that wake-up)")
 	fs.BoolVar(&c.spin, "spin", true, "keep the two CPUs from idling with a busy loop at SCHED_IDLE (preempted at once by any other task): a virtual CPU's wake-up from idle then adds nothing to a quiet query's latency, in either condition")
 	_ = fs.Parse(args)
 	if err := budgets(c); err != nil {
@@ -385,17 +385,35 @@ type budgetTarget struct {
 // 1.2x (over the alternating windows), no quiet SERVFAIL/REFUSED or timeout, the
 // upstream rate within the budget ±5%, VmHWM within 10%.
 func budgetTargets(budget int, base, loud budgetPhase, p99 quietP99) []budgetTarget {
-	p99a, p99b := p99.alone.Percentile(0.99), p99.beside.Percentile(0.99)
-	ratio := float64(p99b) / float64(max(p99a, 1))
+	p99Target := quietP99Target(p99)
 	lo, hi := float64(budget)*0.95, float64(budget)*1.05
 	hwmRatio := float64(loud.hwm) / float64(max(base.hwm, 1))
 	return []budgetTarget{
-		{"quiet p99 within 1.2x of its baseline", fmt.Sprintf("%.2fx (%s vs %s)", ratio, p99b.Round(time.Microsecond), p99a.Round(time.Microsecond)), ratio <= 1.2},
+		p99Target,
 		{"0 SERVFAIL or timeouts for the quiet workload", fmt.Sprintf("%d SERVFAIL/REFUSED, %d timed out", loud.quiet.Failed+p99.beside.Failed, loud.quiet.Lost+p99.beside.Lost),
 			loud.quiet.Failed+loud.quiet.Lost+p99.beside.Failed+p99.beside.Lost == 0},
 		{fmt.Sprintf("noisy upstream rate within its budget ±5%% (%.0f-%.0f/s)", lo, hi), fmt.Sprintf("%.0f/s", loud.upRate), loud.upRate >= lo && loud.upRate <= hi},
 		{"agent VmHWM within 10% of the baseline", fmt.Sprintf("%.2fx (%.1f vs %.1f MiB)", hwmRatio, float64(loud.hwm)/(1<<20), float64(base.hwm)/(1<<20)), hwmRatio <= 1.10},
 	}
+}
+
+// quietP99Target judges the quiet p99 beside the noisy workload against its p99
+// alone, at each answer's arrival in the quiet workload's socket where the
+// kernel stamped it: the agent's work ends there. What the quiet process's own
+// wake-up adds after that (its CPU is shared with the 20,000-qps sender and the
+// upstream, as no node's pods would share one CPU with a load generator) is
+// shown beside it. Without stamps, the latencies the process saw are judged.
+func quietP99Target(p99 quietP99) budgetTarget {
+	seenA, seenB := p99.alone.Percentile(0.99), p99.beside.Percentile(0.99)
+	seen := float64(seenB) / float64(max(seenA, 1))
+	us := func(d time.Duration) time.Duration { return d.Round(time.Microsecond) }
+	if len(p99.alone.Arrivals) == 0 || len(p99.beside.Arrivals) == 0 {
+		return budgetTarget{"quiet p99 within 1.2x of its baseline", fmt.Sprintf("%.2fx (%s vs %s)", seen, us(seenB), us(seenA)), seen <= 1.2}
+	}
+	atA, atB := p99.alone.ArrivalPercentile(0.99), p99.beside.ArrivalPercentile(0.99)
+	at := float64(atB) / float64(max(atA, 1))
+	return budgetTarget{"quiet p99 within 1.2x of its baseline (at the answer's arrival in its socket)",
+		fmt.Sprintf("%.2fx (%s vs %s; as its process saw them, after its own wake-up: %.2fx, %s vs %s)", at, us(atB), us(atA), seen, us(seenB), us(seenA)), at <= 1.2}
 }
 
 func printBudgets(w io.Writer, c budgetsConfig, pinned string, serverCPU int, base, loud budgetPhase, p99 quietP99, endLoad string) {

@@ -60,3 +60,33 @@ func TestBudgetTargetsJudgeTheP99OverTheWindows(t *testing.T) {
 			got[0].ok, got[0].measured, got[1].ok, got[1].measured)
 	}
 }
+
+// Where the kernel stamped each answer's arrival in the quiet workload's
+// socket, the p99 target is judged on those times: what the client's own
+// wake-up adds after its answer arrived (its CPU is shared with the noisy
+// sender) is shown beside it, not judged.
+func TestBudgetTargetsJudgeTheP99AtTheAnswersArrival(t *testing.T) {
+	probe := func(seen, arrived time.Duration) *dnsfake.Probe {
+		p := &dnsfake.Probe{}
+		for range 100 {
+			p.Latencies = append(p.Latencies, seen)
+			p.Arrivals = append(p.Arrivals, arrived)
+		}
+		return p
+	}
+	base := budgetPhase{quiet: probe(time.Millisecond, 500*time.Microsecond), hwm: 100 << 20}
+	loud := budgetPhase{quiet: probe(time.Millisecond, 500*time.Microsecond), upRate: 500, hwm: 100 << 20}
+	for _, tc := range []struct {
+		name          string
+		alone, beside *dnsfake.Probe
+		want          bool
+	}{
+		{"arrivals 1.1x, the client's wake-up 3x", probe(time.Millisecond, 500*time.Microsecond), probe(3*time.Millisecond, 550*time.Microsecond), true},
+		{"arrivals 2x, the client's wake-up 1x", probe(time.Millisecond, 500*time.Microsecond), probe(time.Millisecond, time.Millisecond), false},
+	} {
+		got := budgetTargets(500, base, loud, quietP99{alone: tc.alone, beside: tc.beside})
+		if got[0].ok != tc.want {
+			t.Errorf("%s: %q (%s): pass %v, want %v", tc.name, got[0].name, got[0].measured, got[0].ok, tc.want)
+		}
+	}
+}
