@@ -477,7 +477,11 @@ func quietProcess(server, local string, names []string, timeout, pause time.Dura
 	if err != nil {
 		return nil, err
 	}
-	cmd := exec.Command("chrt", append([]string{"-f", "1", self, "helper", "quiet", server, local, pause.String(), timeout.String()}, names...)...)
+	argv := append([]string{self, "helper", "quiet", server, local, pause.String(), timeout.String()}, names...)
+	if realtime {
+		argv = append([]string{"chrt", "--fifo", "1"}, argv...)
+	}
+	cmd := exec.Command(argv[0], argv[1:]...)
 	in, err := cmd.StdinPipe()
 	if err != nil {
 		return nil, err
