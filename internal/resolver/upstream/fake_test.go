@@ -83,6 +83,16 @@ func mustRR(format string, args ...any) dns.RR {
 	return rr
 }
 
+// aRecords is n A records of name (10.0.x.y, TTL 300): an answer as large as
+// the test needs, about 16 bytes a record on the wire.
+func aRecords(name string, n int) []dns.RR {
+	rrs := make([]dns.RR, 0, n)
+	for i := range n {
+		rrs = append(rrs, mustRR("%s 300 IN A 10.0.%d.%d", name, i/250, i%250+1))
+	}
+	return rrs
+}
+
 func soa(zone string, ttl, minttl uint32) dns.RR {
 	return &dns.SOA{
 		Hdr: dns.RR_Header{Name: zone, Rrtype: dns.TypeSOA, Class: dns.ClassINET, Ttl: ttl},

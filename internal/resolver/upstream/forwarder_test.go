@@ -166,9 +166,7 @@ func TestTCPRetryOnTruncation(t *testing.T) {
 			m.Truncated = true
 			return []*dns.Msg{m}
 		}
-		for i := range n {
-			m.Answer = append(m.Answer, mustRR("%s 300 IN A 10.0.%d.%d", req.Question[0].Name, i/250, i%250+1))
-		}
+		m.Answer = aRecords(req.Question[0].Name, n)
 		return []*dns.Msg{m}
 	})
 	f, reg, _ := testForwarder(t, NewConfig(up.addr))

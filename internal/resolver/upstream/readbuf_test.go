@@ -61,9 +61,7 @@ func TestOversizedUDPReplyRetriedOverTCP(t *testing.T) {
 	up := startFake(t, func(_ string, req *dns.Msg) []*dns.Msg {
 		m := new(dns.Msg)
 		m.SetReply(req)
-		for i := range n {
-			m.Answer = append(m.Answer, mustRR("%s 300 IN A 10.0.%d.%d", req.Question[0].Name, i/250, i%250+1))
-		}
+		m.Answer = aRecords(req.Question[0].Name, n)
 		return []*dns.Msg{m}
 	})
 	f, _, _ := testForwarder(t, NewConfig(up.addr))
