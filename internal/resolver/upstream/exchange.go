@@ -44,9 +44,9 @@ var bufPool = sync.Pool{New: func() any { b := make([]byte, dns.MaxMsgSize); ret
 // udpReadSize is the largest UDP reply read whole. We advertise EDNSBufferSize (1232)
 // and a server without EDNS sends at most 512 bytes; a reply larger than this (a
 // server that ignores the advertised size) is taken as truncated and the query is
-// retried over TCP. Every query waiting for the upstream has a reader blocked with
-// its buffer: 128 waiting queries (one workload's in-flight cap behind an upstream
-// that drops) held 8 MiB with buffers for the largest message, 0.5 MiB with these.
+// retried over TCP. Each open upstream socket's reader holds one such buffer (when
+// every waiting query had a reader of its own, 128 of them behind an upstream that
+// drops held 8 MiB with buffers for the largest message).
 const udpReadSize = 4096
 
 // udpBufPool holds UDP receive buffers: udpReadSize and one byte more, so that a
@@ -82,90 +82,6 @@ func netReason(err error) string {
 		return reasonRefused
 	default:
 		return reasonNetwork
-	}
-}
-
-// udpAttempt is one upstream's connected UDP socket during one resolution: every
-// attempt to that upstream is sent on it with the same ID, and a reader goroutine
-// delivers each reply that matches the query until the socket is closed.
-type udpAttempt struct {
-	s         *server
-	conn      net.Conn
-	id        uint16
-	wire      []byte
-	sends     int
-	firstSend time.Time
-	dead      bool // answered with a failure or failed: no more sends
-}
-
-// dialUDP opens the upstream socket for q and starts its reader.
-// The socket's deadline is the resolution's: its reader ends by then at the latest.
-func (f *Forwarder) dialUDP(s *server, q *dns.Msg, avoid uint16, deadline time.Time, replies chan<- reply) (*udpAttempt, error) {
-	conn, err := f.dialer.Dial("udp", s.addrStr)
-	if err != nil {
-		return nil, failed(netReason(err), fmt.Errorf("dial udp %s: %w", s.addrStr, err))
-	}
-	_ = conn.SetReadDeadline(deadline)
-	m := *q // the question and OPT are shared, read only
-	m.Id = randomID(avoid)
-	wire, err := m.Pack()
-	if err != nil {
-		conn.Close()
-		return nil, fmt.Errorf("pack upstream query: %w", err)
-	}
-	a := &udpAttempt{s: s, conn: conn, id: m.Id, wire: wire}
-	go a.read(f, &m, replies)
-	return a, nil
-}
-
-func (a *udpAttempt) send() error {
-	if a.sends == 0 {
-		a.firstSend = time.Now()
-	}
-	a.sends++
-	a.s.m.reqUDP.Inc()
-	if _, err := a.conn.Write(a.wire); err != nil {
-		return failed(netReason(err), fmt.Errorf("send to %s: %w", a.s.addrStr, err))
-	}
-	return nil
-}
-
-func (a *udpAttempt) close() { a.conn.Close() }
-
-// read delivers replies until the socket is closed. Replies that do not match the query
-// are dropped and counted: a spoofed or stale datagram cannot end the resolution.
-func (a *udpAttempt) read(f *Forwarder, q *dns.Msg, replies chan<- reply) {
-	bp := udpBufPool.Get().(*[]byte)
-	defer udpBufPool.Put(bp)
-	buf := *bp
-	for {
-		n, err := a.conn.Read(buf)
-		if err != nil {
-			if !errors.Is(err, net.ErrClosed) {
-				select {
-				case replies <- reply{a: a, err: failed(netReason(err), fmt.Errorf("read from %s: %w", a.s.addrStr, err))}:
-				default:
-				}
-			}
-			return
-		}
-		at := time.Now()
-		if n == len(buf) && n >= 12 {
-			// Larger than udpReadSize: cut by the read. Taken as truncated (TC), so
-			// the resolution retries over TCP; parseReply keeps the header and question.
-			buf[2] |= 0x02
-		}
-		resp, err := parseReply(buf[:n], q)
-		if err != nil {
-			a.s.m.failures[reasonMismatch].Inc()
-			f.log.Debug("dropped upstream reply", "upstream", a.s.name, "err", err)
-			continue
-		}
-		a.s.lastReply.Store(monoNow()) // when it came, not when the resolution reads it
-		select {
-		case replies <- reply{a: a, resp: resp, at: at}:
-		default: // the resolution already has more replies than it will read
-		}
 	}
 }
 

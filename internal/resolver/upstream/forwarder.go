@@ -8,13 +8,15 @@
 // popular entries before they expire, and coalesces identical concurrent misses into
 // one upstream resolution, whose waiters are callbacks rather than goroutines.
 //
-// The upstream pool (pool.go) tries the upstreams in turn with per-upstream attempt
-// timeouts from measured round-trip times, accepts a late reply to any earlier attempt
-// within the total budget, and retries over TCP when a UDP answer is truncated.
-// Every upstream socket is connected, carries SO_MARK, has a random source port and
-// query ID, and advertises an EDNS buffer of 1232 bytes (exchange.go); replies that do
-// not match the query are dropped. Health (health.go) takes an upstream out of rotation
-// after MaxFails consecutive failures and probes it until it answers again.
+// A resolution (resolution.go) tries the upstreams in turn with per-upstream attempt
+// timeouts from measured round-trip times (pool.go), accepts a late reply to any earlier
+// attempt within the total budget, and retries over TCP when a UDP answer is truncated.
+// It owns no goroutine: events move it. Its queries go out on each upstream's shared
+// sockets (sockets.go): connected, with SO_MARK, a random query ID and a source port
+// that changes every few dozen queries, advertising an EDNS buffer of 1232 bytes
+// (exchange.go); replies that do not match a waiting query are dropped. Health
+// (health.go) takes an upstream out of rotation after MaxFails consecutive failures and
+// probes it until it answers again.
 package upstream
 
 import (
@@ -28,8 +30,6 @@ import (
 	"time"
 
 	"github.com/miekg/dns"
-
-	"github.com/meshdns/meshdns-ebpf/internal/panicguard"
 )
 
 var (
@@ -79,6 +79,7 @@ type Waiter func(a Answer, err error)
 
 // flight is one upstream resolution shared by every identical concurrent miss.
 type flight struct {
+	r       *resolution
 	waiters []waiter // under flightMu until the flight is done
 }
 
@@ -110,6 +111,7 @@ func New(cfg Config) (*Forwarder, error) {
 	}
 	for _, a := range cfg.Servers {
 		s := &server{addr: a, addrStr: a.String(), name: a.String(), rto: cfg.AttemptTimeout}
+		s.sockets = newSocketPool(f, s)
 		s.healthy.Store(true)
 		f.servers = append(f.servers, s)
 	}
@@ -146,9 +148,19 @@ func (f *Forwarder) Start(ctx context.Context) error {
 // unregisters the metrics. It is idempotent.
 func (f *Forwarder) Close() error {
 	f.closeOnce.Do(func() {
-		f.flightMu.Lock() // no goBackground after this
+		f.flightMu.Lock() // no goBackground or new resolution after this
 		f.cancel()
+		running := make([]*resolution, 0, len(f.flights))
+		for _, fl := range f.flights {
+			running = append(running, fl.r)
+		}
 		f.flightMu.Unlock()
+		for _, r := range running {
+			r.abort(ErrClosed)
+		}
+		for _, s := range f.servers {
+			s.sockets.close()
+		}
 		f.wg.Wait()
 		if f.cfg.Registerer != nil {
 			for _, c := range f.m.collectors {
@@ -227,7 +239,8 @@ func (f *Forwarder) Forward(ctx context.Context, q *Query) (Answer, error) {
 
 // ForwardAsync answers q from the cache or the upstreams and calls done exactly once
 // with the outcome: at once (in the caller's goroutine) for a cache hit, a stale answer
-// or an immediate failure, otherwise from the goroutine of the upstream resolution,
+// or an immediate failure (every upstream's send failing included), otherwise from the
+// goroutine that ends the upstream resolution (an upstream socket's reader, a timer),
 // which identical concurrent misses share. A waiting query costs its callback, not a
 // goroutine. done must not block.
 func (f *Forwarder) ForwardAsync(q *Query, done Waiter) {
@@ -351,72 +364,37 @@ func (f *Forwarder) goBackground(fn func()) bool {
 // resolve adds w to the upstream resolution of key, starting one unless it runs. It
 // returns an error (and does not call w) when no resolution can be started. The
 // answer a resolution caches is charged to owner, the workload whose miss started it.
+// A resolution started here sends its first query before resolve returns.
 func (f *Forwarder) resolve(key cacheKey, h uint64, clientID uint16, owner uint64, w waiter) error {
+	r, err := f.join(key, h, clientID, owner, w)
+	if r != nil {
+		r.start()
+	}
+	return err
+}
+
+// join adds w to the flight of key, or starts a flight and returns its resolution,
+// which the caller starts.
+func (f *Forwarder) join(key cacheKey, h uint64, clientID uint16, owner uint64, w waiter) (*resolution, error) {
 	f.flightMu.Lock()
 	defer f.flightMu.Unlock()
 	if fl := f.flights[key]; fl != nil {
 		fl.waiters = append(fl.waiters, w)
-		return nil
+		return nil, nil
 	}
 	if f.ctx.Err() != nil {
-		return ErrClosed
+		return nil, ErrClosed
 	}
 	if n := f.inflight.Add(1); f.cfg.MaxInFlight > 0 && n > int64(f.cfg.MaxInFlight) {
 		f.inflight.Add(-1)
 		f.m.overload.Inc()
-		return ErrOverloaded
+		return nil, ErrOverloaded
 	}
 	fl := &flight{waiters: []waiter{w}}
+	fl.r = &resolution{f: f, fl: fl, key: key, h: h, clientID: clientID, owner: owner}
 	f.flights[key] = fl
-	f.wg.Add(1) // under flightMu, checked f.ctx above: see goBackground
-	go func() {
-		defer f.wg.Done()
-		e, err := f.runGuarded(key, h, clientID, owner)
-		f.inflight.Add(-1)
-		f.flightMu.Lock()
-		delete(f.flights, key)
-		ws := fl.waiters
-		fl.waiters = nil
-		f.flightMu.Unlock()
-		for _, w := range ws {
-			f.deliver(w, e, err)
-		}
-	}()
-	return nil
-}
-
-// runGuarded is run, with a panic turned into ErrPanic for the waiters.
-func (f *Forwarder) runGuarded(key cacheKey, h uint64, clientID uint16, owner uint64) (e *entry, err error) {
-	defer func() {
-		if v := recover(); v != nil {
-			f.cfg.Panics.Recovered(panicguard.StageUpstream, v, "qname", key.name, "qtype", key.qtype)
-			e, err = nil, fmt.Errorf("%w: %v", ErrPanic, v)
-		}
-	}()
-	return f.run(key, h, clientID, owner)
-}
-
-// run performs one upstream resolution and caches a cacheable answer, charged to owner.
-func (f *Forwarder) run(key cacheKey, h uint64, clientID uint16, owner uint64) (*entry, error) {
-	q := new(dns.Msg)
-	q.Opcode = dns.OpcodeQuery
-	q.RecursionDesired = true
-	q.CheckingDisabled = key.flags&flagCD != 0
-	q.Question = []dns.Question{{Name: key.name, Qtype: key.qtype, Qclass: key.qclass}}
-	q.SetEdns0(EDNSBufferSize, key.flags&flagDO != 0)
-	resp, from, err := f.fetch(q, clientID, owner)
-	if err != nil {
-		return nil, err
-	}
-	e, err := f.newEntry(key, h, resp)
-	if err != nil {
-		return nil, err
-	}
-	e.server, e.owner = from, owner
-	if e.kind != kindUncached && f.cache != nil {
-		f.cache.put(e)
-	}
-	return e, nil
+	f.wg.Add(1) // under flightMu, checked f.ctx above: see goBackground; Done in complete
+	return fl.r, nil
 }
 
 // newEntry classifies resp, computes its cache lifetime and packs its records.

@@ -261,26 +261,67 @@ func TestEDNSUpstream(t *testing.T) {
 	}
 }
 
-func TestRandomIDsAndPorts(t *testing.T) {
+// Every upstream query has a random ID, never the client's; the source port changes
+// every socketUses queries, and a socket no longer used is closed.
+func TestRandomIDsAndRotatedPorts(t *testing.T) {
 	up := startFake(t, answerA(300))
 	f, _, _ := testForwarder(t, NewConfig(up.addr))
-	const clientID = 0x1234
-	for i := range 20 {
+	const clientID, n = 0x1234, 4 * socketUses
+	for i := range n {
 		resp, _ := forward(t, f, query(fmt.Sprintf("r%d.Example.", i), dns.TypeA, clientID))
 		if resp.Id != clientID {
 			t.Fatalf("answer id %#x, want the client's %#x", resp.Id, clientID)
 		}
 	}
-	ids, ports := map[uint16]bool{}, map[uint16]bool{}
+	ids, ports := map[uint16]bool{}, map[uint16]int{}
 	for _, q := range up.queries() {
 		if q.ID == clientID {
 			t.Errorf("upstream saw the client's id %#x", q.ID)
 		}
-		ids[q.ID], ports[q.Source.Port()] = true, true
+		ids[q.ID] = true
+		ports[q.Source.Port()]++
 	}
-	if len(ids) < 18 || len(ports) < 18 {
-		t.Errorf("20 queries used %d ids and %d source ports, want (nearly) all distinct", len(ids), len(ports))
+	if len(ids) < n-n/10 {
+		t.Errorf("%d queries used %d ids, want (nearly) all distinct", n, len(ids))
 	}
+	if len(ports) < n/socketUses {
+		t.Errorf("%d queries came from %d source ports, want at least %d", n, len(ports), n/socketUses)
+	}
+	for port, k := range ports {
+		if k > socketUses {
+			t.Errorf("source port %d sent %d queries, want at most %d", port, k, socketUses)
+		}
+	}
+	if open := openSockets(f); open > 1 {
+		t.Errorf("%d upstream sockets open with no query waiting, want at most the current one", open)
+	}
+}
+
+// A socket takes no new query once it is socketAge old, however few it carried.
+func TestIdleSocketNotReusedAfterItsAge(t *testing.T) {
+	up := startFake(t, answerA(300))
+	f, _, _ := testForwarder(t, NewConfig(up.addr))
+	forward(t, f, query("first.example.", dns.TypeA, 1))
+	opened := time.Now()
+	waitFor(t, 3*socketAge, "the socket to age", func() bool { return time.Since(opened) > socketAge })
+	forward(t, f, query("second.example.", dns.TypeA, 2))
+	qs := up.queries()
+	if len(qs) != 2 || qs[0].Source.Port() == qs[1].Source.Port() {
+		t.Fatalf("upstream saw %+v, want two queries from two source ports", qs)
+	}
+	if open := openSockets(f); open != 1 {
+		t.Errorf("%d upstream sockets open, want only the current one", open)
+	}
+}
+
+func openSockets(f *Forwarder) int {
+	n := 0
+	for _, s := range f.servers {
+		s.sockets.mu.Lock()
+		n += len(s.sockets.open)
+		s.sockets.mu.Unlock()
+	}
+	return n
 }
 
 func TestMismatchedRepliesDropped(t *testing.T) {

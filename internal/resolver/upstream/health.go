@@ -3,8 +3,10 @@ package upstream
 import (
 	"context"
 	"errors"
+	"fmt"
 	"log/slog"
 	"net/netip"
+	"os"
 	"sync"
 	"time"
 
@@ -189,35 +191,55 @@ func (f *Forwarder) healthLoop() {
 	}
 }
 
-// probe sends one health query to s and waits up to its attempt timeout.
+// probe sends one health query to s, on a socket of its own, and waits up to its
+// attempt timeout for the answer.
 func (f *Forwarder) probe(s *server) {
 	q := new(dns.Msg)
 	q.SetQuestion(".", dns.TypeNS)
 	q.SetEdns0(EDNSBufferSize, false)
+	q.Id = randomID(0)
 	wait := max(s.attemptTimeout(), f.cfg.AttemptTimeout)
-	replies := make(chan reply, 4)
-	a, err := f.dialUDP(s, q, 0, time.Now().Add(wait), replies)
+	if err := f.exchangeProbe(s, q, time.Now().Add(wait)); err != nil {
+		f.probeFailed(s, err)
+		return
+	}
+	f.markHealthy(s)
+}
+
+// exchangeProbe sends q to s and reads until a reply matches it or the deadline.
+// Close ends it at once (the socket is closed).
+func (f *Forwarder) exchangeProbe(s *server, q *dns.Msg, deadline time.Time) error {
+	wire, err := q.Pack()
 	if err != nil {
-		f.probeFailed(s, err)
-		return
+		return fmt.Errorf("pack health probe: %w", err)
 	}
-	defer a.close()
-	if err := a.send(); err != nil {
-		f.probeFailed(s, err)
-		return
+	conn, err := f.dialer.DialContext(f.ctx, "udp", s.addrStr)
+	if err != nil {
+		return failed(netReason(err), fmt.Errorf("dial udp %s: %w", s.addrStr, err))
 	}
-	t := time.NewTimer(wait)
-	defer t.Stop()
-	select {
-	case r := <-replies:
-		if r.err != nil {
-			f.probeFailed(s, r.err)
-			return
+	defer conn.Close()
+	stop := context.AfterFunc(f.ctx, func() { conn.Close() })
+	defer stop()
+	_ = conn.SetDeadline(deadline)
+	s.m.reqUDP.Inc()
+	if _, err := conn.Write(wire); err != nil {
+		return failed(netReason(err), fmt.Errorf("send health probe to %s: %w", s.addrStr, err))
+	}
+	bp := udpBufPool.Get().(*[]byte)
+	defer udpBufPool.Put(bp)
+	for {
+		n, err := conn.Read(*bp)
+		if err != nil {
+			if errors.Is(err, os.ErrDeadlineExceeded) {
+				return failed(reasonTimeout, errors.New("health probe timed out"))
+			}
+			return failed(netReason(err), fmt.Errorf("health probe to %s: %w", s.addrStr, err))
 		}
-		f.markHealthy(s)
-	case <-t.C:
-		f.probeFailed(s, failed(reasonTimeout, errors.New("health probe timed out")))
-	case <-f.ctx.Done():
+		if _, err := parseReply((*bp)[:n], q); err == nil {
+			s.lastReply.Store(monoNow())
+			return nil
+		}
+		s.m.failures[reasonMismatch].Inc()
 	}
 }
 

@@ -1,7 +1,6 @@
 package upstream
 
 import (
-	"bytes"
 	"fmt"
 	"runtime"
 	"testing"
@@ -9,19 +8,6 @@ import (
 
 	"github.com/miekg/dns"
 )
-
-// readersWaiting counts the goroutines blocked reading an upstream reply.
-func readersWaiting() int {
-	buf := make([]byte, 8<<20)
-	buf = buf[:runtime.Stack(buf, true)]
-	n := 0
-	for _, g := range bytes.Split(buf, []byte("\n\n")) {
-		if bytes.Contains(g, []byte("[IO wait")) && bytes.Contains(g, []byte("upstream.(*udpAttempt).read")) {
-			n++
-		}
-	}
-	return n
-}
 
 func liveHeap() uint64 {
 	runtime.GC()
@@ -43,7 +29,7 @@ func TestWaitingUpstreamQueriesHoldLittleMemory(t *testing.T) {
 	for i := range n {
 		f.ForwardAsync(toQuery(query(fmt.Sprintf("w%d.example.", i), dns.TypeA, uint16(i))), func(Answer, error) {})
 	}
-	waitFor(t, 10*time.Second, "every query's reader blocked on its socket", func() bool { return readersWaiting() == n })
+	waitFor(t, 10*time.Second, "every query sent upstream", func() bool { return up.count() == n })
 	after := liveHeap()
 	held := after - min(before, after)
 	t.Logf("%d queries waiting hold %d KiB of heap, %d bytes each", n, held>>10, held/n)
