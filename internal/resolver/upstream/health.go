@@ -236,8 +236,7 @@ func (f *Forwarder) exchangeProbe(s *server, q *dns.Msg, deadline time.Time) err
 			return failed(netReason(err), fmt.Errorf("health probe to %s: %w", s.addrStr, err))
 		}
 		if _, err := parseReply((*bp)[:n], q); err == nil {
-			s.lastReply.Store(monoNow())
-			return nil
+			return nil // the caller marks s healthy
 		}
 		s.m.failures[reasonMismatch].Inc()
 	}
