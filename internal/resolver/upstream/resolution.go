@@ -97,7 +97,9 @@ func (r *resolution) replied(a *udpAttempt, resp *dns.Msg, at time.Time) {
 		s.m.duration.Observe(at.Sub(a.firstSend).Seconds())
 		f.markHealthy(s)
 		if resp.Truncated {
-			r.retryTCP(a)
+			if !r.tcp { // one TCP retry at a time; a second truncated reply waits for it
+				r.retryTCP(a)
+			}
 			return false
 		}
 		return r.judge(a, resp)
