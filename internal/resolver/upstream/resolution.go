@@ -158,11 +158,11 @@ func (r *resolution) event(step func() (ended bool)) {
 func (r *resolution) locked(step func() bool) (ended bool) {
 	defer func() {
 		if v := recover(); v != nil {
-			r.f.cfg.Panics.Recovered(panicguard.StageUpstream, v, "qname", r.key.name, "qtype", r.key.qtype)
+			err := r.panicked(v)
 			r.mu.Lock()
 			ended = !r.done
 			r.done = true
-			r.resp, r.err = nil, fmt.Errorf("%w: %v", ErrPanic, v)
+			r.resp, r.err = nil, err
 			r.mu.Unlock()
 		}
 	}()
@@ -243,7 +243,7 @@ func (r *resolution) sendNext() *udpAttempt {
 	r.next++
 	r.sends++
 	a := r.attemptFor(s)
-	if a == nil || a.dead {
+	if a == nil {
 		var err error
 		if a, err = s.sockets.register(r, r.q, r.clientID); err != nil {
 			f.markFailed(s, err)
@@ -273,16 +273,18 @@ func (r *resolution) sendNext() *udpAttempt {
 	return a
 }
 
-// attemptFor returns the live attempt to s: the last one (an earlier, dead one was
-// released when it was replaced).
+// attemptFor returns the live attempt to s, or nil. A dead one (failed or answered
+// uselessly: nothing more to read for it) is released and forgotten, so that the
+// next send to s gets a new attempt.
 func (r *resolution) attemptFor(s *server) *udpAttempt {
 	for i, a := range r.attempts {
 		if a.s != s {
 			continue
 		}
 		if a.dead {
-			s.sockets.release(a) // failed or answered uselessly: nothing more to read for it
+			s.sockets.release(a)
 			r.attempts = append(r.attempts[:i], r.attempts[i+1:]...)
+			return nil
 		}
 		return a
 	}
@@ -381,8 +383,7 @@ func (r *resolution) entry() (e *entry, err error) {
 	}
 	defer func() {
 		if v := recover(); v != nil {
-			r.f.cfg.Panics.Recovered(panicguard.StageUpstream, v, "qname", r.key.name, "qtype", r.key.qtype)
-			e, err = nil, fmt.Errorf("%w: %v", ErrPanic, v)
+			e, err = nil, r.panicked(v)
 		}
 	}()
 	f := r.f
@@ -394,4 +395,11 @@ func (r *resolution) entry() (e *entry, err error) {
 		f.cache.put(e)
 	}
 	return e, nil
+}
+
+// panicked counts a panic recovered in the resolution and returns the error its
+// waiters get.
+func (r *resolution) panicked(v any) error {
+	r.f.cfg.Panics.Recovered(panicguard.StageUpstream, v, "qname", r.key.name, "qtype", r.key.qtype)
+	return fmt.Errorf("%w: %v", ErrPanic, v)
 }

@@ -113,14 +113,21 @@ func (p *socketPool) register(r *resolution, q *dns.Msg, avoid uint16) (*udpAtte
 	return a, nil
 }
 
-// dial opens the pool's new current socket. Under p.mu.
+// dial opens the pool's new current socket, connected to the upstream and marked,
+// and starts its reader. Under p.mu, with p open.
 func (p *socketPool) dial() error {
-	c := &udpSocket{opened: time.Now(), waiting: make(map[uint16]*udpAttempt)}
-	if err := p.connect(c); err != nil {
-		return err
+	conn, err := p.f.dialer.Dial("udp", p.s.addrStr)
+	if err != nil {
+		return failed(netReason(err), fmt.Errorf("dial udp %s: %w", p.s.addrStr, err))
 	}
+	c := &udpSocket{conn: conn, opened: time.Now(), waiting: make(map[uint16]*udpAttempt)}
 	p.cur = c
 	p.open[c] = struct{}{}
+	p.f.wg.Add(1) // p is open: Close has not begun waiting
+	go func() {
+		defer p.f.wg.Done()
+		p.read(c)
+	}()
 	return nil
 }
 
@@ -245,29 +252,13 @@ func (p *socketPool) failAll(c *udpSocket, err error) {
 	}
 }
 
-// connect opens c's socket, connected to the upstream and marked, and starts its
-// reader. Under p.mu, with p open.
-func (p *socketPool) connect(c *udpSocket) error {
-	conn, err := p.f.dialer.Dial("udp", p.s.addrStr)
-	if err != nil {
-		return failed(netReason(err), fmt.Errorf("dial udp %s: %w", p.s.addrStr, err))
-	}
-	c.conn = conn
-	p.f.wg.Add(1) // p is open: Close has not begun waiting
-	go func() {
-		defer p.f.wg.Done()
-		p.read(c, conn)
-	}()
-	return nil
-}
-
 // read hands every datagram on c to received until c is closed.
-func (p *socketPool) read(c *udpSocket, conn net.Conn) {
+func (p *socketPool) read(c *udpSocket) {
 	bp := udpBufPool.Get().(*[]byte)
 	defer udpBufPool.Put(bp)
 	buf := *bp
 	for {
-		n, err := conn.Read(buf)
+		n, err := c.conn.Read(buf)
 		if err != nil {
 			if errors.Is(err, net.ErrClosed) || p.readFailed(c, err) {
 				return
