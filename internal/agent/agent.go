@@ -109,12 +109,15 @@ func New(cfg Config, log *slog.Logger) (*Agent, error) {
 // there before, and a predecessor it was taking over from serves on.
 //
 // The steps, in order: resolve the plan (nothing is acquired before it is
-// complete), prepare the host, take the state lock or the running agent's
-// descriptors, record the state, put the node address in place, then start
-// the name sources, the workload names, the upstream forwarder, the eBPF
-// datapath, DNS-gated egress, the resolver, the iptables capture and the admin endpoints;
-// capture follows the resolver's readiness, and a takeover ends by telling
-// the predecessor that this agent serves.
+// complete), prepare the host; start what changes nothing of the node's
+// state: the name sources, the workload names, the upstream forwarder, and
+// load the eBPF programs (a successor does this while its predecessor still
+// serves, so that the sockets it takes over wait little for it); take the
+// state lock or the running agent's descriptors, record the state, put the
+// node address in place, then attach the eBPF datapath and start DNS-gated
+// egress, the resolver, the iptables capture and the admin endpoints; capture
+// follows the resolver's readiness, and a takeover ends by telling the
+// predecessor that this agent serves.
 func (a *Agent) Start(ctx context.Context) (err error) {
 	if err := a.markStarted(); err != nil {
 		return err
@@ -131,6 +134,10 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 	if err := a.prepareHost(); err != nil {
 		return err
 	}
+	reg := a.newRegistry()
+	if err := a.runSteps(ctx, reg, a.startNames, a.startWorkloads, a.startUpstream, a.loadDatapath); err != nil {
+		return err
+	}
 	prev, err := a.acquireState(ctx)
 	if err != nil {
 		return err
@@ -138,13 +145,8 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 	if err := a.startNodeAddrs(ctx, prev); err != nil {
 		return err
 	}
-	reg := a.newRegistry()
-	for _, step := range []func(context.Context, *prometheus.Registry) error{
-		a.startNames, a.startWorkloads, a.startUpstream, a.startDatapath, a.startEgress, a.startResolver, a.startIptables, a.startAdmin,
-	} {
-		if err := step(ctx, reg); err != nil {
-			return err
-		}
+	if err := a.runSteps(ctx, reg, a.startDatapath, a.startEgress, a.startResolver, a.startIptables, a.startAdmin); err != nil {
+		return err
 	}
 	// Capture on, as soon as the resolver is ready (at once, normally: the name
 	// table's first load is done).
@@ -159,6 +161,16 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 	a.log.Info("meshdns-ebpf running", "mode", p.mode, "reason", p.reason, "listen", p.listenAddrs,
 		"nameservers", a.st.Nameservers, "capture_all", a.cfg.CaptureAll, "upstreams", a.st.Upstreams,
 		"cgroup", p.cgroup)
+	return nil
+}
+
+// runSteps runs start steps in order, up to the first that fails.
+func (a *Agent) runSteps(ctx context.Context, reg *prometheus.Registry, steps ...func(context.Context, *prometheus.Registry) error) error {
+	for _, step := range steps {
+		if err := step(ctx, reg); err != nil {
+			return err
+		}
+	}
 	return nil
 }
 
@@ -277,9 +289,7 @@ func (a *Agent) newRegistry() *prometheus.Registry {
 
 // startNames starts the name sources and the store that merges them into
 // the name table (and the watch of the agent's own pod, DaemonSet and
-// namespace). Taking over, it waits until they are ready: our resolver
-// reads the predecessor's sockets as soon as it starts, so not before it can
-// answer as well as the predecessor does.
+// namespace).
 func (a *Agent) startNames(ctx context.Context, reg *prometheus.Registry) (err error) {
 	kubeRest := a.plan.kubeRest
 	if a.store, a.pods, a.entries, err = a.cfg.newNameStore(reg, kubeRest, a.log); err != nil {
@@ -290,11 +300,6 @@ func (a *Agent) startNames(ctx context.Context, reg *prometheus.Registry) (err e
 	}
 	if kubeRest != nil && a.plan.mode != ModeOff {
 		a.watchLifecycle(ctx, kubeRest)
-	}
-	if a.inherit != nil {
-		if err := waitReady(ctx, a.store.Ready, handover.Timeout); err != nil {
-			return fmt.Errorf("taking over: the name sources are not ready: %w", err)
-		}
 	}
 	return nil
 }
@@ -334,15 +339,27 @@ func (a *Agent) startUpstream(ctx context.Context, reg *prometheus.Registry) (er
 	return nil
 }
 
-// startDatapath installs the eBPF datapath (eBPF mode). It comes before the
-// resolver: it adopts the pinned links (a predecessor's programs are
-// replaced in place) before the resolver counts its progress.
-func (a *Agent) startDatapath(ctx context.Context, reg *prometheus.Registry) (err error) {
+// loadDatapath loads the eBPF programs (eBPF mode): the verifier's work,
+// which changes nothing the running programs see.
+func (a *Agent) loadDatapath(ctx context.Context, _ *prometheus.Registry) (err error) {
 	if a.plan.mode != ModeEBPF {
 		return nil
 	}
 	if a.dp, err = redirect.New(a.cfg.redirectConfig(a.plan, a.log)); err != nil {
 		return fmt.Errorf("eBPF datapath: %w", err)
+	}
+	if err := a.dp.Load(ctx); err != nil {
+		return fmt.Errorf("load eBPF datapath: %w", err)
+	}
+	return nil
+}
+
+// startDatapath installs the loaded eBPF datapath (eBPF mode). It comes before the
+// resolver: it adopts the pinned links (a predecessor's programs are
+// replaced in place) before the resolver counts its progress.
+func (a *Agent) startDatapath(ctx context.Context, reg *prometheus.Registry) (err error) {
+	if a.dp == nil {
+		return nil
 	}
 	if err := a.dp.Start(ctx); err != nil {
 		return fmt.Errorf("install eBPF datapath: %w", err)

@@ -56,12 +56,9 @@ func (a *Agent) acquirePrevious(ctx context.Context) (*agentstate.State, error) 
 // from that agent: its lock, admin listener and resolver sockets.
 func (a *Agent) acquire(ctx context.Context) error {
 	dir := a.cfg.StateDir
-	deadline := time.Now().Add(handover.Timeout)
-	if dl, ok := ctx.Deadline(); ok && dl.Before(deadline) {
-		deadline = dl
-	}
+	deadline := handoverDeadline(ctx)
 	var last error
-	for {
+	for ready := false; ; {
 		l, err := agentstate.TryLock(dir)
 		if err == nil {
 			a.lock = l
@@ -69,6 +66,12 @@ func (a *Agent) acquire(ctx context.Context) error {
 		}
 		if !errors.Is(err, agentstate.ErrLocked) {
 			return err
+		}
+		if !ready {
+			if err := a.readyToTakeOver(ctx); err != nil {
+				return err
+			}
+			ready, deadline = true, handoverDeadline(ctx)
 		}
 		hctx, cancel := context.WithDeadline(ctx, deadline)
 		in, err := handover.Request(hctx, dir)
@@ -99,6 +102,29 @@ func (a *Agent) acquire(ctx context.Context) error {
 		case <-time.After(100 * time.Millisecond):
 		}
 	}
+}
+
+// handoverDeadline is when asking for a handover gives up.
+func handoverDeadline(ctx context.Context) time.Time {
+	deadline := time.Now().Add(handover.Timeout)
+	if dl, ok := ctx.Deadline(); ok && dl.Before(deadline) {
+		deadline = dl
+	}
+	return deadline
+}
+
+// readyToTakeOver waits until the name sources are ready: our resolver
+// reads the running agent's sockets as soon as it has them, so we ask for
+// them only once we can answer as well as it does, and quickly (should it
+// die once it has sent them, no one reads them until we do).
+func (a *Agent) readyToTakeOver(ctx context.Context) error {
+	if a.store == nil {
+		return nil
+	}
+	if err := waitReady(ctx, a.store.Ready, handover.Timeout); err != nil {
+		return fmt.Errorf("taking over: the name sources are not ready: %w", err)
+	}
+	return nil
 }
 
 // compatible says whether we can take over from an agent in state st.

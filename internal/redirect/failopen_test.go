@@ -9,6 +9,7 @@ import (
 	"net/netip"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"strings"
 	"sync"
 	"syscall"
@@ -588,4 +589,85 @@ func TestRestartKeepsSocketState(t *testing.T) {
 			t.Errorf("%s %s = %d, want %d (counters carry over the restart)", k[0], k[1], got, v)
 		}
 	}
+}
+
+// Load does the slow part of a start (the verifier) while another agent
+// serves, and changes nothing it sees: its links keep its programs, its
+// queries are still captured, no pin changes, and a Close after Load alone
+// leaves all of it so. A map pinned anew between Load and Start (another agent
+// replaced it) is the one Start's programs use.
+func TestLoadChangesNothingUntilStart(t *testing.T) {
+	n := newTestNet(t)
+	cfg := n.config()
+	running := n.start(t, cfg)
+	progs := running.Programs()
+	pins := pinsUnder(t, n.bpffs)
+	load := func() *Datapath {
+		t.Helper()
+		d, err := New(cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := n.node.Do(func() error { return d.Load(t.Context()) }); err != nil {
+			t.Fatalf("Load: %v", err)
+		}
+		return d
+	}
+	unchanged := func(when string) {
+		t.Helper()
+		if got := running.Programs(); fmt.Sprint(got) != fmt.Sprint(progs) {
+			t.Errorf("%s: attached programs %v, were %v", when, got, progs)
+		}
+		if got := pinsUnder(t, n.bpffs); fmt.Sprint(got) != fmt.Sprint(pins) {
+			t.Errorf("%s: pins %v, were %v", when, got, pins)
+		}
+		wantCaptured(t, n.query(t, proc{uid: userUID}, "-dst="+hp(ns1, 53))[0], 4, 0, hp(ns1, 53), "")
+	}
+
+	loadedOnly := load()
+	unchanged("after Load")
+	if err := loadedOnly.Close(); err != nil {
+		t.Fatalf("Close after Load: %v", err)
+	}
+	unchanged("after Close of a datapath only loaded")
+	if err := loadedOnly.Start(t.Context()); err == nil {
+		t.Errorf("Start after Close succeeded")
+	}
+
+	cfg.Detach = true // the last one leaves nothing
+	next := load()
+	// Another agent pins a fresh nameservers map after our Load.
+	spec, err := loadRedirect()
+	if err != nil {
+		t.Fatal(err)
+	}
+	fresh, err := ebpf.NewMap(spec.Maps["nameservers"])
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer fresh.Close()
+	pin := filepath.Join(n.pinDir(), mapsDir, "nameservers")
+	if err := os.Remove(pin); err != nil {
+		t.Fatal(err)
+	}
+	if err := fresh.Pin(pin); err != nil {
+		t.Fatal(err)
+	}
+	running.Handoff() // as a handover does: next takes over its sockets
+	n.progressTo(nil)
+	n.startDatapath(t, next)
+	t.Cleanup(func() {
+		if err := next.Close(); err != nil {
+			t.Errorf("Close: %v", err)
+		}
+	})
+	n.serve(t, next, cfg)
+	want, _ := fresh.Info()
+	got, _ := next.objs.Nameservers.Info()
+	wantID, _ := want.ID()
+	gotID, _ := got.ID()
+	if gotID != wantID {
+		t.Errorf("Start's programs use nameservers map %d, the pinned one is %d", gotID, wantID)
+	}
+	wantCaptured(t, n.query(t, proc{uid: userUID}, "-dst="+hp(ns1, 53))[0], 4, 0, hp(ns1, 53), "")
 }

@@ -6,12 +6,13 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"maps"
 	"net"
 	"net/netip"
 	"os"
 	"path/filepath"
 	"reflect"
-	"sort"
+	"slices"
 	"strings"
 	"unsafe"
 
@@ -22,22 +23,24 @@ import (
 	"github.com/meshdns/meshdns-ebpf/internal/cgroup2"
 )
 
-// Start loads the programs, writes their configuration, and attaches every
-// program to Config.Cgroup with a bpf_link pinned under Config.PinDir
-// (links/<program>, maps/<map>). Links a previous agent left pinned there (a
-// restart, an upgrade, a crash) are adopted: their programs are replaced in
-// place, so capture has no gap, and the maps whose layout is unchanged are kept
-// (the per-socket state of sockets redirected earlier, the registered resolver
-// sockets of a running predecessor, the counters). Nothing is redirected until a
-// resolver socket is registered with Serve. On error, what this Start attached
-// or pinned is removed again; adopted links are left as they were.
-func (d *Datapath) Start(ctx context.Context) (err error) {
+// Load loads the programs and maps into the kernel (the verifier's work,
+// reusing the compatible maps pinned under Config.PinDir) ahead of Start. It
+// changes nothing the running programs see: no map is written, nothing is
+// pinned or attached. A successor calls it before it asks for a handover, so
+// that the slow part of its start is done while its predecessor still serves.
+// Calling it is optional: Start loads what Load did not.
+func (d *Datapath) Load(ctx context.Context) error {
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	if d.started || d.closed {
-		return errors.New("datapath already started or closed")
+	if d.started || d.closed || d.loaded != nil {
+		return errors.New("datapath already loaded, started or closed")
 	}
-	d.started = true
+	return d.loadLocked(ctx)
+}
+
+// loadLocked checks the environment, then loads the objects with the
+// reusable pinned maps in place of their own.
+func (d *Datapath) loadLocked(ctx context.Context) error {
 	netnsCookie, err := d.checkStart()
 	if err != nil {
 		return err
@@ -53,11 +56,31 @@ func (d *Datapath) Start(ctx context.Context) (err error) {
 		g.MaxEntries = uint32(d.set.cfg.EgressGrants)
 	}
 	reused := reusableMaps(d.pinDir, spec, d.log)
-	defer func() {
-		for _, m := range reused {
-			m.Close() // the collection holds its own clones
-		}
-	}()
+	defer closeMaps(reused) // the collection holds its own clones
+	if err := d.loadObjects(spec, reused); err != nil {
+		return err
+	}
+	d.loaded = &loaded{spec: spec, netns: netnsCookie, reused: mapIDs(reused)}
+	return nil
+}
+
+// Start writes the programs' configuration and attaches every program to
+// Config.Cgroup with a bpf_link pinned under Config.PinDir (links/<program>,
+// maps/<map>), loading them first unless Load did. Links a previous agent left
+// pinned there (a restart, an upgrade, a crash) are adopted: their programs are
+// replaced in place, so capture has no gap, and the maps whose layout is
+// unchanged are kept (the per-socket state of sockets redirected earlier, the
+// registered resolver sockets of a running predecessor, the counters). Nothing
+// is redirected until a resolver socket is registered with Serve. On error,
+// what this Start attached or pinned is removed again; adopted links are left
+// as they were.
+func (d *Datapath) Start(ctx context.Context) (err error) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.started || d.closed {
+		return errors.New("datapath already started or closed")
+	}
+	d.started = true
 	if _, statErr := os.Stat(d.pinDir); errors.Is(statErr, os.ErrNotExist) {
 		d.madePinDir = true
 	}
@@ -67,10 +90,14 @@ func (d *Datapath) Start(ctx context.Context) (err error) {
 			_, _ = d.releaseLocked(true)
 		}
 	}()
-	if err := d.load(spec, reused, netnsCookie); err != nil {
+	if err := d.reloadIfPinsChanged(ctx); err != nil {
 		return err
 	}
-	if d.ownPins, err = d.pinMaps(reused); err != nil {
+	ld := d.loaded
+	if err := d.configure(ld.netns); err != nil {
+		return err
+	}
+	if d.ownPins, err = d.pinMaps(ld.reused); err != nil {
 		return err
 	}
 	if err := d.attach(); err != nil {
@@ -82,8 +109,36 @@ func (d *Datapath) Start(ctx context.Context) (err error) {
 	if err := d.startWatchdog(); err != nil {
 		return err
 	}
-	d.logStarted(reused)
+	d.logStarted(slices.Sorted(maps.Keys(ld.reused)))
 	return nil
+}
+
+// loaded is what Load did: the object's spec, the network namespace's
+// cookie, and the IDs of the pinned maps the objects use as their own.
+type loaded struct {
+	spec   *ebpf.CollectionSpec
+	netns  uint64
+	reused map[string]ebpf.MapID
+}
+
+// reloadIfPinsChanged loads the objects when Load did not, or again when the
+// maps pinned now are not those Load found (another agent replaced one in
+// between): the objects must use the maps the pins name.
+func (d *Datapath) reloadIfPinsChanged(ctx context.Context) error {
+	if d.loaded != nil {
+		now := reusableMaps(d.pinDir, d.loaded.spec, d.log)
+		same := maps.Equal(mapIDs(now), d.loaded.reused)
+		closeMaps(now)
+		if same {
+			return nil
+		}
+		d.log.Info("pinned maps changed since the programs were loaded; loading them again")
+		if err := d.objs.Close(); err != nil {
+			return fmt.Errorf("close eBPF objects: %w", err)
+		}
+		d.objs, d.loaded = redirectObjects{}, nil
+	}
+	return d.loadLocked(ctx)
 }
 
 // checkStart checks what Start needs before it loads anything: the cgroup,
@@ -107,9 +162,8 @@ func (d *Datapath) checkStart() (uint64, error) {
 	return netnsCookie, nil
 }
 
-// load loads the programs and maps (reusing the compatible pinned maps),
-// writes the configuration and maps the shared memory (progress, flows).
-func (d *Datapath) load(spec *ebpf.CollectionSpec, reused map[string]*ebpf.Map, netnsCookie uint64) (err error) {
+// loadObjects loads the programs and maps, reused in place of their own.
+func (d *Datapath) loadObjects(spec *ebpf.CollectionSpec, reused map[string]*ebpf.Map) error {
 	if err := spec.LoadAndAssign(&d.objs, &ebpf.CollectionOptions{MapReplacements: reused}); err != nil {
 		var ve *ebpf.VerifierError
 		if errors.As(err, &ve) {
@@ -117,6 +171,12 @@ func (d *Datapath) load(spec *ebpf.CollectionSpec, reused map[string]*ebpf.Map, 
 		}
 		return fmt.Errorf("load eBPF programs: %w%s", err, permissionHint(err))
 	}
+	return nil
+}
+
+// configure writes the configuration and maps the shared memory (progress,
+// flows) of the loaded objects.
+func (d *Datapath) configure(netnsCookie uint64) (err error) {
 	d.netns = netnsCookie
 	d.set.flags |= keptEgressFlag(d.objs.Config)
 	if err := d.writeConfig(netnsCookie); err != nil {
@@ -150,7 +210,7 @@ func (d *Datapath) startWatchdog() (err error) {
 	return nil
 }
 
-func (d *Datapath) logStarted(reused map[string]*ebpf.Map) {
+func (d *Datapath) logStarted(kept []string) {
 	adopted := 0
 	for _, a := range d.links {
 		if a.adopted {
@@ -161,7 +221,7 @@ func (d *Datapath) logStarted(reused map[string]*ebpf.Map) {
 	d.log.Info("eBPF datapath attached", "cgroup", cfg.Cgroup, "pin_dir", cfg.PinDir,
 		"target4", cfg.Target4, "target6", cfg.Target6, "nameservers", d.set.nameservers,
 		"capture_all", cfg.CaptureAll, "slot_ports", SlotPorts(cfg),
-		"adopted_links", adopted, "kept_maps", sortedNames(reused), "watch_clock", d.clock != nil)
+		"adopted_links", adopted, "kept_maps", kept, "watch_clock", d.clock != nil)
 	d.logCoexistence(ourIDs(d.programsLocked()))
 }
 
@@ -210,13 +270,23 @@ func reusableMaps(pinDir string, spec *ebpf.CollectionSpec, log *slog.Logger) ma
 	return out
 }
 
-func sortedNames(m map[string]*ebpf.Map) []string {
-	names := make([]string, 0, len(m))
-	for n := range m {
-		names = append(names, n)
+// mapIDs are the kernel's IDs of maps, by name.
+func mapIDs(m map[string]*ebpf.Map) map[string]ebpf.MapID {
+	out := make(map[string]ebpf.MapID, len(m))
+	for name, mp := range m {
+		if info, err := mp.Info(); err == nil {
+			if id, ok := info.ID(); ok {
+				out[name] = id
+			}
+		}
 	}
-	sort.Strings(names)
-	return names
+	return out
+}
+
+func closeMaps(m map[string]*ebpf.Map) {
+	for _, mp := range m {
+		mp.Close()
+	}
 }
 
 func addrWords(a netip.Addr) [4]uint32 {
@@ -326,7 +396,7 @@ func byEBPFName[T any](v any) map[string]T {
 
 // pinMaps pins the maps that are not reused (replacing an incompatible pin of a
 // previous version) and returns the pins it created.
-func (d *Datapath) pinMaps(reused map[string]*ebpf.Map) ([]string, error) {
+func (d *Datapath) pinMaps(reused map[string]ebpf.MapID) ([]string, error) {
 	dir := filepath.Join(d.pinDir, mapsDir)
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return nil, fmt.Errorf("create %s: %w", dir, err)

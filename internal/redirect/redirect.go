@@ -45,7 +45,8 @@ type Datapath struct {
 	closed   bool
 	handoff  bool
 	discard  bool
-	netns    uint64 // cookie of Start's network namespace
+	netns    uint64  // cookie of Start's network namespace
+	loaded   *loaded // what Load (or Start) loaded
 	objs     redirectObjects
 	links    []attached
 	progress *progress

@@ -96,7 +96,14 @@ func (d *Datapath) Close() error {
 	}
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	if !d.started || d.objs.Config == nil {
+	if !d.started {
+		// Loaded at most: only descriptors to close.
+		d.loaded = nil
+		err := d.objs.Close()
+		d.objs = redirectObjects{}
+		return err
+	}
+	if d.objs.Config == nil {
 		return nil
 	}
 	detached, err := d.releaseLocked(false)
@@ -164,7 +171,7 @@ func (d *Datapath) releaseLocked(rollback bool) (detached bool, err error) {
 	if err := d.objs.Close(); err != nil {
 		errs = append(errs, fmt.Errorf("close eBPF objects: %w", err))
 	}
-	d.objs = redirectObjects{}
+	d.objs, d.loaded = redirectObjects{}, nil
 	return detached, errors.Join(errs...)
 }
 

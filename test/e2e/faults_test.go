@@ -300,7 +300,12 @@ func TestHandoverFaults(t *testing.T) {
 	t.Run("predecessor dies after handing over", func(t *testing.T) {
 		// The running agent is the one to die: restart it with the fault armed.
 		n.upgrade("ebpf", "--x-handover-fault", "predecessor")
+		stalledBefore := hookCounter(t, n, "total", "skip_stalled")
 		ld := n.startLoad(pod, 500)
+		// On a busy node (every CPU taken): no one reads the resolver's
+		// sockets from the predecessor's death until the successor serves,
+		// and that gap must stay well inside the stall timeout.
+		startCPUHogs(t)
 		old := n.agent
 		next := n.spawn("ebpf")
 		if ok, _ := old.Wait(20 * time.Second); !ok {
@@ -316,6 +321,9 @@ func TestHandoverFaults(t *testing.T) {
 		}
 		n.waitRedirected(200)
 		onlyInFlight(t, "predecessor", ld.stop(), died)
+		if stalled := hookCounter(t, n, "total", "skip_stalled") - stalledBefore; stalled != 0 {
+			t.Errorf("%d queries passed the resolver by as stalled while the successor started", stalled)
+		}
 	})
 	if miss := n.mapMiss() - missBefore; miss != 0 {
 		t.Errorf("%d replies from the wrong source", miss)
