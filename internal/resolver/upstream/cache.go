@@ -51,16 +51,17 @@ func (k *cacheKey) matches(name string, qtype, qclass uint16, flags uint8) bool 
 	return k.qtype == qtype && k.qclass == qclass && k.flags == flags && equalFoldASCII(name, k.name)
 }
 
-// shard is one part of the cache. Its map is copy-on-write: a hit is one atomic load
-// and a map lookup with no lock and no write to shared memory, so concurrent hits on a
-// hot entry do not contend; an insert (a miss, which costs an upstream round trip
-// anyway) copies the shard's few dozen entries under the writer lock.
+// shard is one part of the cache: a map changed in place under its lock. A hit takes
+// the lock shared; an insert takes it alone for a map write and, in a full shard, a
+// few sampled entries' eviction. (It was copy-on-write, for a lock-free hit: each
+// insert then copied the shard's map, some 1,500 entries at the default size, and the
+// garbage of the copies set the pace of the collector; BenchmarkCacheInsertFull.)
 type shard struct {
-	m     atomic.Pointer[map[uint64]*entry]
-	mu    sync.Mutex // serialises writers
-	cap   int        // entries
-	bytes int        // sum of entry sizes, under mu
-	_     [64]byte   // against false sharing between shards
+	mu    sync.RWMutex
+	m     map[uint64]*entry
+	cap   int      // entries
+	bytes int      // sum of entry sizes, under mu
+	_     [64]byte // against false sharing between shards
 }
 
 // cache is a sharded map of entries bounded in entries and in bytes (each shard gets an
@@ -104,8 +105,7 @@ func newCache(size, maxBytes, workloadBytes int, stale time.Duration) *cache {
 		if i < size%n {
 			per++
 		}
-		m := make(map[uint64]*entry)
-		c.shards[i].m.Store(&m)
+		c.shards[i].m = make(map[uint64]*entry)
 		c.shards[i].cap = max(per, 1)
 	}
 	return c
@@ -115,7 +115,10 @@ func (c *cache) shard(h uint64) *shard { return &c.shards[(h>>32^h)&c.mask] }
 
 // get returns the entry for the query key, or nil.
 func (c *cache) get(h uint64, name string, qtype, qclass uint16, flags uint8) *entry {
-	e := (*c.shard(h).m.Load())[h]
+	s := c.shard(h)
+	s.mu.RLock()
+	e := s.m[h]
+	s.mu.RUnlock()
 	if e == nil || !e.key.matches(name, qtype, qclass, flags) {
 		return nil
 	}
@@ -144,18 +147,11 @@ func (c *cache) remove(v *entry) {
 	s := c.shard(v.hash)
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	old := *s.m.Load()
-	if old[v.hash] != v {
+	if s.m[v.hash] != v {
 		return // evicted or replaced meanwhile
 	}
-	m := make(map[uint64]*entry, len(old))
-	for h, x := range old {
-		if h != v.hash {
-			m[h] = x
-		}
-	}
+	delete(s.m, v.hash)
 	size := v.size()
-	s.m.Store(&m)
 	s.bytes -= size
 	c.bytes.Add(-int64(size))
 	c.entries.Add(-1)
@@ -166,11 +162,7 @@ func (c *cache) store(e *entry, size int) {
 	s := c.shard(e.hash)
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	old := *s.m.Load()
-	m := make(map[uint64]*entry, len(old)+1)
-	for h, v := range old {
-		m[h] = v
-	}
+	m := s.m
 	added, freed := 1, 0
 	if prev := m[e.hash]; prev != nil {
 		added--
@@ -203,7 +195,6 @@ func (c *cache) store(e *entry, size int) {
 		delete(m, victim)
 		evicted++
 	}
-	s.m.Store(&m)
 	c.bytes.Add(int64(bytes - s.bytes))
 	s.bytes = bytes
 	c.entries.Add(int64(added - evicted))

@@ -121,7 +121,7 @@ func TestWorkloadCacheShareConcurrent(t *testing.T) {
 	held := map[uint64]int{}
 	total, n := 0, 0
 	for i := range c.shards {
-		for _, e := range *c.shards[i].m.Load() {
+		for _, e := range c.shards[i].m {
 			held[e.owner] += e.size()
 			total += e.size()
 			n++
