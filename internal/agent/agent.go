@@ -68,6 +68,7 @@ type Agent struct {
 	fwd       *upstream.Forwarder
 	srv       *resolver.Server
 	panics    *panicguard.Counter // panics recovered on the query path (resolver and upstream)
+	gc        *gcControl          // GOGC
 	dp        *redirect.Datapath
 	egress    *egressPart // DNS-gated egress (--egress; nil without)
 	rules     *ctzone.Rules
@@ -127,7 +128,7 @@ func (a *Agent) Start(ctx context.Context) (err error) {
 			a.abort()
 		}
 	}()
-	tuneGC(&a.cfg, a.log)
+	a.tuneRuntime()
 	if a.plan, err = a.cfg.resolvePlan(ctx, a.log); err != nil {
 		return err
 	}
@@ -172,6 +173,14 @@ func (a *Agent) runSteps(ctx context.Context, reg *prometheus.Registry, steps ..
 		}
 	}
 	return nil
+}
+
+// tuneRuntime sets the Go memory limit and starts following the live heap
+// with GOGC.
+func (a *Agent) tuneRuntime() {
+	tuneMemoryLimit(&a.cfg, a.log)
+	a.gc = newGCControl()
+	a.gc.start()
 }
 
 // markStarted makes Start a one-time call.
@@ -292,7 +301,7 @@ func (a *Agent) newRegistry() *prometheus.Registry {
 // namespace).
 func (a *Agent) startNames(ctx context.Context, reg *prometheus.Registry) (err error) {
 	kubeRest := a.plan.kubeRest
-	if a.store, a.pods, a.entries, err = a.cfg.newNameStore(reg, kubeRest, a.log); err != nil {
+	if a.store, a.pods, a.entries, err = a.cfg.newNameStore(reg, kubeRest, a.gc.largeChange, a.log); err != nil {
 		return err
 	}
 	if err := a.store.Start(ctx); err != nil {

@@ -160,6 +160,9 @@ func (a *Agent) release(handoff bool, add func(string, error)) {
 		add("state file", agentstate.Remove(a.cfg.StateDir))
 	}
 	add("lifecycle watch", a.life.Close())
+	if a.gc != nil {
+		a.gc.stop()
+	}
 	if a.uninstall && !handoff {
 		add("state dir", removeStateDir(a.cfg.StateDir))
 	}

@@ -11,19 +11,46 @@ import (
 	"os"
 	"runtime"
 	"runtime/debug"
+	"runtime/metrics"
 	"strconv"
 	"sync"
 )
 
 // defaultGCPercent is the agent's GOGC when the environment sets none.
 // The agent's heap is mostly its name table, which lives as long as the
-// process; its query path does not allocate, and a table update leaves a
-// few kilobytes of garbage (the table's maps are sharded 4096 ways). So
-// collecting at 1.25x the live heap instead of 2x costs little CPU under
-// churn and keeps a node's peak memory close to what the table needs
-// (bench/RESULTS.md, "Memory at 100k Services", has the peaks and the
-// collections at GOGC 50 and 25; make bench reports the peak).
+// process; its query path does not allocate for table answers and cache
+// hits, and a table update leaves a few kilobytes of garbage (the table's
+// maps are sharded 4096 ways). So collecting at 1.25x the live heap instead
+// of 2x costs little CPU under churn and keeps a node's peak memory close to
+// what the table needs (bench/RESULTS.md, "Memory at 100k Services", has the
+// peaks and the collections at GOGC 50 and 25; make bench reports the peak).
+// On a small heap minHeapHeadroom takes over (gcPercentFor).
 const defaultGCPercent = 25
+
+// minHeapHeadroom is the least the collector's goal stays above the live
+// heap: the Go runtime's own minimum goal at GOGC 100 (4 MiB), which GOGC
+// 25 alone would shrink to 1 MiB. On a node with few names the live heap
+// is a few megabytes, and forwarded queries allocate (the resolution, its
+// attempt, the parsed reply, the cache entry): at defaultGCPercent alone a
+// cycle started for every megabyte of them, 2.6 a second at 500 upstream
+// resolutions a second, and each cycle's mark worker can take a resolver
+// reader's scheduler slot (procsFor) and delay the queries queued behind it
+// (bench/RESULTS.md, section 17). The cost is at most these 4 MiB of peak
+// memory, whatever the table's size.
+const minHeapHeadroom = 4 << 20
+
+// maxGCPercent bounds gcPercentFor on a near-empty heap.
+const maxGCPercent = 1000
+
+// gcPercentFor is GOGC for a live heap of live bytes: defaultGCPercent, or
+// what leaves minHeapHeadroom above live when that is more.
+func gcPercentFor(live uint64) int {
+	if live == 0 {
+		return maxGCPercent
+	}
+	p := (uint64(minHeapHeadroom)*100 + live - 1) / live
+	return int(min(max(p, defaultGCPercent), maxGCPercent))
+}
 
 // MemoryLimitEnv is where the DaemonSet puts the container's memory limit,
 // in bytes (a resourceFieldRef of limits.memory): the default of
@@ -58,13 +85,10 @@ func goMemLimit(limit int64, ratio float64) int64 {
 	return int64(float64(limit) * ratio)
 }
 
-// tuneGC sets GOGC (unless the environment does) and the Go memory limit
-// from the container's limit (unless GOMEMLIMIT is in the environment,
-// which takes precedence).
-func tuneGC(c *Config, log *slog.Logger) {
-	if _, set := os.LookupEnv("GOGC"); !set {
-		debug.SetGCPercent(defaultGCPercent)
-	}
+// tuneMemoryLimit sets the Go memory limit from the container's limit
+// (unless GOMEMLIMIT is in the environment, which takes precedence). GOGC is
+// gcControl's.
+func tuneMemoryLimit(c *Config, log *slog.Logger) {
 	if v, set := os.LookupEnv("GOMEMLIMIT"); set {
 		log.Info("Go memory limit from GOMEMLIMIT", "gomemlimit", v)
 		return
@@ -83,40 +107,102 @@ func tuneGC(c *Config, log *slog.Logger) {
 // the collection at its end is the only one. At 100 one or two cycles ran
 // during the rewrite, and the query tail with them (bench/RESULTS.md, section
 // 11). A container's memory limit still starts cycles (the Go memory limit,
-// tuneGC).
+// tuneMemoryLimit).
 const largeChangeGCPercent = 200
 
-// gcHold holds the collector back while a large name table change is made
-// and collects once the table with it is published. Its largeChange is both
-// the file source's hook (the file's read, which decodes the changed
-// entries into new hosts: filesource.Options.LargeChange) and the name
-// store's (its apply, which copies the shards that hold them, and the
-// publish: names.Config.LargeChange); the hold lasts until every beginning
-// has had its end. While such a change is made, nearly all it allocates
-// stays, so a cycle then frees little: it only costs the resolver a wait for
-// its scheduler slot (bench/RESULTS.md, section 11). Once the change is
-// published the old table is garbage, and collecting it at once lets the
-// next change start from the live heap, not on top of the old table.
-type gcHold struct {
+// gcControl sets GOGC, unless the environment does: after each collection
+// gcPercentFor the heap it found live, and largeChangeGCPercent while a
+// large name table change is made.
+//
+// Its largeChange is both the file source's hook (the file's read, which
+// decodes the changed entries into new hosts: filesource.Options.LargeChange)
+// and the name store's (its apply, which copies the shards that hold them,
+// and the publish: names.Config.LargeChange); the hold lasts until every
+// beginning has had its end. While such a change is made, nearly all it
+// allocates stays, so a cycle then frees little: it only costs the resolver
+// a wait for its scheduler slot (bench/RESULTS.md, section 11). Once the
+// change is published the old table is garbage, and collecting it at once
+// lets the next change start from the live heap, not on top of the old
+// table.
+type gcControl struct {
 	mu      sync.Mutex
 	fromEnv bool // GOGC is the environment's: leave it
 	depth   int  // beginnings without their end
-	raised  bool // GOGC is largeChangeGCPercent, until collect restores it
-	prev    int  // GOGC before the hold
+	raised  bool // GOGC is largeChangeGCPercent, until collect puts percent back
+	percent int  // GOGC outside a hold
+	stopped bool
 }
 
-func newGCHold() *gcHold {
+func newGCControl() *gcControl {
 	_, set := os.LookupEnv("GOGC")
-	return &gcHold{fromEnv: set}
+	return &gcControl{fromEnv: set, percent: defaultGCPercent}
+}
+
+// start sets GOGC for the heap live now and follows each collection's
+// live heap until stop.
+func (g *gcControl) start() {
+	if g.fromEnv {
+		return
+	}
+	g.mu.Lock()
+	g.percent = gcPercentFor(liveHeap())
+	debug.SetGCPercent(g.percent)
+	g.mu.Unlock()
+	g.armCycleHook()
+}
+
+// stop leaves GOGC as it is from now on.
+func (g *gcControl) stop() {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	g.stopped = true
+}
+
+// gcSentinel is garbage whose finalizer runs once per collection cycle.
+type gcSentinel struct{ g *gcControl }
+
+// armCycleHook makes the next collection call afterCycle (and arm again).
+func (g *gcControl) armCycleHook() {
+	runtime.SetFinalizer(&gcSentinel{g: g}, func(s *gcSentinel) {
+		if s.g.afterCycle() {
+			s.g.armCycleHook()
+		}
+	})
+}
+
+// afterCycle sets percent for the live heap the last collection found
+// (GOGC too, outside a hold). It reports whether to go on.
+func (g *gcControl) afterCycle() bool {
+	live := liveHeap()
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if g.stopped || g.fromEnv {
+		return false
+	}
+	if p := gcPercentFor(live); p != g.percent {
+		g.percent = p
+		if !g.raised {
+			debug.SetGCPercent(p)
+		}
+	}
+	return true
+}
+
+// liveHeap is the heap the last collection marked live, in bytes.
+func liveHeap() uint64 {
+	s := []metrics.Sample{{Name: "/gc/heap/live:bytes"}}
+	metrics.Read(s)
+	return s[0].Value.Uint64()
 }
 
 // largeChange is names.Config.LargeChange and filesource.Options.LargeChange.
-func (g *gcHold) largeChange(begins bool) {
+func (g *gcControl) largeChange(begins bool) {
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	if begins {
 		if g.depth == 0 && !g.raised && !g.fromEnv {
-			g.prev, g.raised = debug.SetGCPercent(largeChangeGCPercent), true
+			debug.SetGCPercent(largeChangeGCPercent)
+			g.raised = true
 		}
 		g.depth++
 		return
@@ -133,12 +219,12 @@ func (g *gcHold) largeChange(begins bool) {
 // meanwhile. Collecting first, with GOGC still raised, is one cycle: GOGC
 // put back first would start one at once (the heap, the old table in it, is
 // over the goal), and the collection asked for would be a second.
-func (g *gcHold) collect() {
+func (g *gcControl) collect() {
 	runtime.GC()
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	if g.depth == 0 && g.raised {
-		debug.SetGCPercent(g.prev)
+		debug.SetGCPercent(g.percent)
 		g.raised = false
 	}
 }

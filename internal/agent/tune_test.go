@@ -48,7 +48,7 @@ func TestMemoryLimitFromContainerLimit(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			tuneGC(c, slog.New(slog.DiscardHandler))
+			tuneMemoryLimit(c, slog.New(slog.DiscardHandler))
 			if got := debug.SetMemoryLimit(-1); got != tc.want {
 				t.Errorf("Go memory limit %d, want %d", got, tc.want)
 			}
@@ -62,7 +62,7 @@ func TestMemoryLimitFromContainerLimit(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		tuneGC(c, slog.New(slog.DiscardHandler))
+		tuneMemoryLimit(c, slog.New(slog.DiscardHandler))
 		if got := debug.SetMemoryLimit(-1); got != prev {
 			t.Errorf("Go memory limit %d: set although GOMEMLIMIT is in the environment", got)
 		}
@@ -137,7 +137,7 @@ func TestGCHeldDuringALargeChange(t *testing.T) {
 	unsetEnv(t, "GOGC")
 	prev := debug.SetGCPercent(25)
 	t.Cleanup(func() { debug.SetGCPercent(prev) })
-	g := newGCHold()
+	g := newGCControl()
 	g.largeChange(true) // the file's read
 	g.largeChange(true) // the store's apply
 	if got := gcPercent(); got != largeChangeGCPercent {
@@ -154,7 +154,7 @@ func TestGCHeldDuringALargeChange(t *testing.T) {
 
 	t.Setenv("GOGC", "40")
 	debug.SetGCPercent(40)
-	g = newGCHold()
+	g = newGCControl()
 	g.largeChange(true)
 	if got := gcPercent(); got != 40 {
 		t.Errorf("GOGC %d while a large change is applied, want 40 (the environment's)", got)
@@ -182,7 +182,7 @@ func TestGCHoldLetsARewriteOfTheWholeHeapThroughWithoutACycle(t *testing.T) {
 	_ = allocateTable(size * defaultGCPercent / 100 / 2) // garbage, short of a cycle
 	before := numGC()
 
-	g := newGCHold()
+	g := newGCControl()
 	g.largeChange(true)
 	next := allocateTable(size)
 	during := numGC() - before
@@ -212,4 +212,73 @@ func allocateTable(size int) []*tableNode {
 type tableNode struct {
 	next *tableNode
 	_    [120]byte
+}
+
+func TestGCPercentKeepsHeadroomOnASmallHeap(t *testing.T) {
+	for _, tc := range []struct {
+		live uint64
+		want int
+	}{
+		{0, maxGCPercent},
+		{256 << 10, maxGCPercent},
+		{1 << 20, 400},
+		{3 << 20, 134},
+		{4 << 20, 100},
+		{16 << 20, 25},
+		{512 << 20, defaultGCPercent},
+	} {
+		if got := gcPercentFor(tc.live); got != tc.want {
+			t.Errorf("gcPercentFor(%d) = %d, want %d", tc.live, got, tc.want)
+		}
+	}
+}
+
+// After each collection GOGC follows the live heap: on a small one the goal
+// stays minHeapHeadroom above it, on a large one GOGC is defaultGCPercent; a
+// hold during a large change wins over it, and after stop GOGC stays.
+func TestGCControlFollowsTheLiveHeap(t *testing.T) {
+	unsetEnv(t, "GOGC")
+	prev := debug.SetGCPercent(100)
+	t.Cleanup(func() { debug.SetGCPercent(prev) })
+	g := newGCControl()
+	g.start()
+	t.Cleanup(g.stop)
+	runtime.GC()
+	small := liveHeap()
+	if small >= 16<<20 {
+		t.Skipf("the test process's live heap is already %d bytes", small)
+	}
+	testenv.Eventually(t, 5*time.Second, func() bool {
+		runtime.GC()
+		return gcPercent() == gcPercentFor(liveHeap()) && gcPercent() > defaultGCPercent
+	},
+		"on a live heap of %d bytes: want GOGC %d", small, gcPercentFor(small))
+
+	table := allocateTable(64 << 20)
+	testenv.Eventually(t, 5*time.Second, func() bool {
+		runtime.GC()
+		runtime.KeepAlive(table)
+		return gcPercent() == defaultGCPercent
+	}, "on a live heap of 64 MiB more: want GOGC %d", defaultGCPercent)
+
+	g.largeChange(true) // the table becomes garbage: a rewrite's old table
+	runtime.GC()
+	runtime.GC()
+	if got := gcPercent(); got != largeChangeGCPercent {
+		t.Errorf("GOGC %d during a large change, after collections, want %d", got, largeChangeGCPercent)
+	}
+	g.largeChange(false)
+	testenv.Eventually(t, 5*time.Second, func() bool {
+		runtime.GC()
+		return gcPercent() == gcPercentFor(liveHeap()) && gcPercent() > defaultGCPercent
+	},
+		"after the large change, the table garbage: want GOGC for the small heap again")
+
+	g.stop()
+	debug.SetGCPercent(77)
+	runtime.GC()
+	runtime.GC()
+	if got := gcPercent(); got != 77 {
+		t.Errorf("GOGC %d after stop and collections, want 77 left alone", got)
+	}
 }

@@ -170,24 +170,23 @@ func (c *Config) addIstiodSource(store *names.Store, local *kubesource.Source, r
 // no other source is given. local is the Kubernetes source (nil without
 // one): it knows the Pods of this node; entries the ServiceEntry source (nil
 // without one).
-func (c *Config) newNameStore(reg prometheus.Registerer, kubeRest *rest.Config, log *slog.Logger) (store *names.Store, local *kubesource.Source, entries *meshsource.ServiceEntries, err error) {
+func (c *Config) newNameStore(reg prometheus.Registerer, kubeRest *rest.Config, largeChange func(begins bool), log *slog.Logger) (store *names.Store, local *kubesource.Source, entries *meshsource.ServiceEntries, err error) {
 	m, err := names.NewMetrics(reg)
 	if err != nil {
 		return nil, nil, nil, err
 	}
-	hold := newGCHold()
 	store, err = names.New(names.Config{
 		Table:       nametable.Options{ClusterDomain: c.ClusterDomain, TTL: c.TTL},
 		Logger:      log.With("component", "names"),
 		Metrics:     m,
-		LargeChange: hold.largeChange,
+		LargeChange: largeChange,
 	})
 	if err != nil {
 		return nil, nil, nil, fmt.Errorf("name store: %w", err)
 	}
 	if c.NamesFile != "" {
 		f, err := filesource.NewFile(c.NamesFile, filesource.Options{Domain: store.Domain(), Logger: log.With("component", "names"),
-			LargeChange: hold.largeChange})
+			LargeChange: largeChange})
 		if err != nil {
 			return nil, nil, nil, err
 		}
