@@ -364,10 +364,15 @@ func (s *Server) Start(ctx context.Context) error {
 		}
 		s.onReaders(blocking)
 	}
+	// The first UDP reader reads the upstream replies too, where the Forwarder
+	// offers them (udp_linux.go).
+	replies := s.claimReplies()
 	for _, u := range s.udp {
 		s.readers.Add(1)
-		go s.readUDP(u)
+		go s.readUDP(u, replies)
+		replies = nil
 	}
+	replies.release() // no UDP reader took them
 	for _, l := range s.tcp {
 		s.readers.Add(1)
 		go s.serveTCP(l)
