@@ -32,11 +32,10 @@ const defaultGCPercent = 25
 // 25 alone would shrink to 1 MiB. On a node with few names the live heap
 // is a few megabytes, and forwarded queries allocate (the resolution, its
 // attempt, the parsed reply, the cache entry): at defaultGCPercent alone a
-// cycle started for every megabyte of them, 2.6 a second at 500 upstream
-// resolutions a second, and each cycle's mark worker can take a resolver
-// reader's scheduler slot (procsFor) and delay the queries queued behind it
-// (bench/RESULTS.md, section 17). The cost is at most these 4 MiB of peak
-// memory, whatever the table's size.
+// cycle started for every megabyte of them, and each cycle's mark worker
+// can take a resolver reader's scheduler slot (procsFor) and delay the
+// queries queued behind it (bench/RESULTS.md, section 17). The cost is at
+// most these 4 MiB of peak memory, whatever the table's size.
 const minHeapHeadroom = 4 << 20
 
 // maxGCPercent bounds gcPercentFor on a near-empty heap.

@@ -203,6 +203,9 @@ func (f *Forwarder) Close() error {
 			f.replies.close()
 		}
 		f.wg.Wait()
+		if f.replies != nil {
+			f.replies.closeFDs() // its goroutine has ended
+		}
 		if f.cfg.Registerer != nil {
 			for _, c := range f.m.collectors {
 				f.cfg.Registerer.Unregister(c)

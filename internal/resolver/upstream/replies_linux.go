@@ -131,19 +131,17 @@ func newReplySet(f *Forwarder) (*replySet, error) {
 		unclaimed: make(chan struct{}, 1), done: make(chan struct{})}, nil
 }
 
-// start runs the set's own goroutine until close; it closes the descriptors at its end.
+// start runs the set's own goroutine until close.
 func (rs *replySet) start() {
 	rs.f.wg.Add(1)
 	go func() {
 		defer rs.f.wg.Done()
-		defer unix.Close(rs.wakefd)
-		defer unix.Close(rs.epfd)
 		rs.run()
 	}()
 }
 
-// close makes ReadReplies refuse and ends the set's own goroutine. The sockets are
-// closed by their pools.
+// close makes ReadReplies and claim refuse and ends the set's own goroutine. The
+// sockets are closed by their pools; the set's descriptors by closeFDs.
 func (rs *replySet) close() {
 	rs.life.Lock()
 	if !rs.closed {
@@ -152,6 +150,13 @@ func (rs *replySet) close() {
 		rs.wake()
 	}
 	rs.life.Unlock()
+}
+
+// closeFDs closes the set's descriptors, once close was called and its goroutine
+// has ended (nothing uses them then: ReadReplies and claim refuse after close).
+func (rs *replySet) closeFDs() {
+	unix.Close(rs.epfd)
+	unix.Close(rs.wakefd)
 }
 
 func (rs *replySet) wake() {

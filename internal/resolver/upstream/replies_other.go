@@ -29,6 +29,7 @@ func newReplySet(f *Forwarder) (*replySet, error) { return &replySet{f: f}, nil 
 
 func (rs *replySet) start()               {}
 func (rs *replySet) close()               {}
+func (rs *replySet) closeFDs()            {}
 func (rs *replySet) claim() (int, bool)   { return -1, false }
 func (rs *replySet) release()             {}
 func (rs *replySet) readReplies(int) bool { return false }
