@@ -364,15 +364,10 @@ func (s *Server) Start(ctx context.Context) error {
 		}
 		s.onReaders(blocking)
 	}
-	// The first UDP reader reads the upstream replies too, where the Forwarder
-	// offers them (udp_linux.go).
-	replies := s.claimReplies()
 	for _, u := range s.udp {
 		s.readers.Add(1)
-		go s.readUDP(u, replies)
-		replies = nil
+		go s.readUDP(u)
 	}
-	replies.release() // no UDP reader took them
 	for _, l := range s.tcp {
 		s.readers.Add(1)
 		go s.serveTCP(l)

@@ -225,7 +225,7 @@ type udpReader struct {
 }
 
 // readUDP is one socket's reader (see the top of this file).
-func (s *Server) readUDP(u *udpSock, replies *readerReplies) {
+func (s *Server) readUDP(u *udpSock) {
 	defer s.readers.Done()
 	if s.readerNice != 0 {
 		s.prioritizeReader()
@@ -242,20 +242,7 @@ func (s *Server) readUDP(u *udpSock, replies *readerReplies) {
 		r.out[i].hdr.Iov = &r.outIov[i]
 		r.out[i].hdr.Iovlen = 1
 	}
-	defer replies.release()
 	for !s.stopping.Load() {
-		flags := uintptr(unix.MSG_WAITFORONE)
-		if replies.held() {
-			queries, ok := replies.wait(u.fd)
-			if !ok {
-				safePoint()
-				continue // timed out or a signal: look at the stop flag
-			}
-			if !queries {
-				continue
-			}
-			flags = unix.MSG_DONTWAIT
-		}
 		for i := range udpBatch {
 			h := &r.in[i].hdr
 			h.Namelen = unix.SizeofSockaddrInet6
@@ -270,7 +257,7 @@ func (s *Server) readUDP(u *udpSock, replies *readerReplies) {
 		// has no idle P to wake up for on every packet. The receive timeout bounds the
 		// block; any signal (the runtime's preemption, a stop-the-world) interrupts it
 		// with EINTR, and safePoint then gives the runtime its safe point.
-		n, _, errno := unix.RawSyscall6(unix.SYS_RECVMMSG, uintptr(u.fd), uintptr(unsafe.Pointer(&r.in[0])), udpBatch, flags, 0, 0)
+		n, _, errno := unix.RawSyscall6(unix.SYS_RECVMMSG, uintptr(u.fd), uintptr(unsafe.Pointer(&r.in[0])), udpBatch, unix.MSG_WAITFORONE, 0, 0)
 		if errno != 0 {
 			safePoint()
 			switch errno {
@@ -283,9 +270,6 @@ func (s *Server) readUDP(u *udpSock, replies *readerReplies) {
 			continue
 		}
 		s.dequeued(int(n))
-		if replies != nil {
-			replies.last = int(n)
-		}
 		start := time.Now()
 		k := 0
 		for i := range int(n) {
@@ -331,71 +315,6 @@ func (s *Server) readUDP(u *udpSock, replies *readerReplies) {
 			}
 			sent += int(m)
 		}
-	}
-}
-
-// replyReader is a Forwarder whose upstream replies one UDP reader can read
-// between its batches (*upstream.Forwarder, see ClaimReplies there): a
-// resolution then wakes no other thread on the reader's CPU.
-type replyReader interface {
-	ClaimReplies() (fd int, ok bool)
-	ReadReplies(most int) bool
-	ReleaseReplies()
-}
-
-// repliesPerTurn is the fewest upstream replies a reader handles between two
-// batches of queries (as many as its last batch had queries when that is
-// more, so that replies keep pace with the misses that caused them): the
-// queries queued behind them wait for that much work.
-const repliesPerTurn = 2
-
-// readerReplies is a UDP reader's share of the upstream replies: none, or all
-// of them (the first reader to claim them).
-type readerReplies struct {
-	rr   replyReader
-	fd   int // -1: none
-	last int // queries in the reader's last batch
-}
-
-// claimReplies claims the Forwarder's replies for one reader, if it offers
-// them (nil: it does not).
-func (s *Server) claimReplies() *readerReplies {
-	rr, ok := s.fwd.(replyReader)
-	if !ok {
-		return nil
-	}
-	fd, ok := rr.ClaimReplies()
-	if !ok {
-		return nil
-	}
-	return &readerReplies{rr: rr, fd: fd}
-}
-
-func (p *readerReplies) held() bool { return p != nil && p.fd >= 0 }
-
-// wait waits up to the receive timeout for a query on sock or an upstream
-// reply, handles the replies of a turn (repliesPerTurn, or the last batch's
-// size), and reports whether queries wait (ok false: timed out or
-// interrupted). A raw system call, as the
-// receive: the reader keeps its scheduler slot.
-func (p *readerReplies) wait(sock int) (queries, ok bool) {
-	fds := [2]unix.PollFd{{Fd: int32(sock), Events: unix.POLLIN}, {Fd: int32(p.fd), Events: unix.POLLIN}}
-	ts := unix.NsecToTimespec(int64(udpRcvTimeout))
-	n, _, errno := unix.RawSyscall6(unix.SYS_PPOLL, uintptr(unsafe.Pointer(&fds[0])), 2, uintptr(unsafe.Pointer(&ts)), 0, 0, 0)
-	if errno != 0 || n == 0 {
-		return false, false
-	}
-	if fds[1].Revents != 0 && !p.rr.ReadReplies(max(repliesPerTurn, p.last)) {
-		p.release() // the forwarder is closed: wait on the socket alone
-	}
-	return fds[0].Revents != 0, true
-}
-
-// release gives the replies back (the reader stops, or the forwarder closed).
-func (p *readerReplies) release() {
-	if p.held() {
-		p.fd = -1
-		p.rr.ReleaseReplies()
 	}
 }
 

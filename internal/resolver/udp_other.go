@@ -54,13 +54,7 @@ func (r *udpReply) send(b []byte) {
 	}
 }
 
-// readerReplies is a UDP reader's share of the upstream replies: none here.
-type readerReplies struct{}
-
-func (s *Server) claimReplies() *readerReplies { return nil }
-func (p *readerReplies) release()              {}
-
-func (s *Server) readUDP(u *udpSock, _ *readerReplies) {
+func (s *Server) readUDP(u *udpSock) {
 	defer s.readers.Done()
 	w := newWorker(s)
 	in := make([]byte, 4096)

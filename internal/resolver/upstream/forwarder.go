@@ -14,9 +14,7 @@
 // It owns no goroutine: events move it. Its queries go out on each upstream's shared
 // sockets (sockets.go): connected, with SO_MARK, a random query ID and a source port
 // that changes every few dozen queries, advertising an EDNS buffer of 1232 bytes
-// (exchange.go); replies that do not match a waiting query are dropped. On Linux the
-// sockets are read by a resolver reader that claims them (ClaimReplies,
-// replies_linux.go), between its batches, else by a goroutine of the forwarder. Health
+// (exchange.go); replies that do not match a waiting query are dropped. Health
 // (health.go) takes an upstream out of rotation after MaxFails consecutive failures and
 // probes it until it answers again.
 package upstream
@@ -55,8 +53,7 @@ type Forwarder struct {
 	cache   *cache // nil when disabled
 	m       *metrics
 	dialer  net.Dialer
-	replies *replySet // the UDP sockets' replies (replies_linux.go); set by Start
-	stale   int64     // StaleTTL in ns, 0 = no serve-stale
+	stale   int64 // StaleTTL in ns, 0 = no serve-stale
 
 	// now returns the clock in nanoseconds; tests replace it.
 	now func() int64
@@ -143,43 +140,8 @@ func (f *Forwarder) Start(ctx context.Context) error {
 	if err := checkMark(f.cfg.Mark); err != nil {
 		return err
 	}
-	rs, err := newReplySet(f)
-	if err != nil {
-		return err
-	}
-	f.replies = rs
-	rs.start()
 	f.goBackground(f.healthLoop)
 	return nil
-}
-
-// ClaimReplies gives the replies of the upstream UDP sockets to the caller, a
-// resolver reader that waits in the kernel on its own socket: it waits on fd too
-// (readable while a reply waits) and calls ReadReplies when it is, so that a
-// resolution wakes no other thread. One caller at a time has them (ok false for the
-// others, and outside Linux); until it calls ReleaseReplies the forwarder's own
-// goroutine leaves them to it.
-func (f *Forwarder) ClaimReplies() (fd int, ok bool) {
-	if f.replies == nil {
-		return -1, false
-	}
-	return f.replies.claim()
-}
-
-// ReadReplies reads at most most waiting replies and ends or advances their
-// resolutions in the caller's goroutine (the waiting queries' answers are sent from
-// it). It reports false once the forwarder is closed: the caller stops waiting on the
-// claimed fd.
-func (f *Forwarder) ReadReplies(most int) bool {
-	return f.replies != nil && f.replies.readReplies(most)
-}
-
-// ReleaseReplies gives the replies back to the forwarder's own goroutine (the
-// claiming reader stops).
-func (f *Forwarder) ReleaseReplies() {
-	if f.replies != nil {
-		f.replies.release()
-	}
 }
 
 // Close stops the background work, fails the waiting queries with ErrClosed, and
@@ -199,13 +161,7 @@ func (f *Forwarder) Close() error {
 		for _, s := range f.servers {
 			s.sockets.close()
 		}
-		if f.replies != nil {
-			f.replies.close()
-		}
 		f.wg.Wait()
-		if f.replies != nil {
-			f.replies.closeFDs() // its goroutine has ended
-		}
 		if f.cfg.Registerer != nil {
 			for _, c := range f.m.collectors {
 				f.cfg.Registerer.Unregister(c)
@@ -284,7 +240,7 @@ func (f *Forwarder) Forward(ctx context.Context, q *Query) (Answer, error) {
 // ForwardAsync answers q from the cache or the upstreams and calls done exactly once
 // with the outcome: at once (in the caller's goroutine) for a cache hit, a stale answer
 // or an immediate failure (every upstream's send failing included), otherwise from the
-// goroutine that ends the upstream resolution (the one that reads the replies, a timer),
+// goroutine that ends the upstream resolution (an upstream socket's reader, a timer),
 // which identical concurrent misses share. A waiting query costs its callback, not a
 // goroutine. done must not block.
 func (f *Forwarder) ForwardAsync(q *Query, done Waiter) {

@@ -18,24 +18,19 @@ func control(mark uint32) func(network, address string, c syscall.RawConn) error
 	return func(network, address string, c syscall.RawConn) error {
 		var serr error
 		err := c.Control(func(fd uintptr) {
-			serr = markFD(int(fd), mark, network, address)
+			if mark != 0 {
+				if e := unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_MARK, int(mark)); e != nil {
+					serr = fmt.Errorf("%w %#x for %s %s: %w", ErrMark, mark, network, address, e)
+					return
+				}
+			}
+			if testHookControl != nil {
+				testHookControl(fd)
+			}
 		})
 		if err != nil {
 			return fmt.Errorf("control upstream socket: %w", err)
 		}
 		return serr
 	}
-}
-
-// markFD sets mark (0: none) on the upstream socket fd.
-func markFD(fd int, mark uint32, network, address string) error {
-	if mark != 0 {
-		if err := unix.SetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_MARK, int(mark)); err != nil {
-			return fmt.Errorf("%w %#x for %s %s: %w", ErrMark, mark, network, address, err)
-		}
-	}
-	if testHookControl != nil {
-		testHookControl(uintptr(fd))
-	}
-	return nil
 }

@@ -4,6 +4,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"net"
 	"sync"
 	"syscall"
 	"time"
@@ -13,11 +14,10 @@ import (
 
 // The UDP sockets to one upstream. An attempt does not open a socket of its own: each
 // upstream has one current socket, connected to it and marked, that new attempts are
-// sent on with a query ID no other attempt waiting on that socket has, and whoever
-// reads the socket (replies_linux.go, replies_other.go) hands every reply to the
-// attempt its ID names (after checking that it answers that attempt's question). An
-// attempt therefore costs a send and, when its reply comes, a receive: no socket,
-// goroutine or channel of its own.
+// sent on with a query ID no other attempt waiting on that socket has, and one
+// goroutine reading the socket hands every reply to the attempt its ID names (after
+// checking that it answers that attempt's question). An attempt therefore costs a
+// send and, when its reply comes, a receive: no socket, goroutine or channel of its own.
 //
 // The source port stays unpredictable: a socket takes at most socketUses queries and
 // none once it is socketAge old; then a new socket (a new random port) takes over, and
@@ -51,7 +51,7 @@ type socketPool struct {
 
 // udpSocket is one connected UDP socket to the upstream and the attempts waiting on it.
 type udpSocket struct {
-	conn    *udpConn
+	conn    net.Conn
 	opened  time.Time
 	uses    int
 	retired bool
@@ -114,16 +114,20 @@ func (p *socketPool) register(r *resolution, q *dns.Msg, avoid uint16) (*udpAtte
 }
 
 // dial opens the pool's new current socket, connected to the upstream and marked,
-// its replies read from now on. Under p.mu, with p open.
+// and starts its reader. Under p.mu, with p open.
 func (p *socketPool) dial() error {
-	c := &udpSocket{opened: time.Now(), waiting: make(map[uint16]*udpAttempt)}
-	conn, err := p.f.replies.open(p, c)
+	conn, err := p.f.dialer.Dial("udp", p.s.addrStr)
 	if err != nil {
-		return err
+		return failed(netReason(err), fmt.Errorf("dial udp %s: %w", p.s.addrStr, err))
 	}
-	c.conn = conn
+	c := &udpSocket{conn: conn, opened: time.Now(), waiting: make(map[uint16]*udpAttempt)}
 	p.cur = c
 	p.open[c] = struct{}{}
+	p.f.wg.Add(1) // p is open: Close has not begun waiting
+	go func() {
+		defer p.f.wg.Done()
+		p.read(c)
+	}()
 	return nil
 }
 
@@ -143,7 +147,7 @@ func (p *socketPool) retire(c *udpSocket) {
 func (p *socketPool) closeSocket(c *udpSocket) {
 	if _, ok := p.open[c]; ok {
 		delete(p.open, c)
-		c.conn.close()
+		c.conn.Close()
 	}
 }
 
@@ -182,7 +186,7 @@ func (a *udpAttempt) send() error {
 	}
 	a.sends++
 	a.s.m.reqUDP.Inc()
-	if err := a.sock.conn.write(a.wire); err != nil {
+	if _, err := a.sock.conn.Write(a.wire); err != nil {
 		return failed(netReason(err), fmt.Errorf("send to %s: %w", a.s.addrStr, err))
 	}
 	return nil
@@ -245,5 +249,22 @@ func (p *socketPool) failAll(c *udpSocket, err error) {
 	p.mu.Unlock()
 	for _, a := range as {
 		a.r.failedAttempt(a, err)
+	}
+}
+
+// read hands every datagram on c to received until c is closed.
+func (p *socketPool) read(c *udpSocket) {
+	bp := udpBufPool.Get().(*[]byte)
+	defer udpBufPool.Put(bp)
+	buf := *bp
+	for {
+		n, err := c.conn.Read(buf)
+		if err != nil {
+			if errors.Is(err, net.ErrClosed) || p.readFailed(c, err) {
+				return
+			}
+			continue
+		}
+		p.received(c, buf[:n], n == len(buf), time.Now())
 	}
 }
