@@ -170,12 +170,13 @@ func (g *gcControl) armCycleHook() {
 }
 
 // afterCycle sets percent for the live heap the last collection found
-// (GOGC too, outside a hold). It reports whether to go on.
+// (GOGC too, outside a hold). It reports whether to go on. It runs only
+// when start armed it, which it does not with GOGC from the environment.
 func (g *gcControl) afterCycle() bool {
 	live := liveHeap()
 	g.mu.Lock()
 	defer g.mu.Unlock()
-	if g.stopped || g.fromEnv {
+	if g.stopped {
 		return false
 	}
 	if p := gcPercentFor(live); p != g.percent {

@@ -126,7 +126,8 @@ type loaded struct {
 // between): the objects must use the maps the pins name.
 func (d *Datapath) reloadIfPinsChanged(ctx context.Context) error {
 	if d.loaded != nil {
-		now := reusableMaps(d.pinDir, d.loaded.spec, d.log)
+		// Load logged what it could not reuse; the same pins need not be logged again.
+		now := reusableMaps(d.pinDir, d.loaded.spec, slog.New(slog.DiscardHandler))
 		same := maps.Equal(mapIDs(now), d.loaded.reused)
 		closeMaps(now)
 		if same {
